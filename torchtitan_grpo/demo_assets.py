@@ -1,0 +1,124 @@
+"""A tiny HF-format Qwen3 checkpoint and tokenizer, written locally.
+
+The demo and the tests need a real model directory (config.json, safetensors,
+tokenizer files) but may download nothing. A character-level tokenizer keeps
+the vocabulary small (97 tokens), so a randomly initialised model starts near
+chance on the built-in task and can learn it by RL alone in minutes on a CPU.
+
+Token ids: 0 ``<|pad|>``, 1 ``<|endoftext|>`` (EOS), then the 95 printable ASCII
+characters 32..126 in order, one token per character.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+
+PAD, EOS = "<|pad|>", "<|endoftext|>"
+CHARS = [chr(c) for c in range(32, 127)]
+
+
+@dataclass
+class TinyQwen3:
+    """Shape of the generated model (kept tiny: CPU RL from scratch)."""
+
+    hidden_size: int = 64
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+    intermediate_size: int = 256
+    vocab_size: int = 128  # >= 97 tokenizer ids; spare rows are never sampled once trained
+    max_position_embeddings: int = 512
+    tie_word_embeddings: bool = False  # FSDP2 on CPU torch 2.13 rejects tied params
+    rope_theta: float = 1_000_000.0
+    seed: int = 0
+
+
+def write_tokenizer(out_dir: str) -> None:
+    """Write tokenizer.json + tokenizer_config.json (loadable by transformers'
+    AutoTokenizer and torchtitan's HuggingFaceTokenizer)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {PAD: 0, EOS: 1}
+    vocab.update({c: i + 2 for i, c in enumerate(CHARS)})
+    # BPE without merges is a plain character vocabulary; splitting into single
+    # characters first keeps spaces as their own tokens.
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([PAD, EOS])
+    os.makedirs(out_dir, exist_ok=True)
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": EOS,
+                "pad_token": PAD,
+                "bos_token": None,
+                "add_bos_token": False,
+                "add_eos_token": False,
+                "model_max_length": 512,
+            },
+            f,
+            indent=2,
+        )
+
+
+def write_tiny_qwen3(out_dir: str, shape: TinyQwen3 | None = None) -> str:
+    """Write a randomly initialised tiny Qwen3ForCausalLM plus tokenizer to
+    ``out_dir`` and return it. Deterministic for a given ``shape.seed``."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    shape = shape or TinyQwen3()
+    fields = asdict(shape)
+    seed = fields.pop("seed")
+    config = Qwen3Config(
+        **fields,
+        bos_token_id=None,
+        eos_token_id=1,
+        pad_token_id=0,
+        rms_norm_eps=1e-6,
+        attention_bias=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    write_tokenizer(out_dir)
+    return out_dir
+
+
+def ensure_tiny_qwen3(out_dir: str, shape: TinyQwen3 | None = None) -> str:
+    """Create the tiny model at ``out_dir`` unless a config.json is already there.
+
+    Several ranks may call this at once: each writes into its own temporary
+    directory and the first rename wins, so nobody reads a half-written model.
+    """
+    if os.path.exists(os.path.join(out_dir, "config.json")):
+        return out_dir
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = f"{os.path.abspath(out_dir)}.tmp-{os.getpid()}"
+    write_tiny_qwen3(tmp, shape)
+    try:
+        os.rename(tmp, out_dir)
+    except OSError:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)  # another rank won the race
+    return out_dir
+
+
+if __name__ == "__main__":
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out_dir")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    print(write_tiny_qwen3(a.out_dir, TinyQwen3(seed=a.seed)))
