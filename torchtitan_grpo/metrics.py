@@ -1,0 +1,47 @@
+"""One console line per step and TensorBoard scalars under the dump folder."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger("torchtitan_grpo")
+
+
+class MetricLogger:
+    def __init__(self, dump_folder: str, tb_folder: str = "tb", enable_tensorboard: bool = True):
+        self.history: list[dict[str, float]] = []
+        self.writer = None
+        if enable_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            path = os.path.join(dump_folder, tb_folder)
+            os.makedirs(path, exist_ok=True)
+            self.writer = SummaryWriter(path)
+
+    def log(self, step: int, m: dict[str, float]) -> None:
+        self.history.append(m)
+        logger.info(format_line(step, m))
+        if self.writer is not None:
+            for k, v in m.items():
+                if isinstance(v, (int, float)):
+                    self.writer.add_scalar(k, v, step)
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def format_line(step: int, m: dict[str, float]) -> str:
+    g = lambda k: m.get(k, float("nan"))  # noqa: E731
+    return (f"step {step:4d} | reward {g('reward/mean'):.3f} ± {g('reward/std'):.3f} | loss {g('loss'):+.4f} "
+            f"| clip {g('clip_fraction'):.3f} | {g('rollout/tokens_per_s'):7.0f} tok/s "
+            f"| gen {g('time/generate_s'):.2f}s train {g('time/train_s'):.2f}s push {m.get('time/push_s', 0.0):.2f}s "
+            f"| version {int(m.get('weight_version', 0))}")
+
+
+def window_mean(history: list[dict[str, float]], key: str, first: bool, n: int = 10) -> float:
+    rows = history[:n] if first else history[-n:]
+    vals = [r[key] for r in rows if key in r]
+    return sum(vals) / len(vals) if vals else float("nan")

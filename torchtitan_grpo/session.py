@@ -1,0 +1,108 @@
+"""Wiring of the inference side for grpo_train.py (rank 0 only): servers,
+pool, rollout manager, weight pusher and metrics, built from the config and
+torn down in reverse order whatever happens."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from torchtitan_grpo.aio import LoopThread
+from torchtitan_grpo.inference.launcher import ServerSpec, running_servers
+from torchtitan_grpo.inference.pool import InferencePool, PoolConfig
+from torchtitan_grpo.inference.types import SamplingParams
+from torchtitan_grpo.metrics import MetricLogger, window_mean
+from torchtitan_grpo.rollout import tasks
+from torchtitan_grpo.rollout.manager import RolloutManager, make_reward_fn
+from torchtitan_grpo.trainer import Dist
+from torchtitan_grpo.weight_sync.pusher import NoPush, SyncPusher, WeightPusher
+
+logger = logging.getLogger("torchtitan_grpo")
+
+
+def prepare_model_dir(cfg, d: Dist) -> str:
+    """The HF checkpoint directory; with grpo.tiny_model_if_missing, rank 0
+    writes the tiny demo model first and the others wait for it."""
+    path = cfg.model.hf_assets_path
+    if cfg.grpo.tiny_model_if_missing and not os.path.isfile(os.path.join(path, "config.json")):
+        if d.is_main:
+            from torchtitan_grpo.demo_assets import TinyQwen3, ensure_tiny_qwen3
+
+            logger.info("writing a tiny random Qwen3 model and tokenizer to %s", path)
+            ensure_tiny_qwen3(path, TinyQwen3(seed=cfg.grpo.seed))
+    if d.world_size > 1:
+        dist.barrier()
+    return path
+
+
+@dataclass
+class RolloutSide:
+    rollouts: RolloutManager
+    pusher: WeightPusher
+    log: MetricLogger
+    pad_id: int
+
+    def summary(self) -> dict:
+        h = self.log.history
+        first, last = window_mean(h, "reward/mean", True), window_mean(h, "reward/mean", False)
+        n = min(10, len(h))
+        logger.info("mean reward: first %d steps %.3f, last %d steps %.3f", n, first, n, last)
+        return {"reward_first10": first, "reward_last10": last, "steps": len(h)}
+
+
+def _prompt_batches(cfg):
+    r = cfg.rollout
+    if r.task == "digits":
+        rows = tasks.digits_task_rows(cfg.grpo.seed)
+        return (([next(rows) for _ in range(cfg.grpo.prompts_per_step)]) for _ in iter(int, 1)), tasks.digits_reward
+    data = tasks.load_prompts(r.dataset_path, r.prompt_key)
+    return iter(tasks.PromptIterator(data, cfg.grpo.prompts_per_step, cfg.grpo.seed)), None
+
+
+@contextlib.contextmanager
+def rollout_side(cfg, hf_dir: str, d: Dist):
+    from transformers import AutoTokenizer
+
+    i, w, r = cfg.inference, cfg.weight_sync, cfg.rollout
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    with contextlib.ExitStack() as stack:
+        if i.urls:
+            urls = list(i.urls)
+        else:
+            specs = [ServerSpec(hf_dir, device=i.server_device, dtype=i.server_dtype, host=i.host,
+                                threads=i.server_threads, seed=cfg.grpo.seed + k) for k in range(i.num_servers)]
+            servers = stack.enter_context(running_servers(specs, os.path.join(cfg.job.dump_folder, "servers"),
+                                                          i.startup_timeout_s))
+            urls = [s.url for s in servers]
+        loop = LoopThread()
+        stack.callback(loop.close)
+        pool = InferencePool(urls, PoolConfig(request_timeout_s=i.request_timeout_s, max_retries=i.max_retries))
+        loop.run(pool.start())
+        stack.callback(lambda: loop.run(pool.close(), timeout=10))
+
+        if w.mode == "off":
+            pusher: WeightPusher = NoPush()
+        else:
+            pusher = SyncPusher(loop, urls, backend=w.transport, master_address=w.master_address,
+                                bucket_bytes=w.bucket_size_mb << 20, init_timeout_s=w.init_timeout_s,
+                                push_timeout_s=w.push_timeout_s, device=d.device)
+            stack.callback(pusher.close)
+            pusher.connect(initial_version=0)
+
+        batches, task_reward = _prompt_batches(cfg)
+        reward_fn = make_reward_fn(r.reward_fn, task_reward)
+        eos = [t for t in ([tok.eos_token_id] if tok.eos_token_id is not None else [])]
+        sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                                  top_k=r.top_k, stop_token_ids=tuple(eos))
+        rollouts = RolloutManager(loop, pool, tok, batches, reward_fn, group_size=cfg.grpo.group_size,
+                                  sampling=sampling, prompt_key=r.prompt_key, scale_rewards=cfg.grpo.scale_rewards,
+                                  filter_constant_groups=cfg.grpo.filter_constant_groups,
+                                  reward_timeout_s=r.reward_timeout_s, seed=cfg.grpo.seed)
+        log = MetricLogger(cfg.job.dump_folder, cfg.metrics.save_tb_folder)
+        stack.callback(log.close)
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+        yield RolloutSide(rollouts, pusher, log, pad_id)
