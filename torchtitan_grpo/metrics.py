@@ -1,7 +1,9 @@
-"""One console line per step and TensorBoard scalars under the dump folder."""
+"""One console line per step, TensorBoard scalars and a metrics.jsonl file
+(one JSON object per step) under the dump folder."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -12,6 +14,8 @@ class MetricLogger:
     def __init__(self, dump_folder: str, tb_folder: str = "tb", enable_tensorboard: bool = True):
         self.history: list[dict[str, float]] = []
         self.writer = None
+        os.makedirs(dump_folder, exist_ok=True)
+        self.jsonl = open(os.path.join(dump_folder, "metrics.jsonl"), "w")
         if enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -22,6 +26,8 @@ class MetricLogger:
     def log(self, step: int, m: dict[str, float]) -> None:
         self.history.append(m)
         logger.info(format_line(step, m))
+        self.jsonl.write(json.dumps({"step": step, **m}) + "\n")
+        self.jsonl.flush()
         if self.writer is not None:
             for k, v in m.items():
                 if isinstance(v, (int, float)):
@@ -29,6 +35,7 @@ class MetricLogger:
             self.writer.flush()
 
     def close(self) -> None:
+        self.jsonl.close()
         if self.writer is not None:
             self.writer.close()
 

@@ -1,0 +1,75 @@
+"""Start-up checks: every bad input fails with a message naming the key or file."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+from torchtitan_grpo.config import ConfigError, parse_config
+
+DEMO = os.path.join(ROOT, "train_configs", "demo_cpu.toml")
+
+
+def _write(tmp_path, text: str) -> str:
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    return str(p)
+
+
+def test_demo_config_parses_with_cli_override():
+    cfg = parse_config(["--job.config_file", DEMO, "--grpo.group_size", "4"])
+    assert cfg.grpo.group_size == 4
+    assert cfg.grpo.prompts_per_step == 16  # from the TOML
+    assert cfg.inference.backend == "builtin"
+
+
+def test_unknown_toml_key_is_named(tmp_path):
+    path = _write(tmp_path, "[grpo]\ngroup_sise = 4\n")
+    with pytest.raises(ConfigError, match=r"grpo\.group_sise"):
+        parse_config(["--job.config_file", path])
+
+
+def test_unknown_toml_section_is_named(tmp_path):
+    path = _write(tmp_path, "[grop]\ngroup_size = 4\n")
+    with pytest.raises(ConfigError, match=r"unknown config key grop"):
+        parse_config(["--job.config_file", path])
+
+
+@pytest.mark.parametrize("arg,value,key", [
+    ("--grpo.group_size", "1", "grpo.group_size"),
+    ("--rollout.temperature", "0", "rollout.temperature"),
+    ("--rollout.top_p", "1.5", "rollout.top_p"),
+    ("--rollout.task", "nope", "rollout.task"),
+    ("--weight_sync.bucket_size_mb", "0", "weight_sync.bucket_size_mb"),
+    ("--inference.num_servers", "0", "inference.num_servers"),
+])
+def test_bad_values_name_the_key(arg, value, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        parse_config(["--job.config_file", DEMO, arg, value])
+
+
+def test_external_backend_needs_urls():
+    with pytest.raises(ConfigError, match=r"inference\.urls"):
+        parse_config(["--job.config_file", DEMO, "--inference.backend", "sglang"])
+
+
+def test_missing_model_dir_is_named(tmp_path):
+    missing = str(tmp_path / "no-such-model")
+    path = _write(tmp_path, f'[model]\nname = "qwen3"\nhf_assets_path = "{missing}"\n')
+    with pytest.raises(ConfigError, match=r"model\.hf_assets_path.*no-such-model"):
+        parse_config(["--job.config_file", path])
+
+
+def test_jsonl_task_needs_existing_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"rollout\.dataset_path"):
+        parse_config(["--job.config_file", DEMO, "--rollout.task", "jsonl",
+                      "--rollout.dataset_path", str(tmp_path / "x.jsonl"), "--rollout.reward_fn", "m:f"])
+
+
+def test_unknown_cli_flag_exits_with_its_name():
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "grpo_train.py"), "--job.config_file", DEMO,
+                        "--grpo.bogus_key", "3"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode != 0
+    assert "--grpo.bogus_key" in r.stdout + r.stderr
