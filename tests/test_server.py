@@ -1,0 +1,672 @@
+"""Built-in inference server over real HTTP, with real gloo weight pushes.
+
+One server subprocess (tiny random Qwen3, CPU, one thread) serves the whole
+module; the test process plays the trainer (rank 0 of the weight group).
+Request bodies are validated against SGLang 0.5.23's OpenAPI schemas (it has
+none for responses, so response shapes are checked against PROTOCOLS.md here,
+with SGLang's own WeightVersionSpan schema for ``weight_versions``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchtitan_grpo.weight_sync.buckets import TensorSpec, dtype_name, pack, plan_buckets
+from torchtitan_grpo.weight_sync.group import init_weight_group
+
+torch.set_num_threads(1)
+jsonschema = pytest.importorskip("jsonschema")
+
+REPO = Path(__file__).resolve().parents[1]
+OPENAPI = Path(os.environ.get("SGLANG_OPENAPI", "/work/shared/protocols/sglang-0.5.23-openapi.json"))
+SPEC = json.loads(OPENAPI.read_text())
+
+# Which request schema each route's body must satisfy.
+REQUEST_SCHEMAS = {
+    "/generate": "GenerateReqInput",
+    "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
+    "/begin_weight_update": "BeginWeightUpdateReqInput",
+    "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
+    "/end_weight_update": "EndWeightUpdateReqInput",
+    "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
+    "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
+    "/update_weight_version": "UpdateWeightVersionReqInput",
+    "/pause_generation": "PauseGenerationReqInput",
+    "/continue_generation": "ContinueGenerationReqInput",
+}
+
+
+def _validator(schema_name: str) -> "jsonschema.protocols.Validator":
+    root = {"$ref": f"#/components/schemas/{schema_name}", "components": SPEC["components"]}
+    return jsonschema.Draft202012Validator(root)
+
+
+_VALIDATORS = {route: _validator(name) for route, name in REQUEST_SCHEMAS.items()}
+_SPAN = _validator("WeightVersionSpan")
+
+_LOGPROB = {"type": "array", "minItems": 3, "maxItems": 3,
+            "prefixItems": [{"type": "number"}, {"type": "integer"}, {"type": ["string", "null"]}]}
+SAMPLE_RESPONSE = {
+    "type": "object",
+    "required": ["text", "output_ids", "meta_info"],
+    "properties": {
+        "text": {"type": "string"},
+        "output_ids": {"type": "array", "items": {"type": "integer"}},
+        "meta_info": {
+            "type": "object",
+            "required": ["id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
+                         "weight_version", "e2e_latency"],
+            "properties": {
+                "id": {"type": "string"},
+                "finish_reason": {"oneOf": [
+                    {"type": "object", "required": ["type", "matched"], "properties": {"type": {"const": "stop"}}},
+                    {"type": "object", "required": ["type", "length"],
+                     "properties": {"type": {"const": "length"}, "length": {"type": "integer"}}},
+                    {"type": "object", "required": ["type", "message"], "properties": {"type": {"const": "abort"}}},
+                ]},
+                "prompt_tokens": {"type": "integer"},
+                "completion_tokens": {"type": "integer"},
+                "cached_tokens": {"type": "integer"},
+                "weight_version": {"type": "string"},
+                "e2e_latency": {"type": "number"},
+                "weight_versions": {"type": "array", "minItems": 2},
+                "output_token_logprobs": {"type": "array", "items": _LOGPROB},
+            },
+        },
+    },
+}
+_SAMPLE = jsonschema.Draft202012Validator(SAMPLE_RESPONSE)
+
+
+def check_sample(s: dict) -> dict:
+    _SAMPLE.validate(s)
+    meta = s["meta_info"]
+    assert meta["completion_tokens"] == len(s["output_ids"])
+    if "output_token_logprobs" in meta:
+        assert [t for _, t, _ in meta["output_token_logprobs"]] == s["output_ids"]
+    for span in meta.get("weight_versions", []):
+        _SPAN.validate(span)
+    return s
+
+
+# --------------------------------------------------------------------------- #
+# HTTP and process helpers
+# --------------------------------------------------------------------------- #
+
+
+def http(url: str, path: str, body: dict | None = None, timeout: float = 60, raw: bytes | None = None,
+         valid: bool = True):
+    """POST ``body`` (GET when None); return (status, parsed JSON or None).
+
+    ``valid=False`` sends a body SGLang's schema rejects (to test our 400s)."""
+    if body is not None and path in _VALIDATORS and raw is None and valid:
+        _VALIDATORS[path].validate(body)  # what we send is a valid SGLang request
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url + path, data=data, method="POST" if data is not None else "GET",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, payload = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, payload = e.code, e.read()
+    return status, (json.loads(payload) if payload else None)
+
+
+def generate(url: str, body: dict, timeout: float = 60):
+    status, out = http(url, "/generate", body, timeout)
+    assert status == 200, out
+    for s in out if isinstance(out, list) else [out]:
+        check_sample(s)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+
+def start_server(model_dir: str, log: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torchtitan_grpo.inference.server", "--model", model_dir, "--port", "0",
+         "--num-threads", "1", *extra],
+        stdout=subprocess.PIPE, stderr=open(log, "wb"), env=_env(), cwd=REPO,
+    )
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        if ready:
+            line = proc.stdout.readline().decode()
+            if line.startswith("ready http://"):
+                return proc, line.split()[1].strip()
+        if proc.poll() is not None:
+            break
+    proc.kill()
+    raise AssertionError(f"server did not start:\n{log.read_text()[-3000:]}")
+
+
+def wait_until(cond, timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def load(url: str) -> dict:
+    return http(url, "/get_load")[1][0]
+
+
+# --------------------------------------------------------------------------- #
+# Fixtures
+# --------------------------------------------------------------------------- #
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir) -> str:
+    return tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("logs") / "server.log"
+    proc, url = start_server(model_dir, log)
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    assert proc.returncode == 0, log.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+        yield ex
+
+
+def recompute_logprobs(model, prompt: list[int], output: list[int], temperature: float) -> list[float]:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0].float()
+    scale = temperature if temperature > 0 else 1.0
+    logp = torch.log_softmax(logits / scale, dim=-1)
+    return [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(output)]
+
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34], [40]]
+# Keep sampling on the 95 one-character tokens (ids 2..96) so text and ids line up.
+NO_SPECIAL = {str(i): -100.0 for i in [0, 1, *range(97, 128)]}
+
+
+# --------------------------------------------------------------------------- #
+# Generation
+# --------------------------------------------------------------------------- #
+
+
+def test_request_schemas_reject_what_sglang_rejects():
+    # The validation used by every request below is not vacuous.
+    with pytest.raises(jsonschema.ValidationError):
+        _VALIDATORS["/update_weights_from_distributed"].validate({"names": ["a"], "dtypes": ["float32"]})
+    with pytest.raises(jsonschema.ValidationError):
+        _VALIDATORS["/pause_generation"].validate({"mode": "sleep"})
+    with pytest.raises(jsonschema.ValidationError):
+        _SPAN.validate({"version": "v1", "start": 0})
+
+
+def test_generate_single_prompt_fields(server):
+    out = generate(server, {"input_ids": PROMPTS[0], "return_logprob": True,
+                            "sampling_params": {"max_new_tokens": 6, **GREEDY}})
+    assert isinstance(out, dict)
+    meta = out["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 6}
+    assert meta["prompt_tokens"] == 7 and meta["completion_tokens"] == 6 and meta["cached_tokens"] == 0
+    assert meta["weight_version"] == "default" and "weight_versions" not in meta
+    assert all(lp <= 0 and text is None for lp, _, text in meta["output_token_logprobs"])
+    # text in, text out (char-level tokenizer: one token per character)
+    out = generate(server, {"text": "hello", "return_logprob": True, "return_text_in_logprobs": True,
+                            "sampling_params": {"max_new_tokens": 3, **GREEDY}})
+    assert out["meta_info"]["prompt_tokens"] == 5
+    assert all(isinstance(text, str) for _, _, text in out["meta_info"]["output_token_logprobs"])
+    # a batch of one is still a batch: list reply
+    assert isinstance(generate(server, {"input_ids": [PROMPTS[1]], "sampling_params": {"max_new_tokens": 1}}), list)
+
+
+def test_batch_and_n_are_prompt_major(server):
+    body = {"input_ids": [PROMPTS[1], PROMPTS[0]], "rid": ["a", "b"],
+            "sampling_params": {"max_new_tokens": 5, "n": 3, "temperature": 1.0, "sampling_seed": 7,
+                                "ignore_eos": True}}
+    out = generate(server, body)
+    assert len(out) == 6
+    assert [o["meta_info"]["prompt_tokens"] for o in out] == [3, 3, 3, 7, 7, 7]
+    assert [o["meta_info"]["id"] for o in out] == ["a_0", "a_1", "a_2", "b_0", "b_1", "b_2"]
+    assert [o["meta_info"]["cached_tokens"] for o in out] == [0, 3, 3, 0, 7, 7]  # one shared prefill
+    assert len({tuple(o["output_ids"]) for o in out[:3]}) > 1  # samples differ...
+    assert [o["output_ids"] for o in generate(server, body)] == [o["output_ids"] for o in out]  # ...reproducibly
+    # per-prompt sampling params
+    out = generate(server, {"input_ids": [PROMPTS[1], PROMPTS[0]],
+                            "sampling_params": [{"max_new_tokens": 2, **GREEDY}, {"max_new_tokens": 4, **GREEDY}]})
+    assert [o["meta_info"]["completion_tokens"] for o in out] == [2, 4]
+
+
+def test_greedy_is_deterministic_and_batching_invisible(server, pool):
+    sp = {"max_new_tokens": 12, **GREEDY}
+    single = [generate(server, {"input_ids": p, "return_logprob": True, "sampling_params": sp}) for p in PROMPTS]
+    batched = generate(server, {"input_ids": PROMPTS, "return_logprob": True, "sampling_params": sp})
+    # concurrent requests that join a batch already decoding (different lengths)
+    long = pool.submit(generate, server, {"input_ids": PROMPTS[0], "return_logprob": True,
+                                          "sampling_params": {"max_new_tokens": 120, **GREEDY}})
+    wait_until(lambda: load(server)["num_output_tokens"] > 3, what="the long request to decode")
+    joined = list(pool.map(lambda p: generate(server, {"input_ids": p, "return_logprob": True,
+                                                       "sampling_params": sp}), PROMPTS[1:]))
+    assert not long.done()  # the short ones joined a batch that was still decoding
+    long = long.result()
+    assert long["output_ids"][:12] == single[0]["output_ids"]
+    for ref, got in zip(single, batched):
+        assert got["output_ids"] == ref["output_ids"]
+    for ref, got in zip(single[1:], joined):
+        assert got["output_ids"] == ref["output_ids"]
+        ref_lp = [x[0] for x in ref["meta_info"]["output_token_logprobs"]]
+        got_lp = [x[0] for x in got["meta_info"]["output_token_logprobs"]]
+        assert max(abs(a - b) for a, b in zip(ref_lp, got_lp)) < 1e-5
+    greedy_n = generate(server, {"input_ids": PROMPTS[2], "sampling_params": {**sp, "n": 2}})
+    assert greedy_n[0]["output_ids"] == greedy_n[1]["output_ids"]
+
+
+def test_logprobs_match_transformers_forward(server, hf_model):
+    for temperature in (0.0, 0.7):
+        out = generate(server, {"input_ids": PROMPTS[:2], "return_logprob": True,
+                                "sampling_params": {"max_new_tokens": 16, "temperature": temperature, "n": 2,
+                                                    "top_p": 0.9, "top_k": 50, "ignore_eos": True}})
+        for o, prompt in zip(out, [PROMPTS[0]] * 2 + [PROMPTS[1]] * 2):
+            got = [x[0] for x in o["meta_info"]["output_token_logprobs"]]
+            ref = recompute_logprobs(hf_model, prompt, o["output_ids"], temperature)
+            assert max(abs(a - b) for a, b in zip(got, ref)) <= 1e-4, temperature
+
+
+def test_stop_conditions(server):
+    base = generate(server, {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 10, **GREEDY}})
+    ids = base["output_ids"]
+    tok = ids[3]
+    out = generate(server, {"input_ids": PROMPTS[0],
+                            "sampling_params": {"max_new_tokens": 10, **GREEDY, "stop_token_ids": [tok]}})
+    assert out["output_ids"] == ids[: ids.index(tok) + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": tok}
+    # EOS (id 1) forced by a logit bias: stops unless ignore_eos; min_new_tokens holds it off
+    eos = {"max_new_tokens": 3, "temperature": 0, "logit_bias": {"1": 100.0}}
+    out = generate(server, {"input_ids": PROMPTS[0], "sampling_params": eos})
+    assert out["output_ids"] == [1] and out["meta_info"]["finish_reason"] == {"type": "stop", "matched": 1}
+    out = generate(server, {"input_ids": PROMPTS[0], "sampling_params": {**eos, "ignore_eos": True}})
+    assert out["output_ids"] == [1, 1, 1] and out["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+    out = generate(server, {"input_ids": PROMPTS[0], "sampling_params": {**eos, "max_new_tokens": 5, "min_new_tokens": 2}})
+    assert len(out["output_ids"]) == 3 and out["output_ids"][-1] == 1 and 1 not in out["output_ids"][:2]
+    # stop strings (tokenizer side): output cut at the match, text trimmed
+    base = generate(server, {"text": "abc", "sampling_params": {"max_new_tokens": 12, **GREEDY,
+                                                                "logit_bias": NO_SPECIAL}})
+    stop = base["text"][4:6]
+    out = generate(server, {"text": "abc", "sampling_params": {"max_new_tokens": 12, **GREEDY, "stop": [stop],
+                                                               "logit_bias": NO_SPECIAL}})
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert base["text"].startswith(out["text"]) and stop not in out["text"]
+    assert base["output_ids"][: len(out["output_ids"])] == out["output_ids"]
+
+
+def test_client_disconnect_aborts_its_generation(server, pool):
+    long = {"input_ids": [40], "sampling_params": {"max_new_tokens": 500, **GREEDY}}
+    host, port = server.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    payload = json.dumps(long).encode()
+    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+    wait_until(lambda: load(server)["num_reqs"] == 1, what="the first request to run")
+    kept = pool.submit(generate, server, long)
+    wait_until(lambda: load(server)["num_reqs"] == 2, what="both requests to run")
+    sock.close()
+    # The abandoned one leaves the batch long before the kept one (same length) is done.
+    wait_until(lambda: load(server)["num_reqs"] == 1, what="the abandoned request to be aborted")
+    assert load(server)["num_output_tokens"] < 450
+    assert kept.result(timeout=60)["meta_info"]["completion_tokens"] == 500
+
+
+def test_truncation_extremes_reduce_to_greedy(server):
+    base = generate(server, {"input_ids": PROMPTS[2], "sampling_params": {"max_new_tokens": 8, **GREEDY}})
+    for extra in ({"top_k": 1}, {"top_p": 1e-9}, {"min_p": 1.0}):
+        out = generate(server, {"input_ids": PROMPTS[2], "return_logprob": True,
+                                "sampling_params": {"max_new_tokens": 8, "temperature": 1.3, "ignore_eos": True, **extra}})
+        assert out["output_ids"] == base["output_ids"], extra
+        # logprobs come from the untruncated distribution (a truncated one would say 0)
+        assert all(lp < -0.01 for lp, _, _ in out["meta_info"]["output_token_logprobs"]), extra
+
+
+def test_bad_requests_are_400_naming_the_field(server):
+    status, body = http(server, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_tokens": 4}})
+    assert status == 400 and body["object"] == "error" and "max_tokens" in body["message"]
+    status, body = http(server, "/generate", {"input_ids": [1, 2], "sampling_params": {"temperature": -1}})
+    assert status == 400 and "temperature" in body["message"]
+    status, body = http(server, "/generate", {"input_ids": [1, 2], "text": "x"})  # schema allows both
+    assert status == 400 and "exactly one" in body["message"]
+    status, body = http(server, "/generate", {"input_ids": [1, 100000]})
+    assert status == 400 and "100000" in body["message"]
+    status, body = http(server, "/generate", {"input_ids": [[1], [2]], "sampling_params": [{}]})
+    assert status == 400 and "sampling_params" in body["message"]
+    status, body = http(server, "/generate", None, raw=b"{not json")
+    assert status == 400 and "JSON" in body["message"]
+    status, body = http(server, "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,
+                                                              "world_size": 2}, raw=b'{"master_port": 1}')
+    assert status == 400 and "master_address" in body["message"]
+
+
+# --------------------------------------------------------------------------- #
+# Weight push over gloo
+# --------------------------------------------------------------------------- #
+
+
+def test_weight_groups_coexist_beside_default_group():
+    """Two groups in one process (the trainer serving two replicas), no default group."""
+    ports = [free_port(), free_port()]
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+        peers = [ex.submit(init_weight_group, "127.0.0.1", p, 1, 2, "gloo", f"g{i}", 30) for i, p in enumerate(ports)]
+        mine = [init_weight_group("127.0.0.1", p, 0, 2, "gloo", f"g{i}", 30) for i, p in enumerate(ports)]
+        peers = [f.result(timeout=30) for f in peers]
+        for step in range(3):
+            for i in (1, 0):  # interleaved across groups
+                value = torch.full((5,), float(10 * i + step))
+                got = ex.submit(peers[i].broadcast, torch.zeros(5))
+                mine[i].broadcast(value.clone())
+                assert torch.equal(got.result(timeout=30), value)
+    assert not torch.distributed.is_initialized()
+    for g in mine + peers:
+        g.close()
+    with pytest.raises(Exception):  # no rank 0 ever comes: a clear failure, not a hang
+        init_weight_group("127.0.0.1", free_port(), 1, 2, timeout_s=1.5)
+
+
+def _push(pool, url, group, body: dict, tensors: list[torch.Tensor], probe: bool = False):
+    """The trainer side: the HTTP call in flight while rank 0 broadcasts."""
+    reply = pool.submit(http, url, "/update_weights_from_distributed", body)
+    if probe:
+        # The server now waits in its receive, off the event loop: HTTP still answers.
+        time.sleep(0.3)
+        assert http(url, "/health", timeout=5)[0] == 200
+        assert http(url, "/model_info", timeout=5)[0] == 200
+        assert not reply.done()
+    for t in tensors:
+        group.broadcast(t.contiguous(), src=0)
+    return reply.result(timeout=60)
+
+
+def _weights(url: str, name: str) -> torch.Tensor:
+    status, values = http(url, f"/get_weights_by_name?name={name}&truncate_size=100000")
+    assert status == 200, values
+    return torch.tensor(values)
+
+
+def test_gloo_weight_push(server, model_dir, pool, hf_model):
+    from safetensors.torch import load_file
+
+    original = load_file(os.path.join(model_dir, "model.safetensors"))
+    port = free_port()
+    init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "group_name": "wg", "backend": "gloo"}
+    reply = pool.submit(http, server, "/init_weights_update_group", init)
+    group = init_weight_group("127.0.0.1", port, 0, 2, backend="gloo", group_name="wg", timeout_s=60)
+    status, body = reply.result(timeout=60)
+    assert status == 200 and body["success"], body
+    status, body = http(server, "/init_weights_update_group", init)
+    assert status == 400 and "already exists" in body["message"]
+
+    g = torch.Generator().manual_seed(1)
+    names = ["model.norm.weight", "model.layers.0.mlp.up_proj.weight"]
+    new = {n: torch.randn(original[n].shape, generator=g) for n in names}
+    upd = {"names": names, "dtypes": ["float32"] * 2, "shapes": [list(new[n].shape) for n in names],
+           "group_name": "wg", "weight_version": "v1"}
+
+    # Without a session: refused at once and nothing is received (the exchange
+    # below would desynchronise if a receive had been posted).
+    t0 = time.monotonic()
+    status, body = http(server, "/update_weights_from_distributed", upd, timeout=10)
+    assert status == 400 and not body["success"] and "begin_weight_update" in body["message"]
+    assert time.monotonic() - t0 < 5
+    assert http(server, "/end_weight_update", {})[0] == 400
+    assert http(server, "/begin_weight_update", {})[1]["success"]
+    status, body = http(server, "/begin_weight_update", {})
+    assert status == 400 and "already open" in body["message"]
+
+    # per tensor: one broadcast per name, in order
+    status, body = _push(pool, server, group, upd, [new[n] for n in names], probe=True)
+    assert status == 200 and body["success"], body
+    for n in names:
+        assert torch.equal(_weights(server, n), new[n])
+    assert http(server, "/model_info")[1]["weight_version"] == "v1"
+    out = generate(server, {"input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": 2}})
+    assert out["meta_info"]["weight_version"] == "v1"
+    truncated = http(server, "/get_weights_by_name?name=model.layers.0.mlp.up_proj.weight&truncate_size=3")[1]
+    assert torch.equal(torch.tensor(truncated), new[names[1]][:3])
+
+    # flattened bucket: mixed dtypes in one uint8 broadcast (server casts to its fp32)
+    bucket_tensors = {
+        "model.layers.1.self_attn.q_norm.weight": torch.randn(16, generator=g).to(torch.bfloat16),
+        "lm_head.weight": torch.randn(128, 64, generator=g).to(torch.bfloat16),
+        "model.layers.1.mlp.down_proj.weight": torch.randn(64, 256, generator=g),
+    }
+    (bucket,) = plan_buckets([TensorSpec.of(n, t) for n, t in bucket_tensors.items()], 1 << 30)
+    assert bucket[0].dtype == torch.float32  # itemsize order keeps offsets aligned
+    flat = {"names": [s.name for s in bucket], "dtypes": [dtype_name(s.dtype) for s in bucket],
+            "shapes": [list(s.shape) for s in bucket], "group_name": "wg", "weight_version": "v2",
+            "load_format": "flattened_bucket", "flush_cache": True}
+    status, body = _push(pool, server, group, flat, [pack([bucket_tensors[s.name] for s in bucket])])
+    assert status == 200 and body["success"], body
+    for n, t in bucket_tensors.items():
+        assert torch.equal(_weights(server, n), t.float())
+
+    # the pushed weights are the ones generating: compare with a local copy
+    local = {k: v.clone() for k, v in hf_model.state_dict().items()}
+    local.update(new)
+    local.update({n: t.float() for n, t in bucket_tensors.items()})
+    hf_model.load_state_dict(local)
+    try:
+        out = generate(server, {"input_ids": PROMPTS[0], "return_logprob": True,
+                                "sampling_params": {"max_new_tokens": 8, **GREEDY}})
+        ref = recompute_logprobs(hf_model, PROMPTS[0], out["output_ids"], 0.0)
+        assert max(abs(a[0] - b) for a, b in zip(out["meta_info"]["output_token_logprobs"], ref)) <= 1e-4
+        assert out["meta_info"]["weight_version"] == "v2"
+    finally:
+        hf_model.load_state_dict(original, strict=False)
+
+    # refused after receiving: unknown name / wrong shape; nothing applied, group still in step
+    bad = [("model.norm.weight", torch.zeros(64)), ("model.no_such.weight", torch.zeros(3))]
+    body_bad = {"names": [n for n, _ in bad], "dtypes": ["float32"] * 2, "shapes": [[64], [3]],
+                "group_name": "wg", "weight_version": "bad"}
+    status, body = _push(pool, server, group, body_bad, [t for _, t in bad])
+    assert status == 400 and not body["success"] and "model.no_such.weight" in body["message"]
+    status, body = _push(pool, server, group, {**body_bad, "names": ["model.norm.weight"], "dtypes": ["float32"],
+                                               "shapes": [[32]]}, [torch.zeros(32)])
+    assert status == 400 and "model.norm.weight" in body["message"] and "shape" in body["message"]
+    status, body = http(server, "/update_weights_from_distributed", {**upd, "dtypes": ["torch.float32"] * 2})
+    assert status == 400 and "dtypes[0]" in body["message"]  # refused before any receive
+    assert torch.equal(_weights(server, "model.norm.weight"), new["model.norm.weight"])
+    assert http(server, "/model_info")[1]["weight_version"] == "v2"
+
+    assert http(server, "/end_weight_update", {})[1]["success"]
+    assert http(server, "/destroy_weights_update_group", {"group_name": "wg"})[1]["success"]
+    assert http(server, "/destroy_weights_update_group", {"group_name": "wg"})[0] == 400
+    group.close()
+
+    # disk path (same session rules) puts the checkpoint back for later tests
+    assert http(server, "/update_weights_from_disk", {"model_path": model_dir})[0] == 400  # no session
+    http(server, "/begin_weight_update", {})
+    status, body = http(server, "/update_weights_from_disk", {"model_path": model_dir, "weight_version": "disk"})
+    assert status == 200 and body["success"] and body["num_paused_requests"] == 0, body
+    http(server, "/end_weight_update", {})
+    for n in ["model.norm.weight", "lm_head.weight"]:
+        assert torch.equal(_weights(server, n), original[n])
+    assert http(server, "/model_info")[1]["weight_version"] == "disk"
+
+
+# --------------------------------------------------------------------------- #
+# Pause / continue and versions
+# --------------------------------------------------------------------------- #
+
+
+def test_unpaused_update_waits_for_running_requests(server, model_dir, pool):
+    before = http(server, "/model_info")[1]["weight_version"]
+    running = pool.submit(generate, server, {"input_ids": PROMPTS[3], "sampling_params": {"max_new_tokens": 200, **GREEDY}})
+    wait_until(lambda: load(server)["num_output_tokens"] > 3, what="decoding")
+    http(server, "/begin_weight_update", {})
+    status, body = http(server, "/update_weights_from_disk", {"model_path": model_dir, "weight_version": "after"})
+    assert status == 200 and body["success"]
+    # Applied only once the request had finished: every token is from the old version.
+    out = running.result(timeout=60)
+    assert out["meta_info"]["weight_version"] == before and "weight_versions" not in out["meta_info"]
+    assert out["meta_info"]["completion_tokens"] == 200
+    http(server, "/end_weight_update", {})
+
+
+def test_pause_modes(server, pool):
+    long = {"input_ids": PROMPTS[3], "sampling_params": {"max_new_tokens": 300, **GREEDY}}
+    baseline = generate(server, long)["output_ids"]
+    for mode in ("in_place", "retract"):
+        version = http(server, "/model_info")[1]["weight_version"]
+        running = pool.submit(generate, server, long)
+        wait_until(lambda: load(server)["num_output_tokens"] > 3, what="decoding")
+        status, body = http(server, "/pause_generation", {"mode": mode})
+        assert status == 200 and body["success"], body
+        frozen = load(server)["num_output_tokens"]
+        waiting = pool.submit(generate, server, {"input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": 2}})
+        time.sleep(0.4)
+        assert not running.done() and not waiting.done()  # paused, and new work waits (not rejected)
+        assert load(server)["num_output_tokens"] == frozen
+        assert http(server, "/health")[0] == 200 and http(server, "/health_generate")[0] == 200
+        new_version = f"{version}-{mode}"
+        assert http(server, "/update_weight_version", {"new_version": new_version, "abort_all_requests": False})[1]["success"]
+        assert http(server, "/continue_generation", {})[1]["success"]
+        out, late = running.result(timeout=60), waiting.result(timeout=60)
+        assert out["output_ids"] == baseline  # same weights: resuming changes nothing
+        spans = out["meta_info"]["weight_versions"]
+        assert [s["version"] for s in spans] == [version, new_version]
+        assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] == frozen and spans[1]["end"] == 300
+        assert out["meta_info"]["weight_version"] == new_version
+        assert late["meta_info"]["weight_version"] == new_version and "weight_versions" not in late["meta_info"]
+
+    running = pool.submit(generate, server, long)
+    wait_until(lambda: load(server)["num_output_tokens"] > 3, what="decoding")
+    assert http(server, "/pause_generation", {})[1]["success"]  # default mode: abort
+    out = running.result(timeout=30)
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < len(out["output_ids"]) < 300 and out["output_ids"] == baseline[: len(out["output_ids"])]
+    assert http(server, "/continue_generation", {})[1]["success"]
+    assert http(server, "/pause_generation", {"mode": "nap"}, valid=False)[0] == 400
+    assert http(server, "/flush_cache", {})[1]["success"]
+
+
+# --------------------------------------------------------------------------- #
+# Start-up failures
+# --------------------------------------------------------------------------- #
+
+
+def test_bad_model_dir_exits_nonzero(tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    cases = [(tmp_path / "missing", "does not exist"), (broken, "cannot load model")]
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "torchtitan_grpo.inference.server", "--model", str(d),
+                          "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(), cwd=REPO)
+        for d, _ in cases
+    ]
+    for p, (d, expected) in zip(procs, cases):
+        out, err = p.communicate(timeout=60)
+        assert p.returncode != 0
+        assert expected in err.decode() and str(d) in err.decode()
+        assert b"ready" not in out
+
+
+# --------------------------------------------------------------------------- #
+# NCCL (GPU machines only)
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.device_count() >= 2 and torch.distributed.is_nccl_available()),
+    reason="needs 2 CUDA GPUs and NCCL",
+)
+def test_nccl_weight_push_two_gpus(model_dir, tmp_path, pool):
+    """Trainer rank 0 on cuda:0, a bf16 server on cuda:1, SGLang's push sequence."""
+    proc, url = start_server(model_dir, tmp_path / "gpu-server.log", "--device", "cuda:1", "--dtype", "bfloat16")
+    try:
+        out = generate(url, {"input_ids": PROMPTS, "return_logprob": True, "sampling_params": {"max_new_tokens": 8, **GREEDY}})
+        assert http(url, "/model_info")[1]["device"] == "cuda:1"
+        port = free_port()
+        reply = pool.submit(http, url, "/init_weights_update_group",
+                            {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
+                             "world_size": 2, "group_name": "nccl-wg", "backend": "nccl"})
+        group = init_weight_group("127.0.0.1", port, 0, 2, backend="nccl", group_name="nccl-wg",
+                                  timeout_s=120, device="cuda:0")
+        status, body = reply.result(timeout=120)
+        assert status == 200 and body["success"], body
+        assert http(url, "/pause_generation", {"mode": "retract"})[1]["success"]
+        assert http(url, "/begin_weight_update", {})[1]["success"]
+        g = torch.Generator().manual_seed(3)
+        names = ["model.norm.weight", "model.layers.0.self_attn.q_proj.weight"]
+        shapes = [[64], [64, 64]]
+        new = {n: torch.randn(sh, generator=g).to(torch.bfloat16) for n, sh in zip(names, shapes)}
+        status, body = _push(pool, url, group, {"names": names, "dtypes": ["bfloat16"] * 2, "shapes": shapes,
+                                                "group_name": "nccl-wg", "flush_cache": False},
+                             [new[n].cuda(0) for n in names], probe=True)
+        assert status == 200 and body["success"], body
+        bucket_tensors = {"lm_head.weight": torch.randn(128, 64, generator=g).to(torch.bfloat16),
+                          "model.layers.1.self_attn.k_norm.weight": torch.randn(16, generator=g)}
+        (bucket,) = plan_buckets([TensorSpec.of(n, t) for n, t in bucket_tensors.items()], 1 << 20)
+        flat = pack([bucket_tensors[sp.name].cuda(0) for sp in bucket])
+        stream = torch.cuda.Stream(device=0)
+        reply = pool.submit(http, url, "/update_weights_from_distributed",
+                            {"names": [sp.name for sp in bucket], "dtypes": [dtype_name(sp.dtype) for sp in bucket],
+                             "shapes": [list(sp.shape) for sp in bucket], "group_name": "nccl-wg",
+                             "load_format": "flattened_bucket", "weight_version": "gpu-v1"})
+        group.broadcast(flat, src=0, stream=stream)
+        status, body = reply.result(timeout=120)
+        assert status == 200 and body["success"], body
+        assert http(url, "/end_weight_update", {})[1]["success"]
+        assert http(url, "/continue_generation", {})[1]["success"]
+        for n, t in {**new, **bucket_tensors}.items():
+            assert torch.equal(_weights(url, n), t.to(torch.bfloat16).float()), n
+        after = generate(url, {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 4, **GREEDY}})
+        assert after["meta_info"]["weight_version"] == "gpu-v1"
+        assert len(out) == len(PROMPTS)
+        assert http(url, "/destroy_weights_update_group", {"group_name": "nccl-wg"})[1]["success"]
+        group.close()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, (tmp_path / "gpu-server.log").read_text()[-3000:]

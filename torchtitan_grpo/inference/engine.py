@@ -1,0 +1,1016 @@
+"""Generation and weight loading for the built-in inference server.
+
+Protocol-free on purpose: the SGLang routes (``server.py``) and, later, the
+vLLM routes translate their JSON into :class:`SamplingParams` and
+:meth:`Engine.submit` calls, and their weight-update bodies into
+:func:`receive_weights` + :meth:`Engine.load_weights`.
+
+Execution model. One worker thread owns the model and the batch: every
+forward pass runs there, never on the HTTP event loop. The batch is
+continuous: sequences join at step boundaries (their prompts are prefilled
+together, left-padded, and their KV caches are left-padded into the running
+batch) and leave as soon as they finish. Samples of one request share one
+prefill. Everyone else talks to the worker through a condition variable:
+``submit`` queues sequences, ``pause``/``abort_all`` run small actions on the
+worker between steps, and :meth:`Engine.exclusive` waits until no forward
+pass can run (batch empty, or generation paused) so weights can be swapped.
+
+Logprobs. The logprob reported for a sampled token is
+``log_softmax(logits / temperature)`` of the model's own logits (plain
+``log_softmax(logits)`` when greedy), taken before penalties, logit bias and
+top-k / top-p / min-p truncation. That is the quantity a trainer recomputes
+from its own forward pass, so importance ratios compare like with like; it is
+also what SGLang reports (temperature-scaled, untruncated).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import glob
+import logging
+import math
+import os
+import threading
+import time
+import uuid
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from torchtitan_grpo.weight_sync.buckets import TensorSpec, packed_nbytes, unpack
+
+logger = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+DEFAULT_WEIGHT_VERSION = "default"
+_GREEDY_EPS = 1e-6  # temperatures below this mean argmax, as in SGLang
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as asked (maps to HTTP 400)."""
+
+
+class WeightUpdateError(RuntimeError):
+    """A weight update that was refused; the model was left unchanged."""
+
+
+class ModelLoadError(RuntimeError):
+    """The model directory is missing or cannot be loaded."""
+
+
+# --------------------------------------------------------------------------- #
+# Request / result types
+# --------------------------------------------------------------------------- #
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one prompt (engine-neutral names; routes map theirs)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    """0 (or below 1e-6) means greedy."""
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 (or 0) keeps the whole vocabulary."""
+    min_p: float = 0.0
+    min_new_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    """Stop strings; need a tokenizer."""
+    ignore_eos: bool = False
+    n: int = 1
+    seed: int | None = None
+    """Per-request seed: sample j uses a generator derived from (seed, j), so a
+    seeded request is reproducible whatever else is in the batch."""
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise :class:`RequestError` naming the first bad field."""
+
+        def bad(name: str, why: str) -> None:
+            raise RequestError(f"sampling_params.{name} {why}")
+
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+            bad("max_new_tokens", f"must be an integer >= 0, got {self.max_new_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            bad("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+            bad("top_k", f"must be -1 (all) or an integer >= 1, got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if not isinstance(self.min_new_tokens, int) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            bad("min_new_tokens", f"must be in [0, max_new_tokens], got {self.min_new_tokens!r}")
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", f"must be an integer >= 1, got {self.n!r}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                bad(name, f"must be in [-2, 2], got {getattr(self, name)!r}")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or not 0 <= t < vocab_size:
+                bad("stop_token_ids", f"must hold token ids in [0, {vocab_size}), got {t!r}")
+        for t in (self.logit_bias or {}):
+            if not 0 <= t < vocab_size:
+                bad("logit_bias", f"keys must be token ids in [0, {vocab_size}), got {t!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("sampling_seed", f"must be an integer, got {self.seed!r}")
+
+
+@dataclass
+class FinishReason:
+    """Why a sample ended."""
+
+    kind: str
+    """"stop" (EOS, stop token or stop string), "length" or "abort"."""
+    matched: int | str | None = None
+    length: int | None = None
+    message: str | None = None
+
+
+@dataclass
+class VersionSpan:
+    """Output tokens ``[start, end)`` were generated under weight ``version``."""
+
+    version: str
+    start: int
+    end: int
+
+
+@dataclass
+class SampleResult:
+    """One finished sample."""
+
+    rid: str
+    sample_index: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    top_logprobs: list[list[tuple[float, int]]] | None
+    finish_reason: FinishReason
+    weight_version: str
+    """Version that produced the last token (the current one if none)."""
+    weight_versions: list[VersionSpan] | None
+    """Set only when the version changed while the sample had output."""
+    cached_tokens: int
+    e2e_latency: float
+    text: str | None = None
+
+
+# --------------------------------------------------------------------------- #
+# Internal per-sequence state
+# --------------------------------------------------------------------------- #
+
+
+@dataclass
+class _Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    top_logprobs_num: int
+    future: concurrent.futures.Future
+    created: float = field(default_factory=time.monotonic)
+    seqs: list["_Sequence"] = field(default_factory=list)
+    remaining: int = 0
+
+
+@dataclass(eq=False)
+class _Sequence:
+    req: _Request
+    index: int
+    generator: torch.Generator | None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[float, int]]] | None = None
+    finish: FinishReason | None = None
+    end_version: str | None = None  # version when the sample finished
+    stop_text: str | None = None
+    cached_tokens: int = 0
+    # (old_version, number of output tokens it produced), one per change.
+    version_events: list[tuple[str, int]] = field(default_factory=list)
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.req.params
+
+    def context(self) -> list[int]:
+        return self.req.prompt_ids + self.output_ids
+
+
+def _sample_generator(seed: int | None, index: int, device: torch.device) -> torch.Generator | None:
+    if seed is None:
+        return None
+    # Sample 0 uses the seed itself, so n=1 reproduces a standalone request.
+    derived = seed if index == 0 else hash((seed, index)) & 0x7FFF_FFFF_FFFF_FFFF
+    g = torch.Generator(device=device)
+    g.manual_seed(derived)
+    return g
+
+
+# --------------------------------------------------------------------------- #
+# Engine
+# --------------------------------------------------------------------------- #
+
+
+@dataclass
+class EngineConfig:
+    """Built-in engine settings (the server CLI maps 1:1 onto these)."""
+
+    model_path: str
+    device: str = "cpu"
+    dtype: str = "auto"
+    """"auto" keeps the checkpoint's dtype; or float32 / bfloat16 / float16."""
+    seed: int = 0
+    max_batch_size: int = 64
+    """Most sequences decoded together."""
+
+
+def _resolve_dtype(name: str, hf_config: Any) -> torch.dtype:
+    if name == "auto":
+        d = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(d, str):
+            d = getattr(torch, d, None)
+        return d if isinstance(d, torch.dtype) else torch.float32
+    if name not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {name!r}")
+    return getattr(torch, name)
+
+
+class Engine:
+    """An HF causal LM with continuous batching, pause/resume and hot weight swaps."""
+
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.model, self.tokenizer = self._load(cfg)
+        hf = self.model.config
+        self.vocab_size: int = int(self.model.get_output_embeddings().weight.shape[0])
+        self.max_context: int = int(getattr(hf, "max_position_embeddings", None) or 1 << 30)
+        self.eos_token_ids: tuple[int, ...] = self._eos_ids()
+        self.pad_token_id: int = int(getattr(hf, "pad_token_id", None) or 0)
+        # Weights are addressed by their HF names (state_dict keys, tied aliases included).
+        self._tensors: dict[str, torch.Tensor] = {
+            k: v for k, v in self.model.state_dict(keep_vars=True).items()
+        }
+        self._merge_ok = self._cache_layers_mergeable()
+
+        self._rng = torch.Generator(device=self.device)
+        self._rng.manual_seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+
+        self._weight_version = DEFAULT_WEIGHT_VERSION
+        self._cv = threading.Condition()
+        self._param_lock = threading.Lock()  # copy-in vs read-out of parameters
+        self._pending: deque[_Sequence] = deque()
+        self._actions: list[tuple[Any, concurrent.futures.Future]] = []
+        self._rows: list[_Sequence] = []
+        self._cache: Any = None
+        self._mask: torch.Tensor | None = None  # [B, T] 1 = real token in cache
+        self._next_pos: torch.Tensor | None = None  # [B] position of the next fed token
+        self._last: torch.Tensor | None = None  # [B] sampled token not yet in the cache
+        self._paused: str | None = None
+        self._stepping = False
+        self._updating = False
+        self._updates_waiting = 0
+        self._stopping = False
+        self._worker: threading.Thread | None = None
+        self.worker_error: BaseException | None = None
+
+    # ---- loading --------------------------------------------------------- #
+
+    @staticmethod
+    def _load(cfg: EngineConfig) -> tuple[Any, Any]:
+        path = cfg.model_path
+        if not os.path.isdir(path):
+            raise ModelLoadError(f"model directory {path!r} does not exist")
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ModelLoadError(f"model directory {path!r} has no config.json")
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        try:
+            hf_config = AutoConfig.from_pretrained(path)
+            dtype = _resolve_dtype(cfg.dtype, hf_config)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        except Exception as e:
+            raise ModelLoadError(f"cannot load model from {path!r}: {type(e).__name__}: {e}") from e
+        model.to(cfg.device).eval().requires_grad_(False)
+        tokenizer = None
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except Exception as e:  # token-id-only serving is fine for RL
+            logger.warning("no usable tokenizer in %s (%s): text input/output disabled", path, e)
+        return model, tokenizer
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        """EOS ids from config.json, generation_config.json (chat models often
+        list extra end tokens only there) and, failing both, the tokenizer."""
+        found: list[int] = []
+
+        def add(v: Any) -> None:
+            for x in v if isinstance(v, (list, tuple)) else [v]:
+                if x is not None and int(x) not in found:
+                    found.append(int(x))
+
+        add(getattr(self.model.config, "eos_token_id", None))
+        gen = getattr(self.model, "generation_config", None)
+        if gen is not None:
+            add(getattr(gen, "eos_token_id", None))
+        if not found and self.tokenizer is not None:
+            add(self.tokenizer.eos_token_id)
+        return tuple(found)
+
+    def _new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    def _cache_layers_mergeable(self) -> bool:
+        """Joining a running batch edits the KV tensors of plain full-attention
+        layers; anything else (sliding windows, linear attention) only admits
+        new sequences into an empty batch."""
+        from transformers.cache_utils import DynamicLayer
+
+        cache = self._new_cache()
+        layers = getattr(cache, "layers", None)
+        return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+    # ---- lifecycle ------------------------------------------------------- #
+
+    def start(self) -> None:
+        self._worker = threading.Thread(target=self._loop, name="engine-worker", daemon=True)
+        self._worker.start()
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._worker is not None:
+            self._worker.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return self._worker is not None and self._worker.is_alive() and self.worker_error is None
+
+    # ---- public generation API ------------------------------------------ #
+
+    def submit(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        rid: str | None = None,
+        top_logprobs_num: int = 0,
+    ) -> concurrent.futures.Future:
+        """Queue one prompt; the future resolves to ``params.n`` :class:`SampleResult`s.
+
+        While generation is paused the request waits in the queue.
+        """
+        self.check_request(prompt_ids, params)
+        prompt = [int(t) for t in prompt_ids]
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        req = _Request(rid or uuid.uuid4().hex, prompt, params, int(top_logprobs_num), fut)
+        req.seqs = [
+            _Sequence(req, j, _sample_generator(params.seed, j, self.device)) for j in range(params.n)
+        ]
+        req.remaining = params.n
+        with self._cv:
+            if self._stopping:
+                raise RequestError("the engine is shutting down")
+            for s in req.seqs:
+                if params.max_new_tokens == 0:
+                    self._finish(s, FinishReason("length", length=0))
+                else:
+                    self._pending.append(s)
+            self._cv.notify_all()
+        return fut
+
+    def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise :class:`RequestError` if :meth:`submit` would refuse this request
+        (lets a route validate a whole batch before queueing any of it)."""
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        bad = next((t for t in prompt_ids if not 0 <= int(t) < self.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt_ids) >= self.max_context:
+            raise RequestError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.max_context}")
+        params.validate(self.vocab_size)
+        if params.stop and self.tokenizer is None:
+            raise RequestError("sampling_params.stop needs a tokenizer, and this model directory has none")
+
+    def pause(self, mode: str = "abort") -> int:
+        """Stop generating between two steps; return how many requests are kept
+        waiting. ``abort`` ends live requests (finish reason abort); ``retract``
+        drops their KV cache and recomputes it on resume (with the weights of
+        that time); ``in_place`` keeps the cache as it is. Requests submitted
+        while paused wait."""
+        if mode not in PAUSE_MODES:
+            raise RequestError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        return self._run_on_worker(lambda: self._apply_pause(mode))
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = None
+            self._cv.notify_all()
+
+    @property
+    def paused(self) -> str | None:
+        return self._paused
+
+    def abort_all(self, message: str = "aborted") -> int:
+        """End every live request now (finish reason abort); return how many."""
+        return self._run_on_worker(lambda: self._abort_everything(message))
+
+    def abort(self, rid: str, message: str = "aborted", wait: bool = True) -> int | None:
+        """End the live request ``rid`` (all its samples) with finish reason abort.
+
+        ``wait=False`` only queues the abort (for callers on an event loop).
+        """
+        fn = lambda: self._abort_matching(lambda s: s.req.rid == rid, message)  # noqa: E731
+        return self._run_on_worker(fn) if wait else self._post_to_worker(fn)
+
+    def num_live_requests(self) -> int:
+        with self._cv:
+            return len({id(s.req) for s in list(self._pending) + self._rows})
+
+    def load(self) -> dict[str, int]:
+        """Queue and batch occupancy (what a router balances on)."""
+        with self._cv:
+            return {
+                "num_reqs": len({id(s.req) for s in self._rows}),
+                "num_waiting_reqs": len({id(s.req) for s in self._pending if not s.output_ids}),
+                "num_running_seqs": len(self._rows),
+                "num_tokens": sum(len(s.req.prompt_ids) + len(s.output_ids) for s in self._rows),
+                "num_output_tokens": sum(len(s.output_ids) for s in self._live_sequences()),
+            }
+
+    # ---- public weights API --------------------------------------------- #
+
+    @property
+    def weight_version(self) -> str:
+        return self._weight_version
+
+    def set_weight_version(self, version: str) -> None:
+        """Serve ``version`` from now on; live samples remember where it changed."""
+        with self._cv:
+            self._set_version_locked(version)
+
+    def param_spec(self, name: str) -> TensorSpec | None:
+        t = self._tensors.get(name)
+        return None if t is None else TensorSpec(name, t.dtype, tuple(t.shape))
+
+    def param_names(self) -> list[str]:
+        return list(self._tensors)
+
+    def check_weights(self, specs: Sequence[TensorSpec]) -> None:
+        """Raise :class:`WeightUpdateError` naming the first tensor that does not
+        fit the model (unknown name, shape mismatch, duplicate)."""
+        seen: set[str] = set()
+        for s in specs:
+            target = self._tensors.get(s.name)
+            if target is None:
+                raise WeightUpdateError(f"unknown parameter {s.name!r}: the model has no tensor of that name")
+            if tuple(target.shape) != tuple(s.shape):
+                raise WeightUpdateError(
+                    f"shape mismatch for {s.name!r}: received {list(s.shape)}, model has {list(target.shape)}"
+                )
+            if s.name in seen:
+                raise WeightUpdateError(f"parameter {s.name!r} appears twice in one update")
+            seen.add(s.name)
+
+    def load_weights(
+        self, named: Sequence[tuple[str, torch.Tensor]], weight_version: str | None = None
+    ) -> None:
+        """Copy ``named`` tensors into the model, all or nothing.
+
+        Everything is validated before the first copy. The copy waits for
+        :meth:`exclusive` (no forward pass in flight: batch drained, or paused).
+        """
+        self.check_weights([TensorSpec.of(n, t) for n, t in named])
+        with self.exclusive(), self._param_lock, torch.no_grad():
+            for name, t in named:
+                self._tensors[name].copy_(t)
+            if weight_version is not None:
+                with self._cv:
+                    self._set_version_locked(weight_version)
+
+    def get_weights(self, name: str, truncate_size: int = 100) -> list:
+        """A parameter as nested float lists, its first ``truncate_size`` rows."""
+        t = self._tensors.get(name)
+        if t is None:
+            raise RequestError(f"unknown parameter {name!r}")
+        with self._param_lock:
+            value = t.detach().to("cpu", torch.float32)
+        return value.reshape(1).tolist() if value.dim() == 0 else value[: max(truncate_size, 0)].tolist()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold off generation: no new sequence is admitted, running ones finish
+        (or stay parked if generation is paused), then the body runs while no
+        forward pass can start."""
+        with self._cv:
+            self._updates_waiting += 1
+            self._cv.notify_all()
+            try:
+                self._cv.wait_for(
+                    lambda: not self._stepping
+                    and not self._updating
+                    and (self._paused is not None or not self._rows)
+                    or self._stopping
+                )
+            finally:
+                self._updates_waiting -= 1
+            self._updating = True
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._updating = False
+                self._cv.notify_all()
+
+    # ---- worker-side helpers (called with self._cv held) ----------------- #
+
+    def _post_to_worker(self, fn: Any) -> None:
+        """Queue ``fn`` for the worker without waiting for it."""
+        with self._cv:
+            self._actions.append((fn, concurrent.futures.Future()))
+            self._cv.notify_all()
+
+    def _run_on_worker(self, fn: Any) -> Any:
+        """Run ``fn`` on the worker thread between two steps and return its result."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            if not self.alive:
+                # No worker (not started or dead): nothing runs concurrently.
+                return fn()
+            self._actions.append((fn, fut))
+            self._cv.notify_all()
+        return fut.result()
+
+    def _set_version_locked(self, version: str) -> None:
+        old = self._weight_version
+        if version == old:
+            return
+        for s in self._live_sequences():
+            if s.output_ids:
+                s.version_events.append((old, len(s.output_ids)))
+        self._weight_version = version
+
+    def _live_sequences(self) -> list[_Sequence]:
+        return list(self._pending) + list(self._rows)
+
+    def _apply_pause(self, mode: str) -> int:
+        if mode == "abort":
+            self._abort_everything("generation paused (mode=abort)")
+        elif mode == "retract":
+            # Drop the KV cache; each sequence re-enters the queue (front, in
+            # order) and is re-prefilled from prompt + output on resume.
+            self._pending.extendleft(reversed(self._rows))
+            self._clear_batch()
+        self._paused = mode
+        return len({id(s.req) for s in self._live_sequences()})
+
+    def _abort_everything(self, message: str) -> int:
+        live = self._live_sequences()
+        for s in live:
+            self._finish(s, FinishReason("abort", message=message))
+        self._pending.clear()
+        self._clear_batch()
+        return len({id(s.req) for s in live})
+
+    def _abort_matching(self, match: Any, message: str) -> int:
+        hit = [s for s in self._live_sequences() if match(s)]
+        for s in hit:
+            self._finish(s, FinishReason("abort", message=message))
+        self._pending = deque(s for s in self._pending if s.finish is None)
+        self._prune()
+        return len({id(s.req) for s in hit})
+
+    def _clear_batch(self) -> None:
+        self._rows, self._cache, self._mask, self._next_pos, self._last = [], None, None, None, None
+
+    def _finish(self, s: _Sequence, reason: FinishReason) -> None:
+        if s.finish is not None:
+            return
+        s.finish = reason
+        s.end_version = self._weight_version
+        req = s.req
+        req.remaining -= 1
+        if req.remaining == 0 and not req.future.done():
+            try:
+                req.future.set_result([self._result(x) for x in req.seqs])
+            except Exception as e:  # never let bookkeeping kill the worker
+                req.future.set_exception(e)
+
+    def _result(self, s: _Sequence) -> SampleResult:
+        n_out = len(s.output_ids)
+        end_version = s.end_version or self._weight_version
+        spans = _version_spans(s.version_events, end_version, n_out) if s.version_events else None
+        version = spans[-1].version if spans else end_version
+        return SampleResult(
+            rid=s.req.rid if s.params.n == 1 else f"{s.req.rid}_{s.index}",
+            sample_index=s.index,
+            prompt_ids=s.req.prompt_ids,
+            output_ids=list(s.output_ids),
+            output_logprobs=list(s.logprobs),
+            top_logprobs=s.top,
+            finish_reason=s.finish,
+            weight_version=version,
+            weight_versions=spans if spans and len(spans) > 1 else None,
+            cached_tokens=s.cached_tokens,
+            e2e_latency=time.monotonic() - s.req.created,
+            text=self._text(s),
+        )
+
+    def _text(self, s: _Sequence) -> str | None:
+        if self.tokenizer is None:
+            return None
+        text = self._decode(s.output_ids, s.params.skip_special_tokens)
+        if s.stop_text is not None and not s.params.no_stop_trim:
+            text = text[: text.find(s.stop_text)] if s.stop_text in text else text
+        return text
+
+    def _decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        try:
+            return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special) or ""
+        except Exception:  # ids outside the tokenizer's vocabulary
+            return ""
+
+    def token_text(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self._decode([token_id], skip_special=False)
+
+    # ---- worker loop ----------------------------------------------------- #
+
+    def _ready_to_step(self) -> list[_Sequence] | None:
+        """Sequences to admit now ([] = decode only), or None if idle."""
+        if self._paused is not None or self._updating:
+            return None
+        admit: list[_Sequence] = []
+        if not self._updates_waiting and (self._merge_ok or not self._rows):
+            room = self.cfg.max_batch_size - len(self._rows)
+            while self._pending and len(admit) < room:
+                admit.append(self._pending.popleft())
+        if not admit and not self._rows:
+            return None
+        return admit
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        while True:
+            with self._cv:
+                while True:
+                    while self._actions:
+                        fn, fut = self._actions.pop(0)
+                        try:
+                            fut.set_result(fn())
+                        except BaseException as e:
+                            fut.set_exception(e)
+                        self._cv.notify_all()
+                    if self._stopping:
+                        self._abort_everything("server shutting down")
+                        return
+                    admit = self._ready_to_step()
+                    if admit is not None:
+                        break
+                    self._cv.wait()
+                self._stepping = True
+            try:
+                if admit:
+                    self._prefill(admit)
+                else:
+                    self._decode_step()
+            except Exception as e:
+                logger.exception("generation step failed; failing the affected requests")
+                with self._cv:
+                    for s in set(self._rows) | set(admit):
+                        if s.finish is None:
+                            self._finish(s, FinishReason("abort", message=f"internal error: {e}"))
+                    self._clear_batch()
+            finally:
+                with self._cv:
+                    self._stepping = False
+                    self._cv.notify_all()
+
+    # ---- batch mechanics (worker thread only) ---------------------------- #
+
+    def _prefill(self, seqs: list[_Sequence]) -> None:
+        # Samples of one request that have no output yet share one prefill row.
+        groups: dict[tuple, int] = {}
+        uniq: list[list[int]] = []
+        row_of: list[int] = []
+        for s in seqs:
+            key = (id(s.req),) if not s.output_ids else (id(s.req), s.index)
+            if key not in groups:
+                groups[key] = len(uniq)
+                uniq.append(s.context())
+            else:
+                s.cached_tokens = len(s.req.prompt_ids)
+            row_of.append(groups[key])
+        lens = torch.tensor([len(c) for c in uniq])
+        width = int(lens.max())
+        ids = torch.full((len(uniq), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(uniq), width), dtype=torch.long)
+        for i, c in enumerate(uniq):
+            ids[i, width - len(c) :] = torch.tensor(c)
+            mask[i, width - len(c) :] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = self._new_cache()
+        out = self.model(
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            position_ids=pos.to(self.device),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache = out.past_key_values
+        idx = torch.tensor(row_of)
+        if len(uniq) != len(seqs) or not torch.equal(idx, torch.arange(len(seqs))):
+            cache.batch_select_indices(idx.to(self.device))
+        logits = out.logits[:, -1, :][idx.to(self.device)]
+        mask = mask[idx].to(self.device)
+        next_pos = lens[idx].to(self.device)
+        tokens = self._sample(logits, seqs)
+        self._merge(seqs, cache, mask, next_pos, tokens)
+        self._after_sampling()
+
+    def _decode_step(self) -> None:
+        ones = torch.ones((len(self._rows), 1), dtype=self._mask.dtype, device=self.device)
+        self._mask = torch.cat([self._mask, ones], dim=1)
+        out = self.model(
+            input_ids=self._last[:, None],
+            attention_mask=self._mask,
+            position_ids=self._next_pos[:, None],
+            past_key_values=self._cache,
+            use_cache=True,
+        )
+        self._cache = out.past_key_values
+        self._next_pos = self._next_pos + 1
+        self._last = self._sample(out.logits[:, -1, :], self._rows)
+        self._after_sampling()
+
+    def _merge(self, seqs: list[_Sequence], cache: Any, mask: torch.Tensor, next_pos: torch.Tensor, last: torch.Tensor) -> None:
+        """Append new rows to the running batch, left-padding the shorter KV side."""
+        if not self._rows:
+            self._rows, self._cache, self._mask, self._next_pos, self._last = list(seqs), cache, mask, next_pos, last
+            return
+        t_old, t_new = self._mask.shape[1], mask.shape[1]
+        width = max(t_old, t_new)
+        for old_layer, new_layer in zip(self._cache.layers, cache.layers):
+            old_layer.keys = torch.cat([_left_pad(old_layer.keys, width, -2), _left_pad(new_layer.keys, width, -2)])
+            old_layer.values = torch.cat(
+                [_left_pad(old_layer.values, width, -2), _left_pad(new_layer.values, width, -2)]
+            )
+        self._mask = torch.cat([_left_pad(self._mask, width, -1), _left_pad(mask, width, -1)])
+        self._next_pos = torch.cat([self._next_pos, next_pos])
+        self._last = torch.cat([self._last, last])
+        self._rows.extend(seqs)
+
+    def _after_sampling(self) -> None:
+        self._prune()
+
+    def _prune(self) -> None:
+        """Drop finished sequences from the running batch."""
+        with self._cv:
+            keep = [i for i, s in enumerate(self._rows) if s.finish is None]
+            if len(keep) == len(self._rows):
+                return
+            if not keep:
+                self._clear_batch()
+                return
+            idx = torch.tensor(keep, device=self.device)
+            self._cache.batch_select_indices(idx)
+            self._rows = [self._rows[i] for i in keep]
+            self._mask, self._next_pos, self._last = self._mask[idx], self._next_pos[idx], self._last[idx]
+            # Columns that are padding for every remaining row are dead weight.
+            first = int(self._mask.any(dim=0).nonzero()[0])
+            if first > 0 and self._merge_ok:
+                for layer in self._cache.layers:
+                    layer.keys = layer.keys[..., first:, :]
+                    layer.values = layer.values[..., first:, :]
+                self._mask = self._mask[:, first:]
+
+    # ---- sampling -------------------------------------------------------- #
+
+    def _sample(self, logits: torch.Tensor, seqs: list[_Sequence]) -> torch.Tensor:
+        """Pick one token per row, record it (and its logprob), check stops."""
+        logits = logits.float()
+        n, vocab = logits.shape
+        temps = torch.tensor([s.params.temperature for s in seqs], device=self.device)
+        greedy = temps < _GREEDY_EPS
+        scale = torch.where(greedy, torch.ones_like(temps), temps)
+        logp = torch.log_softmax(logits / scale[:, None], dim=-1)
+
+        proc = self._process_logits(logits, seqs)
+        tokens = torch.empty(n, dtype=torch.long, device=self.device)
+        if bool(greedy.any()):
+            tokens[greedy] = proc[greedy].argmax(dim=-1)
+        sampled = ~greedy
+        if bool(sampled.any()):
+            rows = sampled.nonzero().flatten().tolist()
+            x = proc[sampled] / scale[sampled, None]
+            x = _truncate(
+                x,
+                torch.tensor([_top_k(seqs[i].params.top_k, vocab) for i in rows], device=self.device),
+                torch.tensor([seqs[i].params.top_p for i in rows], device=self.device),
+                torch.tensor([seqs[i].params.min_p for i in rows], device=self.device),
+            )
+            probs = torch.softmax(x, dim=-1)
+            noise = torch.empty_like(probs)
+            unseeded = [k for k, i in enumerate(rows) if seqs[i].generator is None]
+            if unseeded:
+                noise[unseeded] = torch.empty(
+                    (len(unseeded), vocab), device=self.device
+                ).exponential_(generator=self._rng)
+            for k, i in enumerate(rows):
+                if seqs[i].generator is not None:
+                    noise[k].exponential_(generator=seqs[i].generator)
+            # argmax(p / E), E ~ Exp(1), draws from p (the exponential race)
+            tokens[sampled] = (probs / noise).argmax(dim=-1)
+
+        chosen = logp.gather(1, tokens[:, None]).squeeze(1).tolist()
+        tok_list = tokens.tolist()
+        tops = {}
+        want_top = [i for i, s in enumerate(seqs) if s.req.top_logprobs_num > 0]
+        for i in want_top:
+            k = min(seqs[i].req.top_logprobs_num, vocab)
+            v, ix = logp[i].topk(k)
+            tops[i] = list(zip(v.tolist(), ix.tolist()))
+        with self._cv:
+            for i, s in enumerate(seqs):
+                if s.finish is not None:
+                    continue
+                s.output_ids.append(tok_list[i])
+                s.logprobs.append(chosen[i])
+                if i in tops:
+                    s.top = (s.top or []) + [tops[i]]
+                self._check_stop(s)
+        return tokens
+
+    def _process_logits(self, logits: torch.Tensor, seqs: list[_Sequence]) -> torch.Tensor:
+        """Penalties, logit bias and min_new_tokens, applied to a copy."""
+        proc = logits
+        copied = False
+        for i, s in enumerate(seqs):
+            p = s.params
+            edits = (
+                p.repetition_penalty != 1.0
+                or p.frequency_penalty
+                or p.presence_penalty
+                or p.logit_bias
+                or len(s.output_ids) < p.min_new_tokens
+            )
+            if not edits:
+                continue
+            if not copied:
+                proc, copied = logits.clone(), True
+            row = proc[i]
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(s.context())), device=self.device)
+                vals = row[seen]
+                row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            if (p.frequency_penalty or p.presence_penalty) and s.output_ids:
+                counts = torch.bincount(torch.tensor(s.output_ids, device=self.device), minlength=row.numel())[: row.numel()]
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+            if p.logit_bias:
+                for tok, bias in p.logit_bias.items():
+                    row[tok] += bias
+            if len(s.output_ids) < p.min_new_tokens:
+                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+                if banned:
+                    row[torch.tensor(sorted(banned), device=self.device)] = float("-inf")
+        return proc
+
+    def _check_stop(self, s: _Sequence) -> None:
+        p = s.params
+        tok = s.output_ids[-1]
+        n_out = len(s.output_ids)
+        if n_out >= p.min_new_tokens:
+            if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+                self._finish(s, FinishReason("stop", matched=tok))
+                return
+            if p.stop:
+                longest = max(len(x) for x in p.stop)
+                tail = self._decode(s.output_ids[-(longest + 8) :], p.skip_special_tokens)
+                hit = next((x for x in p.stop if x in tail), None)
+                if hit is not None:
+                    s.stop_text = hit
+                    self._finish(s, FinishReason("stop", matched=hit))
+                    return
+        if n_out >= p.max_new_tokens:
+            self._finish(s, FinishReason("length", length=n_out))
+        elif len(s.req.prompt_ids) + n_out >= self.max_context:
+            self._finish(s, FinishReason("length", length=n_out))
+
+
+# --------------------------------------------------------------------------- #
+# Helpers
+# --------------------------------------------------------------------------- #
+
+
+def _top_k(k: int, vocab: int) -> int:
+    return vocab if k is None or k <= 0 else min(k, vocab)
+
+
+def _truncate(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) what top-k, then top-p (renormalised), then min-p exclude."""
+    vocab = x.shape[-1]
+    if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab, device=x.device)
+        sorted_x = sorted_x.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
+        probs = torch.softmax(sorted_x, dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass strictly ahead of each token
+        drop = before > top_p[:, None]
+        drop[:, 0] = False  # the most likely token always survives
+        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+        x = torch.empty_like(x).scatter_(1, order, sorted_x)
+    if bool((min_p > 0).any()):
+        probs = torch.softmax(x, dim=-1)
+        floor = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+        x = x.masked_fill(probs < floor, float("-inf"))
+    return x
+
+
+def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """Zero-pad ``t`` on the left along ``dim`` up to ``width``."""
+    missing = width - t.shape[dim]
+    if missing <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+def _version_spans(events: list[tuple[str, int]], current: str, n_out: int) -> list[VersionSpan]:
+    """Turn (old_version, tokens_so_far) change events into contiguous spans."""
+    spans: list[VersionSpan] = []
+    for version, end in events + [(current, n_out)]:
+        end = min(end, n_out)
+        start = spans[-1].end if spans else 0
+        if end <= start:
+            continue
+        if spans and spans[-1].version == version:
+            spans[-1].end = end
+        else:
+            spans.append(VersionSpan(version, start, end))
+    return spans
+
+
+def receive_weights(group: Any, specs: Sequence[TensorSpec], flattened: bool) -> list[tuple[str, torch.Tensor]]:
+    """Receive one update from rank 0 of ``group`` (a WeightGroup).
+
+    Per-tensor mode posts one broadcast per spec, in order; flattened mode
+    posts a single uint8 broadcast of all bytes and slices it (offsets must be
+    itemsize-aligned). Everything is received before anything is checked, so
+    the collective sequence stays in step with the sender even when the
+    update is then refused.
+    """
+    if flattened:
+        buf = torch.empty(packed_nbytes(specs), dtype=torch.uint8, device=group.device)
+        group.broadcast(buf, src=0)
+        try:
+            return list(zip([s.name for s in specs], unpack(buf, specs)))
+        except ValueError as e:
+            raise WeightUpdateError(str(e)) from e
+    out = []
+    for s in specs:
+        t = torch.empty(s.shape, dtype=s.dtype, device=group.device)
+        group.broadcast(t, src=0)
+        out.append((s.name, t))
+    return out
+
+
+def read_safetensors_dir(path: str) -> list[tuple[str, torch.Tensor]]:
+    """All tensors of the ``*.safetensors`` files in ``path`` (CPU)."""
+    from safetensors import safe_open
+
+    if not os.path.isdir(path):
+        raise WeightUpdateError(f"model_path {path!r} is not a directory")
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise WeightUpdateError(f"no *.safetensors files in {path!r}")
+    out = []
+    for f in files:
+        with safe_open(f, framework="pt", device="cpu") as fh:
+            for k in fh.keys():
+                out.append((k, fh.get_tensor(k)))
+    return out

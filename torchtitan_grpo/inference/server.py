@@ -1,0 +1,777 @@
+"""Built-in inference server: an HF model behind SGLang's HTTP protocol.
+
+    python -m torchtitan_grpo.inference.server --model DIR --port 30000 \
+        [--host 127.0.0.1] [--device cpu|cuda|cuda:N] [--dtype auto|float32|bfloat16|float16] \
+        [--seed 0] [--max-batch-size 64] [--api-key KEY] [--weight-group-timeout 300] \
+        [--num-threads N]
+
+It is the embedded default backend and the stand-in for SGLang in tests, so
+the routes below follow docs PROTOCOLS.md field by field (request names,
+defaults, reply shapes, status codes). Generation and weight loading live in
+:mod:`torchtitan_grpo.inference.engine`; this module only parses and answers
+HTTP. ``--port 0`` picks a free port; the ``ready http://HOST:PORT`` line on
+stdout says which.
+
+Deliberate differences from SGLang, all answered with a 400 naming the field
+rather than silently ignored: ``stream``, prompt logprobs
+(``logprob_start_len`` >= 0) and structured output (``json_schema``, ``regex``,
+``ebnf``, ``structural_tag``, ``stop_regex``) are not supported. The server has
+no cross-request prefix cache, so ``flush_cache`` has nothing to drop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import json
+import logging
+import os
+import signal
+import sys
+import uuid
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+from aiohttp import web
+
+from torchtitan_grpo.inference.engine import (
+    PAUSE_MODES,
+    Engine,
+    EngineConfig,
+    ModelLoadError,
+    RequestError,
+    SampleResult,
+    SamplingParams,
+    WeightUpdateError,
+    read_safetensors_dir,
+    receive_weights,
+)
+
+logger = logging.getLogger("torchtitan_grpo.inference.server")
+
+# Every key SGLang 0.5.23's SamplingParams accepts; anything else is a 400.
+SGLANG_SAMPLING_KEYS = frozenset(
+    {
+        "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p",
+        "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
+        "min_new_tokens", "n", "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos",
+        "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+        "custom_params", "stream_interval", "logit_bias", "sampling_seed",
+    }
+)
+# Valid in SGLang but not implemented here: a non-null value is refused.
+_UNSUPPORTED_SAMPLING_KEYS = ("stop_regex", "json_schema", "regex", "ebnf", "structural_tag", "custom_params")
+_BODY_LIMIT = 512 * 1024 * 1024  # batches of token ids get large
+
+
+class BadRequest(Exception):
+    """Turns into HTTP 400 ``{"object": "error", "message": ...}``."""
+
+
+# --------------------------------------------------------------------------- #
+# Small parsing helpers (each error names the field)
+# --------------------------------------------------------------------------- #
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _get(body: dict, key: str, kind: str, default: Any = None, required: bool = False, where: str = "") -> Any:
+    """Read ``body[key]`` checking its JSON type; None/absent gives ``default``."""
+    name = f"{where}{key}"
+    if key not in body or body[key] is None:
+        if required:
+            raise BadRequest(f"missing required field {name!r}")
+        return default
+    v = body[key]
+    ok = {
+        "int": _is_int,
+        "num": _is_num,
+        "bool": lambda x: isinstance(x, bool),
+        "str": lambda x: isinstance(x, str),
+        "list": lambda x: isinstance(x, list),
+        "dict": lambda x: isinstance(x, dict),
+    }[kind](v)
+    if not ok:
+        expected = {"int": "an integer", "num": "a number", "bool": "a boolean", "str": "a string",
+                    "list": "a list", "dict": "an object"}[kind]
+        raise BadRequest(f"field {name!r} must be {expected}, got {json.dumps(v)[:80]}")
+    return float(v) if kind == "num" else v
+
+
+def sampling_params_from_sglang(d: Any, where: str = "sampling_params.") -> SamplingParams:
+    """Map an SGLang ``sampling_params`` object onto :class:`SamplingParams`."""
+    if not isinstance(d, dict):
+        raise BadRequest(f"{where.rstrip('.')} must be an object")
+    unknown = sorted(set(d) - SGLANG_SAMPLING_KEYS)
+    if unknown:
+        raise BadRequest(f"unknown sampling parameter '{where}{unknown[0]}'")
+    for key in _UNSUPPORTED_SAMPLING_KEYS:
+        if d.get(key) is not None:
+            raise BadRequest(f"sampling parameter '{where}{key}' is not supported by the built-in server")
+    stop = d.get("stop")
+    if stop is None:
+        stop_t: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stop_t = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stop_t = tuple(s for s in stop if s)
+    else:
+        raise BadRequest(f"field '{where}stop' must be a string or a list of strings")
+    stop_ids = _get(d, "stop_token_ids", "list", [], where=where)
+    if not all(_is_int(t) for t in stop_ids):
+        raise BadRequest(f"field '{where}stop_token_ids' must be a list of integers")
+    bias_raw = _get(d, "logit_bias", "dict", None, where=where)
+    bias = None
+    if bias_raw:
+        try:
+            bias = {int(k): float(v) for k, v in bias_raw.items()}
+        except (TypeError, ValueError):
+            raise BadRequest(f"field '{where}logit_bias' must map token ids to numbers") from None
+    top_k = _get(d, "top_k", "int", -1, where=where)
+    return SamplingParams(
+        max_new_tokens=_get(d, "max_new_tokens", "int", 128, where=where),
+        temperature=_get(d, "temperature", "num", 1.0, where=where),
+        top_p=_get(d, "top_p", "num", 1.0, where=where),
+        top_k=-1 if top_k >= 1 << 30 else top_k,
+        min_p=_get(d, "min_p", "num", 0.0, where=where),
+        min_new_tokens=_get(d, "min_new_tokens", "int", 0, where=where),
+        stop_token_ids=tuple(stop_ids),
+        stop=stop_t,
+        ignore_eos=_get(d, "ignore_eos", "bool", False, where=where),
+        n=_get(d, "n", "int", 1, where=where),
+        seed=_get(d, "sampling_seed", "int", None, where=where),
+        repetition_penalty=_get(d, "repetition_penalty", "num", 1.0, where=where),
+        frequency_penalty=_get(d, "frequency_penalty", "num", 0.0, where=where),
+        presence_penalty=_get(d, "presence_penalty", "num", 0.0, where=where),
+        logit_bias=bias,
+        skip_special_tokens=_get(d, "skip_special_tokens", "bool", True, where=where),
+        no_stop_trim=_get(d, "no_stop_trim", "bool", False, where=where),
+    )
+
+
+def _per_prompt(value: Any, n: int, name: str) -> list:
+    """A scalar applies to every prompt; a list must have one entry per prompt."""
+    if isinstance(value, list):
+        if len(value) != n:
+            raise BadRequest(f"field {name!r} has {len(value)} entries for {n} prompt(s)")
+        return value
+    return [value] * n
+
+
+def _finish_json(r: SampleResult) -> dict | None:
+    f = r.finish_reason
+    if f is None:
+        return None
+    if f.kind == "stop":
+        return {"type": "stop", "matched": f.matched}
+    if f.kind == "length":
+        return {"type": "length", "length": f.length}
+    return {"type": "abort", "message": f.message, "status_code": None}
+
+
+# --------------------------------------------------------------------------- #
+# The SGLang route set
+# --------------------------------------------------------------------------- #
+
+
+@dataclass
+class _GenerateCall:
+    """A checked /generate body: one entry per prompt in every list."""
+
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    rids: list[str]
+    want_logprobs: list[bool]
+    top_logprobs: list[int]
+    text_in_logprobs: bool
+    single: bool
+    """Answer with one object rather than a list."""
+
+
+@dataclass
+class ServerConfig:
+    """Command-line settings of the built-in server."""
+
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 30000
+    device: str = "cpu"
+    dtype: str = "auto"
+    seed: int = 0
+    max_batch_size: int = 64
+    api_key: str | None = None
+    """If set, every route except /health* needs ``Authorization: Bearer KEY``."""
+    weight_group_timeout_s: float = 300.0
+    """Rendezvous and per-broadcast timeout of weight-update groups."""
+    num_threads: int | None = None
+
+
+class SGLangRoutes:
+    """SGLang 0.5.23's /generate and weight-update routes over an :class:`Engine`."""
+
+    def __init__(self, engine: Engine, cfg: ServerConfig):
+        self.engine = engine
+        self.cfg = cfg
+        self.groups: dict[str, Any] = {}  # group_name -> WeightGroup
+        self.session_open = False
+        # Receives and copies run here, off the event loop and one at a time.
+        self._transfer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weight-transfer")
+        self._update_lock = asyncio.Lock()
+
+    def register(self, app: web.Application) -> None:
+        r = app.router
+        r.add_post("/generate", self.generate)
+        r.add_put("/generate", self.generate)
+        # State changes run to completion even if their caller hangs up.
+        r.add_post("/init_weights_update_group", _shielded(self.init_weights_update_group))
+        r.add_post("/begin_weight_update", _shielded(self.begin_weight_update))
+        r.add_post("/update_weights_from_distributed", _shielded(self.update_weights_from_distributed))
+        r.add_post("/end_weight_update", _shielded(self.end_weight_update))
+        r.add_post("/destroy_weights_update_group", _shielded(self.destroy_weights_update_group))
+        r.add_post("/update_weights_from_disk", _shielded(self.update_weights_from_disk))
+        r.add_post("/update_weight_version", _shielded(self.update_weight_version))
+        r.add_post("/pause_generation", _shielded(self.pause_generation))
+        r.add_post("/continue_generation", _shielded(self.continue_generation))
+        r.add_get("/get_weights_by_name", self.get_weights_by_name)
+        r.add_post("/get_weights_by_name", self.get_weights_by_name)
+        r.add_get("/model_info", self.model_info)
+        r.add_get("/get_model_info", self.model_info)
+        r.add_get("/health", self.health)
+        r.add_get("/health_generate", self.health_generate)
+        r.add_post("/abort_request", _shielded(self.abort_request))
+        r.add_get("/get_load", self.get_load)
+        r.add_get("/flush_cache", self.flush_cache)
+        r.add_post("/flush_cache", self.flush_cache)
+
+    def close(self) -> None:
+        for g in self.groups.values():
+            try:
+                g.close()
+            except Exception as e:  # shutting down anyway
+                logger.warning("closing weight group %s: %s", g.group_name, e)
+        self.groups.clear()
+        self._transfer.shutdown(wait=False, cancel_futures=True)
+
+    async def _run(self, fn: Callable, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._transfer, fn, *args)
+
+    # ---- generation ------------------------------------------------------ #
+
+    async def generate(self, request: web.Request) -> web.Response:
+        call = self._parse_generate(await _json_body(request))
+        futures = [
+            self.engine.submit(prompt, p, rid=rid, top_logprobs_num=k if lp else 0)
+            for prompt, p, rid, lp, k in zip(call.prompts, call.params, call.rids, call.want_logprobs, call.top_logprobs)
+        ]
+        try:
+            results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        except asyncio.CancelledError:
+            # The client went away: stop spending compute on its samples.
+            for f, rid in zip(futures, call.rids):
+                # (cancelling the wrapper also cancels f, so f.done() is no test)
+                if f.cancelled() or not f.done():
+                    self.engine.abort(rid, "client disconnected", wait=False)
+            raise
+        out = [
+            self._sample_json(r, call.want_logprobs[i], call.text_in_logprobs)
+            for i, samples in enumerate(results)
+            for r in samples
+        ]
+        return web.json_response(out[0] if call.single else out)
+
+    def _parse_generate(self, body: dict) -> "_GenerateCall":
+        """Check a whole /generate body (every prompt) before anything is queued."""
+        prompts = self._prompts(body)
+        n = len(prompts)
+        sp_raw = body.get("sampling_params") or {}
+        if isinstance(sp_raw, list):
+            if len(sp_raw) != n:
+                raise BadRequest(f"field 'sampling_params' has {len(sp_raw)} entries for {n} prompt(s)")
+            params = [sampling_params_from_sglang(p, f"sampling_params[{i}].") for i, p in enumerate(sp_raw)]
+        else:
+            params = [sampling_params_from_sglang(sp_raw)] * n
+        top_n = _per_prompt(body.get("top_logprobs_num") or 0, n, "top_logprobs_num")
+        if not all(_is_int(k) and k >= 0 for k in top_n):
+            raise BadRequest("field 'top_logprobs_num' must be a non-negative integer (or one per prompt)")
+        for start in _per_prompt(body.get("logprob_start_len"), n, "logprob_start_len"):
+            if start is not None and start != -1:
+                raise BadRequest(
+                    "field 'logprob_start_len' >= 0 asks for prompt logprobs, which the built-in server "
+                    "does not compute; use -1 (output tokens only)"
+                )
+        if body.get("stream"):
+            raise BadRequest("field 'stream': streaming is not supported by the built-in server")
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                self.engine.check_request(prompt, p)
+            except RequestError as e:
+                raise BadRequest(f"prompt {i}: {e}" if n > 1 else str(e)) from None
+        return _GenerateCall(
+            prompts=prompts,
+            params=params,
+            # Every prompt gets an id, so a disconnected client's work can be aborted.
+            rids=[r if isinstance(r, str) else uuid.uuid4().hex for r in _per_prompt(body.get("rid"), n, "rid")],
+            want_logprobs=[bool(x) for x in _per_prompt(body.get("return_logprob") or False, n, "return_logprob")],
+            top_logprobs=top_n,
+            text_in_logprobs=bool(body.get("return_text_in_logprobs")),
+            # One object for one prompt and one sample; a prompt-major array otherwise.
+            single=n == 1 and params[0].n == 1 and self._single_prompt_input(body),
+        )
+
+    @staticmethod
+    def _single_prompt_input(body: dict) -> bool:
+        """``"text": "..."`` or ``"input_ids": [1, 2]`` (not a batch of one)."""
+        if body.get("text") is not None:
+            return isinstance(body["text"], str)
+        ids = body.get("input_ids")
+        return isinstance(ids, list) and (not ids or not isinstance(ids[0], list))
+
+    def _prompts(self, body: dict) -> list[list[int]]:
+        text, ids = body.get("text"), body.get("input_ids")
+        if (text is None) == (ids is None):
+            raise BadRequest("exactly one of 'text' and 'input_ids' must be given")
+        if ids is not None:
+            if isinstance(ids, list) and ids and all(_is_int(t) for t in ids):
+                return [ids]
+            if isinstance(ids, list) and ids and all(isinstance(p, list) for p in ids):
+                for i, p in enumerate(ids):
+                    if not p or not all(_is_int(t) for t in p):
+                        raise BadRequest(f"field 'input_ids[{i}]' must be a non-empty list of token ids")
+                return ids
+            raise BadRequest("field 'input_ids' must be a non-empty list of token ids or a list of such lists")
+        if self.engine.tokenizer is None:
+            raise BadRequest("field 'text' needs a tokenizer and this model has none; send 'input_ids'")
+        texts = [text] if isinstance(text, str) else text
+        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+            raise BadRequest("field 'text' must be a string or a non-empty list of strings")
+        return [self.engine.tokenizer.encode(t) for t in texts]
+
+    def _sample_json(self, r: SampleResult, with_logprobs: bool, with_text: bool) -> dict:
+        meta: dict[str, Any] = {
+            "id": r.rid,
+            "finish_reason": _finish_json(r),
+            "prompt_tokens": len(r.prompt_ids),
+            "completion_tokens": len(r.output_ids),
+            "cached_tokens": r.cached_tokens,
+            "weight_version": r.weight_version,
+            "e2e_latency": r.e2e_latency,
+        }
+        if r.weight_versions:
+            meta["weight_versions"] = [
+                {"version": s.version, "start": s.start, "end": s.end} for s in r.weight_versions
+            ]
+        if with_logprobs:
+            tt = self.engine.token_text if with_text else (lambda _t: None)
+            meta["output_token_logprobs"] = [[lp, t, tt(t)] for lp, t in zip(r.output_logprobs, r.output_ids)]
+            if r.top_logprobs is not None:
+                meta["output_top_logprobs"] = [[[lp, t, tt(t)] for lp, t in step] for step in r.top_logprobs]
+        return {"text": r.text if r.text is not None else "", "output_ids": r.output_ids, "meta_info": meta}
+
+    # ---- weight-update session and groups -------------------------------- #
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        address = _get(body, "master_address", "str", required=True)
+        port = _get(body, "master_port", "int", required=True)
+        rank_offset = _get(body, "rank_offset", "int", required=True)
+        world_size = _get(body, "world_size", "int", required=True)
+        group_name = _get(body, "group_name", "str", "weight_update_group")
+        backend = _get(body, "backend", "str", "nccl")
+        if not group_name:
+            return _result(False, "field 'group_name' must not be empty")
+        if group_name in self.groups:
+            return _result(False, f"a weight update group named {group_name!r} already exists")
+        if backend not in ("nccl", "gloo"):
+            return _result(False, f"field 'backend' must be 'nccl' or 'gloo', got {backend!r}")
+        if backend == "nccl" and self.engine.device.type != "cuda":
+            return _result(False, f"field 'backend': nccl needs a CUDA device and this server runs on "
+                                  f"{self.engine.device}; use 'gloo'")
+        if not 0 < rank_offset < world_size:
+            return _result(False, f"field 'rank_offset' must be in [1, world_size={world_size}), got {rank_offset}")
+        from torchtitan_grpo.weight_sync.group import init_weight_group
+
+        try:
+            # Blocks until rank 0 (the trainer) joins; a plain thread keeps the
+            # event loop (and any transfer on another group) going meanwhile.
+            group = await asyncio.to_thread(
+                init_weight_group, address, port, rank_offset, world_size, backend, group_name,
+                self.cfg.weight_group_timeout_s, self.engine.device if backend == "nccl" else None,
+            )
+        except Exception as e:
+            logger.warning("joining weight group %s failed: %s", group_name, e)
+            return _result(False, f"could not join weight update group {group_name!r} at "
+                                  f"{address}:{port}: {type(e).__name__}: {e}")
+        if group_name in self.groups:  # lost a race with a concurrent init of the same name
+            group.close()
+            return _result(False, f"a weight update group named {group_name!r} already exists")
+        self.groups[group_name] = group
+        return _result(True, f"joined weight update group {group_name!r} as rank {rank_offset} of {world_size} ({backend})")
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        group_name = _get(body, "group_name", "str", "weight_update_group")
+        async with self._update_lock:
+            group = self.groups.pop(group_name, None)
+            if group is None:
+                return _result(False, f"no weight update group named {group_name!r}")
+            await asyncio.to_thread(group.close)
+        return _result(True, f"weight update group {group_name!r} destroyed")
+
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        selector = _get(body, "selector", "str", "all")
+        if selector not in ("all", "target", "draft"):
+            return _result(False, f"field 'selector' must be 'all', 'target' or 'draft', got {selector!r}")
+        if self.session_open:
+            return _result(False, "a weight update session is already open; call /end_weight_update first")
+        self.session_open = True
+        return _result(True, "weight update session open")
+
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        await _json_body(request)
+        if not self.session_open:
+            return _result(False, "no weight update session is open (call /begin_weight_update first)")
+        async with self._update_lock:  # let an update in flight finish first
+            self.session_open = False
+        return _result(True, "weight update session closed")
+
+    def _require_session(self) -> None:
+        if not self.session_open:
+            raise _Refused(
+                "no weight update session is open: call /begin_weight_update before updating weights "
+                "(nothing was received)"
+            )
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        names = _get(body, "names", "list", required=True)
+        dtypes = _get(body, "dtypes", "list", required=True)
+        shapes = _get(body, "shapes", "list", required=True)
+        group_name = _get(body, "group_name", "str", "weight_update_group")
+        _get(body, "flush_cache", "bool", True)  # nothing to flush: no prefix cache
+        abort_all = _get(body, "abort_all_requests", "bool", False)
+        version = _get(body, "weight_version", "str", None)
+        load_format = _get(body, "load_format", "str", None)
+        try:
+            # Everything that can be refused is refused before the first receive:
+            # a receive posted for a refused update would desynchronise the group.
+            self._require_session()
+            specs = _tensor_specs(names, dtypes, shapes)
+            if load_format not in (None, "flattened_bucket"):
+                raise _Refused(f"field 'load_format' must be null or 'flattened_bucket', got {load_format!r}")
+            group = self.groups.get(group_name)
+            if group is None:
+                raise _Refused(f"no weight update group named {group_name!r} (call /init_weights_update_group)")
+        except _Refused as e:
+            return _result(False, str(e))
+        async with self._update_lock:
+            if abort_all:
+                await asyncio.to_thread(self.engine.abort_all, "aborted for a weight update")
+            try:
+                named = await self._run(receive_weights, group, specs, load_format == "flattened_bucket")
+            except WeightUpdateError as e:
+                return _result(False, f"received, not loaded: {e}")
+            except Exception as e:
+                logger.warning("weight receive on %s failed: %s", group_name, e)
+                return _result(False, f"receiving weights on group {group_name!r} failed: {type(e).__name__}: {e}")
+            return await self._load(named, version, f"{len(named)} tensor(s)")
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        path = _get(body, "model_path", "str", required=True)
+        load_format = _get(body, "load_format", "str", None)
+        version = _get(body, "weight_version", "str", None)
+        abort_all = _get(body, "abort_all_requests", "bool", False)
+        _get(body, "flush_cache", "bool", True)
+        try:
+            self._require_session()
+            if load_format not in (None, "auto", "safetensors"):
+                raise _Refused(f"field 'load_format' must be null, 'auto' or 'safetensors', got {load_format!r}")
+        except _Refused as e:
+            return _result(False, str(e))
+        async with self._update_lock:
+            if abort_all:
+                await asyncio.to_thread(self.engine.abort_all, "aborted for a weight update")
+            try:
+                named = await self._run(read_safetensors_dir, path)
+            except WeightUpdateError as e:
+                return _result(False, str(e))
+            except Exception as e:
+                return _result(False, f"cannot read weights from {path!r}: {type(e).__name__}: {e}")
+            paused = self.engine.num_live_requests() if self.engine.paused else 0
+            return await self._load(named, version, f"{len(named)} tensor(s) from {path}", num_paused_requests=paused)
+
+    async def _load(self, named: list, version: str | None, what: str, **extra: Any) -> web.Response:
+        try:
+            await self._run(self.engine.load_weights, named, version)
+        except WeightUpdateError as e:
+            return _result(False, f"weights not loaded (model unchanged): {e}", **extra)
+        return _result(True, f"loaded {what}; serving weight version {self.engine.weight_version!r}", **extra)
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        version = _get(body, "new_version", "str", required=True)
+        if _get(body, "abort_all_requests", "bool", True):
+            await asyncio.to_thread(self.engine.abort_all, "aborted by /update_weight_version")
+        self.engine.set_weight_version(version)
+        return _result(True, f"serving weight version {version!r}")
+
+    # ---- pause / resume --------------------------------------------------- #
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        mode = _get(body, "mode", "str", "abort")
+        if mode not in PAUSE_MODES:
+            return _result(False, f"field 'mode' must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        kept = await asyncio.to_thread(self.engine.pause, mode)
+        return _result(True, f"generation paused (mode={mode}); {kept} request(s) waiting")
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        await _json_body(request)
+        self.engine.resume()
+        return _result(True, "generation resumed")
+
+    # ---- inspection -------------------------------------------------------- #
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        body = dict(request.query) if request.method == "GET" else await _json_body(request)
+        name = body.get("name")
+        if not isinstance(name, str) or not name:
+            raise BadRequest("missing required field 'name'")
+        try:
+            size = int(body.get("truncate_size", 100))
+        except (TypeError, ValueError):
+            raise BadRequest("field 'truncate_size' must be an integer") from None
+        try:
+            values = await asyncio.to_thread(self.engine.get_weights, name, size)
+        except RequestError as e:
+            raise BadRequest(str(e)) from None
+        return web.json_response(values)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        hf = self.engine.model.config
+        return web.json_response(
+            {
+                "model_path": self.cfg.model,
+                "tokenizer_path": self.cfg.model if self.engine.tokenizer is not None else None,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": self.engine.weight_version,
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": getattr(hf, "model_type", None),
+                "architectures": getattr(hf, "architectures", None),
+                "device": str(self.engine.device),
+                "dtype": str(next(self.engine.model.parameters()).dtype).removeprefix("torch."),
+                "max_batch_size": self.cfg.max_batch_size,
+            }
+        )
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        rid = _get(body, "rid", "str", None)
+        if _get(body, "abort_all", "bool", False):
+            n = await asyncio.to_thread(self.engine.abort_all, "aborted by /abort_request")
+        elif rid:
+            n = await asyncio.to_thread(self.engine.abort, rid, "aborted by /abort_request")
+        else:
+            raise BadRequest("give 'rid' or 'abort_all': true")
+        return _result(True, f"aborted {n} request(s)")
+
+    async def get_load(self, request: web.Request) -> web.Response:
+        return web.json_response([self.engine.load()])
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.engine.alive else 503)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        if not self.engine.alive:
+            return web.Response(status=503)
+        if self.engine.paused:  # a paused engine is healthy; a probe would only queue
+            return web.Response(status=200)
+        fut = self.engine.submit([0], SamplingParams(max_new_tokens=1, temperature=0.0), rid=f"health-{uuid.uuid4().hex[:8]}")
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(fut), timeout=60)
+        except Exception:
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        live = self.engine.num_live_requests()
+        if live:
+            return _result(False, f"cannot flush the cache while {live} request(s) are running")
+        return _result(True, "cache flushed (the built-in server keeps no prefix cache)")
+
+
+class _Refused(Exception):
+    """A weight-update request refused before anything was received."""
+
+
+def _tensor_specs(names: list, dtypes: list, shapes: list) -> list:
+    from torchtitan_grpo.weight_sync.buckets import TensorSpec, dtype_from_name
+
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise _Refused(f"fields 'names', 'dtypes' and 'shapes' differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})")
+    specs = []
+    for i, (n, d, s) in enumerate(zip(names, dtypes, shapes)):
+        if not isinstance(n, str):
+            raise _Refused(f"field 'names[{i}]' must be a string")
+        try:
+            dtype = dtype_from_name(d)
+        except (TypeError, ValueError) as e:
+            raise _Refused(f"field 'dtypes[{i}]' (tensor {n!r}): {e}") from None
+        if not isinstance(s, list) or not all(_is_int(x) and x >= 0 for x in s):
+            raise _Refused(f"field 'shapes[{i}]' (tensor {n!r}) must be a list of non-negative integers")
+        specs.append(TensorSpec(n, dtype, tuple(s)))
+    return specs
+
+
+def _shielded(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+    """Handlers are cancelled when the client disconnects (so abandoned
+    generations stop); a weight update or pause must not stop half-way."""
+
+    async def run(request: web.Request) -> web.StreamResponse:
+        return await asyncio.shield(handler(request))
+
+    return run
+
+
+def _result(success: bool, message: str, **extra: Any) -> web.Response:
+    return web.json_response({"success": success, "message": message, **extra}, status=200 if success else 400)
+
+
+async def _json_body(request: web.Request) -> dict:
+    raw = await request.read()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise BadRequest(f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
+# --------------------------------------------------------------------------- #
+# App and entry point
+# --------------------------------------------------------------------------- #
+
+
+def _middlewares(cfg: ServerConfig) -> list:
+    @web.middleware
+    async def errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+        try:
+            return await handler(request)
+        except BadRequest as e:
+            return web.json_response({"object": "error", "message": str(e)}, status=400)
+        except RequestError as e:
+            return web.json_response({"object": "error", "message": str(e)}, status=400)
+
+    @web.middleware
+    async def auth(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+        if cfg.api_key and not request.path.startswith("/health"):
+            if request.headers.get("Authorization") != f"Bearer {cfg.api_key}":
+                return web.json_response({"object": "error", "message": "missing or wrong API key"}, status=401)
+        return await handler(request)
+
+    return [auth, errors]
+
+
+def build_app(engine: Engine, cfg: ServerConfig) -> tuple[web.Application, SGLangRoutes]:
+    app = web.Application(client_max_size=_BODY_LIMIT, middlewares=_middlewares(cfg))
+    routes = SGLangRoutes(engine, cfg)
+    routes.register(app)
+    return app, routes
+
+
+def parse_args(argv: list[str] | None = None) -> ServerConfig:
+    p = argparse.ArgumentParser(
+        prog="python -m torchtitan_grpo.inference.server",
+        description="Built-in inference server (SGLang HTTP protocol) for an HF causal LM.",
+    )
+    p.add_argument("--model", required=True, help="HF model directory (config.json + safetensors)")
+    p.add_argument("--port", type=int, required=True, help="TCP port (0 = pick a free one)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
+    p.add_argument("--max-batch-size", type=int, default=64, help="most sequences decoded together")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--weight-group-timeout", type=float, default=300.0,
+                   help="seconds to wait for the trainer to join a weight group / finish a broadcast")
+    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    a = p.parse_args(argv)
+    if a.max_batch_size < 1:
+        p.error("--max-batch-size must be >= 1")
+    if not a.device.startswith(("cpu", "cuda")):
+        p.error(f"--device must be cpu, cuda or cuda:N, got {a.device!r}")
+    return ServerConfig(
+        model=a.model, host=a.host, port=a.port, device=a.device, dtype=a.dtype, seed=a.seed,
+        max_batch_size=a.max_batch_size, api_key=a.api_key,
+        weight_group_timeout_s=a.weight_group_timeout, num_threads=a.num_threads,
+    )
+
+
+async def serve(engine: Engine, cfg: ServerConfig) -> None:
+    """Serve until SIGINT/SIGTERM."""
+    app, routes = build_app(engine, cfg)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.port)
+    await site.start()
+    port = runner.addresses[0][1] if runner.addresses else cfg.port
+    logger.info("ready: model %s on http://%s:%d (device %s)", cfg.model, cfg.host, port, engine.device)
+    print(f"ready http://{cfg.host}:{port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logger.info("shutting down")
+    engine.shutdown()
+    routes.close()
+    await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    logging.basicConfig(
+        stream=sys.stderr, level=os.environ.get("LOGLEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    import torch
+
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    try:
+        engine = Engine(EngineConfig(cfg.model, cfg.device, cfg.dtype, cfg.seed, cfg.max_batch_size))
+    except ModelLoadError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    engine.start()
+    code = 0
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(serve(engine, cfg))
+    except OSError as e:  # port in use, bad host
+        print(f"error: cannot listen on {cfg.host}:{cfg.port}: {e}", file=sys.stderr, flush=True)
+        engine.shutdown()
+        code = 3
+    # A thread may still sit in a collective (a trainer that vanished mid-push)
+    # or in a rendezvous; waiting for it would hang shutdown until its timeout.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
