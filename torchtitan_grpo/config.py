@@ -130,8 +130,10 @@ class Inference:
 
 @dataclass
 class WeightSync:
-    mode: Literal["sync", "off"] = "sync"
-    """"sync": after each optimizer step, push and wait for every healthy replica;
+    mode: Literal["async", "sync", "off"] = "sync"
+    """"async": the trainer snapshots the weights after each step and goes on
+    while a sidecar pushes them (replicas may serve a version or two behind);
+    "sync": push and wait for every admitted replica (on-policy baseline);
     "off": never push (replicas keep the initial weights; for measuring)."""
 
     transport: Literal["gloo", "nccl"] = "gloo"
@@ -140,14 +142,23 @@ class WeightSync:
     bucket_size_mb: int = 256
     """Tensors are flattened into buckets of about this size (one broadcast each)."""
 
+    num_staging_buffers: int = 2
+    """Snapshots that may exist at once; when all are being sent, the trainer
+    skips that step's snapshot instead of waiting (each costs one copy of the weights)."""
+
+    replica_deadline_s: float = 60.0
+    """A replica that has not received and loaded a version within this time is
+    ejected from routing and readmitted only once it holds the newest version."""
+
+    pause_mode: Literal["none", "abort", "retract", "in_place"] = "none"
+    """How a replica treats running generations during an update (SGLang's
+    /pause_generation mode); "none" lets the update wait for them to finish."""
+
     master_address: str = "127.0.0.1"
     """Address the trainer's weight-group stores listen on (reachable by every replica)."""
 
     init_timeout_s: float = 120.0
     """Time for a replica to join its weight group."""
-
-    push_timeout_s: float = 300.0
-    """Time for one replica to receive and load one version."""
 
 
 @dataclass
@@ -200,7 +211,10 @@ def validate(cfg) -> None:
     _check(i.max_retries >= 1, "inference.max_retries", "must be >= 1", i.max_retries)
     _check(w.bucket_size_mb >= 1, "weight_sync.bucket_size_mb", "must be >= 1", w.bucket_size_mb)
     _check(w.init_timeout_s > 0, "weight_sync.init_timeout_s", "must be > 0", w.init_timeout_s)
-    _check(w.push_timeout_s > 0, "weight_sync.push_timeout_s", "must be > 0", w.push_timeout_s)
+    _check(w.num_staging_buffers >= 1, "weight_sync.num_staging_buffers", "must be >= 1", w.num_staging_buffers)
+    _check(w.replica_deadline_s > 0, "weight_sync.replica_deadline_s", "must be > 0", w.replica_deadline_s)
+    _check(w.transport == "gloo" or i.server_device != "cpu" or bool(i.urls), "weight_sync.transport",
+           "nccl needs the built-in servers on a GPU (inference.server_device)", w.transport)
     _check(cfg.model.name in ("qwen3", "llama3"), "model.name", 'must be "qwen3" or "llama3"', cfg.model.name)
     if not g.tiny_model_if_missing:
         _check(

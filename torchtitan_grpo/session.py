@@ -19,7 +19,7 @@ from torchtitan_grpo.metrics import MetricLogger, window_mean
 from torchtitan_grpo.rollout import tasks
 from torchtitan_grpo.rollout.manager import RolloutManager, make_reward_fn
 from torchtitan_grpo.trainer import Dist
-from torchtitan_grpo.weight_sync.pusher import NoPush, SyncPusher, WeightPusher
+from torchtitan_grpo.weight_sync.pusher import NoPush, Pusher, PushConfig, WeightPusher
 
 logger = logging.getLogger("torchtitan_grpo")
 
@@ -87,9 +87,11 @@ def rollout_side(cfg, hf_dir: str, d: Dist):
         if w.mode == "off":
             pusher: WeightPusher = NoPush()
         else:
-            pusher = SyncPusher(loop, urls, backend=w.transport, master_address=w.master_address,
-                                bucket_bytes=w.bucket_size_mb << 20, init_timeout_s=w.init_timeout_s,
-                                push_timeout_s=w.push_timeout_s, device=d.device)
+            pusher = Pusher(loop, urls, PushConfig(
+                mode=w.mode, backend=w.transport, master_address=w.master_address,
+                bucket_bytes=w.bucket_size_mb << 20, num_staging_buffers=w.num_staging_buffers,
+                deadline_s=w.replica_deadline_s, init_timeout_s=w.init_timeout_s, pause_mode=w.pause_mode),
+                device=d.device, on_eject=pool.eject, on_readmit=pool.readmit)
             stack.callback(pusher.close)
             pusher.connect(initial_version=0)
 

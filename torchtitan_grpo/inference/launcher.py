@@ -83,49 +83,71 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def start_server(spec: ServerSpec, log_path: str, timeout_s: float, attempts: int = 3) -> ServerProcess:
-    """Start one server and wait until /health answers 200."""
-    os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
-    last_error = ""
-    for _ in range(attempts):
-        port = free_port(spec.host)
-        cmd = [
-            sys.executable, "-m", "torchtitan_grpo.inference.server",
-            "--model", spec.model_dir, "--port", str(port), "--host", spec.host,
-            "--device", spec.device, "--dtype", spec.dtype, "--seed", str(spec.seed),
-            *spec.extra_args,
-        ]
-        env = dict(os.environ, OMP_NUM_THREADS=str(spec.threads), PYTHONUNBUFFERED="1")
-        # torchrun's rendezvous variables must not leak into the server.
-        for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                  "TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK"):
-            env.pop(k, None)
-        log = open(log_path, "ab")
+def _spawn(spec: ServerSpec, log_path: str) -> tuple[subprocess.Popen, int]:
+    """Start one server process on a port that is free right now."""
+    port = free_port(spec.host)
+    cmd = [
+        sys.executable, "-m", "torchtitan_grpo.inference.server",
+        "--model", spec.model_dir, "--port", str(port), "--host", spec.host,
+        "--device", spec.device, "--dtype", spec.dtype, "--seed", str(spec.seed),
+        *spec.extra_args,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS=str(spec.threads), PYTHONUNBUFFERED="1")
+    # torchrun's rendezvous variables must not leak into the server.
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+              "TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK"):
+        env.pop(k, None)
+    with open(log_path, "ab") as log:
         log.write(f"\n=== {' '.join(cmd)}\n".encode())
         log.flush()
+        # PR_SET_PDEATHSIG fires when the *thread* that forked exits, so this
+        # must run on a long-lived thread (the caller's), never a pool worker.
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
-        log.close()
-        url = f"http://{spec.host}:{port}"
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                break
-            if _healthy(url):
-                logger.info("inference server %s ready (pid %d, log %s)", url, proc.pid, log_path)
-                return ServerProcess(url, port, log_path, proc)
+    return proc, port
+
+
+def start_servers(specs: list[ServerSpec], log_dir: str, timeout_s: float, attempts: int = 3) -> list[ServerProcess]:
+    """Start every server (from this thread), wait until each answers /health.
+
+    A server that lost the race for its port is restarted on another one; any
+    other failure stops them all and raises with the tail of the failing log.
+    """
+    os.makedirs(log_dir, exist_ok=True)
+    logs = [os.path.join(log_dir, f"server_{i}.log") for i in range(len(specs))]
+    procs = [_spawn(s, p) for s, p in zip(specs, logs)]
+    tries = [1] * len(specs)
+    ready: list[ServerProcess | None] = [None] * len(specs)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not all(ready):
+            if time.monotonic() > deadline:
+                i = ready.index(None)
+                raise ServerStartError(
+                    f"inference server on port {procs[i][1]} did not answer /health within {timeout_s:.0f}s "
+                    f"(inference.startup_timeout_s); last lines of {logs[i]}:\n{log_tail(logs[i])}")
+            for i, (proc, port) in enumerate(procs):
+                if ready[i]:
+                    continue
+                url = f"http://{specs[i].host}:{port}"
+                if proc.poll() is not None:
+                    tail = log_tail(logs[i])
+                    if "address already in use" in tail.lower() and tries[i] < attempts:
+                        tries[i] += 1
+                        procs[i] = _spawn(specs[i], logs[i])
+                        continue
+                    raise ServerStartError(
+                        f"inference server exited with code {proc.returncode} during start-up; "
+                        f"last lines of {logs[i]}:\n{tail}")
+                if _healthy(url):
+                    logger.info("inference server %s ready (pid %d, log %s)", url, proc.pid, logs[i])
+                    ready[i] = ServerProcess(url, port, logs[i], proc)
             time.sleep(0.25)
-        tail = log_tail(log_path)
-        if proc.poll() is None:
+    except BaseException:
+        for proc, _ in procs:
             stop_process(proc)
-            raise ServerStartError(
-                f"inference server on port {port} did not answer /health within {timeout_s:.0f}s "
-                f"(inference.startup_timeout_s); last lines of {log_path}:\n{tail}")
-        last_error = tail
-        if "address already in use" not in tail.lower():
-            break  # a real failure, not a lost port race
-    raise ServerStartError(
-        f"inference server exited with code {proc.returncode} during start-up; last lines of {log_path}:\n{last_error}")
+        raise
+    return ready  # type: ignore[return-value]
 
 
 def stop_process(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
@@ -141,7 +163,7 @@ def stop_process(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
 
 @contextlib.contextmanager
 def running_servers(specs: list[ServerSpec], log_dir: str, timeout_s: float):
-    """Start one server per spec (concurrently), yield them, always stop them.
+    """Start one server per spec, yield them, always stop them.
 
     SIGTERM is turned into SystemExit for the duration so that torchrun or
     SLURM stopping the trainer still runs the clean-up below.
@@ -151,19 +173,7 @@ def running_servers(specs: list[ServerSpec], log_dir: str, timeout_s: float):
     if previous in (signal.SIG_DFL, None):
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     try:
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(max_workers=len(specs)) as ex:
-            futs = [ex.submit(start_server, s, os.path.join(log_dir, f"server_{i}.log"), timeout_s)
-                    for i, s in enumerate(specs)]
-            errors = []
-            for f in futs:
-                try:
-                    started.append(f.result())
-                except Exception as e:  # keep the ones that started so they get stopped
-                    errors.append(e)
-            if errors:
-                raise errors[0]
+        started = start_servers(specs, log_dir, timeout_s)
         yield started
     finally:
         for s in started:

@@ -1,25 +1,40 @@
-"""Pushing HF-named weights with a version number to every replica.
+"""The weight-push sidecar: snapshot on the trainer, one sender per replica.
 
-The trainer sees one interface, ``push(tensors, version) -> metrics``, called
-after each optimizer step, and ``close()``. ``SyncPusher`` here pushes and
-returns when every healthy replica has the new version (the on-policy
-baseline); the async sidecar implements the same interface.
+The trainer calls ``push(tensors, version)`` after each optimizer step. That
+call only copies the tensors into a free *staging buffer* (flattened buckets,
+a device copy on GPUs) and returns; if every staging buffer is still being
+sent, it skips this version instead of waiting. Everything else happens on the
+sidecar:
 
-Per replica: its own weight group (own TCPStore port, own communicator), so a
-replica that fails does not touch the others. The SGLang order for one
-version is begin -> (update request in flight while the trainer broadcasts)
-x buckets -> end; no broadcast starts before ``begin`` has been confirmed, and
-an update request is always posted *before* its broadcast so the server has a
-receive waiting.
+* Each replica has its own sender: an asyncio task for the HTTP control
+  plane, one thread for its blocking broadcasts (and on GPUs its own CUDA
+  stream), and its own weight group (own store port, own communicator),
+  never the trainer's FSDP/TP groups.
+* A sender always sends the newest staged version and skips older ones; a
+  replica only ever loads whole versions (SGLang's begin/update.../end
+  session, with the served version set by the last bucket).
+* A transfer that misses ``deadline_s`` (or fails) is abandoned: the group
+  is aborted, the replica is ejected from routing, its sender reconnects in
+  the background, sends it the newest version, and only then readmits it.
+
+``mode = "sync"`` uses the same machinery and then waits until every
+admitted replica serves the new version (the on-policy baseline).
+
+For SGLang's order: pause -> begin -> (update request in flight while the
+trainer broadcasts) x buckets -> end -> continue. An update request is posted
+before its broadcast and only after ``begin`` was confirmed, so a receive is
+always waiting when the bytes arrive.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 import aiohttp
 import torch
@@ -56,149 +71,339 @@ class PushError(RuntimeError):
 
 
 @dataclass
-class _Link:
+class PushConfig:
+    """Sidecar settings (built from ``[weight_sync]``)."""
+
+    mode: str = "async"
+    backend: str = "gloo"
+    master_address: str = "127.0.0.1"
+    bucket_bytes: int = 256 << 20
+    num_staging_buffers: int = 2
+    deadline_s: float = 60.0
+    init_timeout_s: float = 120.0
+    pause_mode: str = "none"
+    """SGLang /pause_generation mode around an update: "none" (updates wait for
+    in-flight requests), "abort", "retract" or "in_place" (keeps KV cache)."""
+    reconnect_interval_s: float = 2.0
+
+
+@dataclass
+class _Staged:
+    version: int
+    buffers: list[torch.Tensor]
+    ready: torch.cuda.Event | None = None
+    users: int = 0
+
+
+@dataclass
+class _Replica:
     url: str
     group: WeightGroup | None = None
+    executor: concurrent.futures.ThreadPoolExecutor | None = None
+    stream: object | None = None
     sessionful: bool = True  # False: pre-0.5.23 SGLang without begin/end_weight_update
     version: int = -1
-    errors: list[str] = field(default_factory=list)
+    admitted: bool = True
+    busy: bool = False
+    transfers: int = 0
+    failures: int = 0
+    last_error: str = ""
+    last_transfer_s: float = 0.0
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-async def _post(session: aiohttp.ClientSession, url: str, body: dict, timeout_s: float) -> dict:
-    async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+async def _post(session: aiohttp.ClientSession, url: str, body: dict | None, timeout_s: float,
+                params: dict | None = None) -> dict:
+    async with session.post(url, json=body, params=params, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
         text = await r.text()
-        try:
-            data = await r.json(content_type=None) if text else {}
-        except ValueError:
-            data = {"message": text[:300]}
         if r.status == 404:
             raise FileNotFoundError(url)
+        try:
+            import json
+
+            data = json.loads(text) if text else {}
+        except ValueError:
+            data = {"message": text[:300]}
+        msg = data.get("message", text[:300]) if isinstance(data, dict) else text[:300]
         if r.status != 200 or (isinstance(data, dict) and data.get("success") is False):
-            raise PushError(f"POST {url} -> HTTP {r.status}: {data.get('message', text[:300]) if isinstance(data, dict) else text[:300]}")
+            raise PushError(f"POST {url} -> HTTP {r.status}: {msg}")
         return data if isinstance(data, dict) else {}
 
 
-class SyncPusher:
-    """Push to every replica and wait. Only rank 0 creates one; other ranks
-    take part only in gathering the full tensors (``trainer.hf_weights``)."""
+class Pusher:
+    """Created on the trainer's rank 0. ``on_eject(url)`` / ``on_readmit(url)``
+    let the inference pool stop and resume routing to a replica."""
 
-    def __init__(self, loop: LoopThread, urls: list[str], *, backend: str = "gloo",
-                 master_address: str = "127.0.0.1", bucket_bytes: int = 256 << 20,
-                 init_timeout_s: float = 120.0, push_timeout_s: float = 300.0,
-                 device: torch.device | None = None):
+    def __init__(self, loop: LoopThread, urls: list[str], config: PushConfig, device: torch.device,
+                 on_eject: Callable[[str], None] | None = None, on_readmit: Callable[[str], None] | None = None):
         self.loop = loop
-        self.links = [_Link(u.rstrip("/")) for u in urls]
-        self.backend = backend
-        self.master_address = master_address
-        self.bucket_bytes = bucket_bytes
-        self.init_timeout_s = init_timeout_s
-        self.push_timeout_s = push_timeout_s
-        self.device = device or torch.device("cpu")
-        self._session: aiohttp.ClientSession | None = None
+        self.cfg = config
+        self.device = device
+        self.replicas = [_Replica(u.rstrip("/")) for u in urls]
+        self.on_eject = on_eject or (lambda url: None)
+        self.on_readmit = on_readmit or (lambda url: None)
+        self._lock = threading.Lock()
+        self._staging: list[_Staged] = []
+        self._latest: _Staged | None = None
         self._plan: list[list[bk.TensorSpec]] | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._progress = threading.Condition()
+        self._closed = False
+        self.skipped_versions = 0
+        self.bytes_per_version = 0
 
-    # -- set-up
+    # ------------------------------------------------------------ set-up
 
     def connect(self, initial_version: int = 0) -> None:
-        """Join one weight group per replica and tag the weights they loaded
-        from disk with ``initial_version``."""
+        """Join every replica's weight group and tag the weights they loaded
+        from disk with ``initial_version``; fail (naming the replica) if any
+        replica cannot join."""
         self.loop.run(self._connect_all(initial_version))
 
     async def _connect_all(self, initial_version: int) -> None:
         self._session = aiohttp.ClientSession()
-        await asyncio.gather(*(self._connect(link) for link in self.links))
+        results = await asyncio.gather(*(self._connect(r) for r in self.replicas), return_exceptions=True)
+        errors = [f"{r.url}: {e}" for r, e in zip(self.replicas, results) if isinstance(e, Exception)]
+        if errors:
+            raise PushError("weight groups could not be set up: " + "; ".join(errors))
         await asyncio.gather(*(
-            _post(self._session, link.url + "/update_weight_version",
+            _post(self._session, r.url + "/update_weight_version",
                   {"new_version": str(initial_version), "abort_all_requests": False}, 30)
-            for link in self.links))
-        for link in self.links:
-            link.version = initial_version
+            for r in self.replicas))
+        for r in self.replicas:
+            r.version = initial_version
+            self._tasks.append(asyncio.create_task(self._sender(r)))
 
-    async def _connect(self, link: _Link) -> None:
-        port = free_port(self.master_address)
-        body = sglang.init_group_request(self.master_address, port, 1, 2, GROUP_NAME, self.backend)
-        # The server joins only while its HTTP call is in flight, and our join
-        # blocks until it has: run both at once.
-        http = asyncio.create_task(_post(self._session, link.url + "/init_weights_update_group", body,
-                                         self.init_timeout_s))
+    async def _connect(self, r: _Replica) -> None:
+        """One weight group for replica ``r``: its HTTP join and ours run at once
+        (each blocks until the other side has joined)."""
+        port = free_port(self.cfg.master_address)
+        body = sglang.init_group_request(self.cfg.master_address, port, 1, 2, GROUP_NAME, self.cfg.backend)
+        executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="push")
+        http = asyncio.create_task(_post(self._session, r.url + "/init_weights_update_group", body,
+                                         self.cfg.init_timeout_s))
         join = asyncio.get_running_loop().run_in_executor(
-            None, lambda: init_weight_group(self.master_address, port, 0, 2, backend=self.backend,
-                                            group_name=GROUP_NAME, timeout_s=self.init_timeout_s,
-                                            device=self.device))
+            executor, lambda: init_weight_group(self.cfg.master_address, port, 0, 2, backend=self.cfg.backend,
+                                                group_name=GROUP_NAME, timeout_s=self.cfg.init_timeout_s,
+                                                device=self.device if self.cfg.backend == "nccl" else None))
         try:
-            link.group, _ = await asyncio.gather(join, http)
-        except Exception as e:
+            group, _ = await asyncio.gather(join, http)
+        except BaseException:
             http.cancel()
-            raise PushError(f"replica {link.url} could not join its weight group: {e}") from e
+            executor.shutdown(wait=False, cancel_futures=True)
+            raise
+        if self.cfg.backend == "nccl":
+            r.stream = await asyncio.get_running_loop().run_in_executor(
+                executor, lambda: torch.cuda.Stream(device=self.device))
+        r.group, r.executor = group, executor
 
-    # -- one version
+    # ------------------------------------------------------- trainer side
 
     def push(self, tensors: dict[str, torch.Tensor], version: int) -> dict[str, float]:
+        """Snapshot ``tensors`` as ``version`` and return (async), or also wait
+        for every admitted replica (sync). Never waits for a busy buffer."""
         t0 = time.perf_counter()
-        names = list(tensors)
-        specs = [bk.TensorSpec(n, tensors[n].dtype, tuple(tensors[n].shape)) for n in names]
-        if self._plan is None or [s.name for b in self._plan for s in b] and \
-                sorted(s.name for b in self._plan for s in b) != sorted(names):
-            self._plan = bk.plan_buckets(specs, self.bucket_bytes)
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        results = self.loop.run(self._push_all(tensors, version))
-        failed = [f"{u}: {e}" for u, e in results if e]
-        if failed:
-            raise PushError(f"weight push of version {version} failed: " + "; ".join(failed))
-        dt = time.perf_counter() - t0
-        return {"push/bytes": float(nbytes), "time/push_s": dt,
-                "push/GBps": nbytes / dt / 1e9 if dt > 0 else 0.0}
+        specs = [bk.TensorSpec.of(n, t) for n, t in tensors.items()]
+        if self._plan is None or {s for b in self._plan for s in b} != set(specs):
+            self._plan = bk.plan_buckets(specs, self.cfg.bucket_bytes)  # same tensors every step: plan once
+            self.bytes_per_version = sum(s.nbytes for s in specs)
+        staged = self._free_buffer()
+        if staged is None:
+            self.skipped_versions += 1
+            stall = time.perf_counter() - t0
+            return {"push/skipped_versions": float(self.skipped_versions), "time/push_stall_s": stall,
+                    **self._lag_metrics(version)}
+        for bucket, buf in zip(self._plan, staged.buffers):
+            bk.pack([tensors[s.name] for s in bucket], out=buf)
+        if self.device.type == "cuda":
+            staged.ready = torch.cuda.Event()
+            staged.ready.record()  # senders order their streams after the copy
+        with self._lock:
+            staged.version = version
+            self._latest = staged
+        self.loop.loop.call_soon_threadsafe(self._wake_all)
+        stall = time.perf_counter() - t0
+        m = {"time/push_stall_s": stall, "push/bytes": float(self.bytes_per_version),
+             "push/skipped_versions": float(self.skipped_versions)}
+        if self.cfg.mode == "sync":
+            self.wait_for(version)
+            m["time/push_s"] = time.perf_counter() - t0
+            m["push/GBps"] = self.bytes_per_version / m["time/push_s"] / 1e9
+        return m | self._lag_metrics(version)
 
-    async def _push_all(self, tensors, version):
-        async def one(link):
-            try:
-                await self._push_one(link, tensors, version)
-                return link.url, None
-            except Exception as e:  # report per replica; the caller decides
-                return link.url, f"{type(e).__name__}: {e}"
-        return await asyncio.gather(*(one(link) for link in self.links))
+    def _free_buffer(self) -> _Staged | None:
+        """A staging buffer no sender is reading: the not-yet-picked latest one
+        can be overwritten (senders skip to the newest anyway)."""
+        with self._lock:
+            for s in self._staging:
+                if s.users == 0:
+                    return s
+            if len(self._staging) < self.cfg.num_staging_buffers:
+                where = self.device if self.cfg.backend == "nccl" else torch.device("cpu")
+                bufs = [torch.empty(bk.packed_nbytes(b), dtype=torch.uint8, device=where) for b in self._plan]
+                s = _Staged(-1, bufs)
+                self._staging.append(s)
+                return s
+        return None
 
-    async def _push_one(self, link: _Link, tensors: dict[str, torch.Tensor], version: int) -> None:
-        s = self._session
-        if link.sessionful:
+    def wait_for(self, version: int, timeout_s: float | None = None) -> None:
+        """Block until every admitted replica serves ``version`` or newer (a
+        replica ejected meanwhile no longer counts)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._progress:
+            while not all(r.version >= version or not r.admitted for r in self.replicas):
+                if not any(r.admitted for r in self.replicas):
+                    raise PushError("every replica has been ejected: " +
+                                    "; ".join(f"{r.url}: {r.last_error}" for r in self.replicas))
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"replicas did not reach version {version} in {timeout_s}s")
+                self._progress.wait(timeout=left if left is not None else 1.0)
+
+    def _lag_metrics(self, version: int) -> dict[str, float]:
+        m = {}
+        for k, r in enumerate(self.replicas):
+            m[f"push/replica{k}_version_lag"] = float(version - r.version)
+        m["push/ejected_replicas"] = float(sum(not r.admitted for r in self.replicas))
+        m["push/failures"] = float(sum(r.failures for r in self.replicas))
+        return m
+
+    def status(self) -> list[dict]:
+        return [{"url": r.url, "version": r.version, "admitted": r.admitted, "transfers": r.transfers,
+                 "failures": r.failures, "last_error": r.last_error, "last_transfer_s": r.last_transfer_s}
+                for r in self.replicas]
+
+    # -------------------------------------------------------- sender side
+
+    def _wake_all(self) -> None:
+        for r in self.replicas:
+            r.wake.set()
+
+    def _notify(self) -> None:
+        with self._progress:
+            self._progress.notify_all()
+
+    async def _sender(self, r: _Replica) -> None:
+        while True:
+            await r.wake.wait()
+            r.wake.clear()
+            if r.group is None:  # ejected earlier: rejoin before anything else
+                try:
+                    await asyncio.wait_for(self._connect(r), self.cfg.init_timeout_s + 5)
+                except Exception as e:
+                    r.last_error = f"reconnect: {type(e).__name__}: {e}"
+                    await asyncio.sleep(self.cfg.reconnect_interval_s)
+                    r.wake.set()
+                    continue
+            with self._lock:
+                staged = self._latest
+                if staged is None or staged.version <= r.version:
+                    continue
+                staged.users += 1
+            t0 = time.perf_counter()
             try:
-                await _post(s, link.url + "/begin_weight_update", {"selector": "all"}, 30)
-            except FileNotFoundError:
-                link.sessionful = False  # older SGLang: updates need no session
-        loop = asyncio.get_running_loop()
-        for k, bucket in enumerate(self._plan):
-            last = k == len(self._plan) - 1
-            body = sglang.update_request(
-                [b.name for b in bucket], [bk.dtype_name(b.dtype) for b in bucket],
-                [list(b.shape) for b in bucket], GROUP_NAME, flattened=True,
-                flush_cache=last, weight_version=str(version) if last else None)
-            flat = bk.pack([tensors[b.name] for b in bucket])
-            if flat.device != self.device:
-                flat = flat.to(self.device)
-            http = asyncio.create_task(_post(s, link.url + "/update_weights_from_distributed", body,
-                                             self.push_timeout_s))
-            send = loop.run_in_executor(None, link.group.broadcast, flat)
-            done, _ = await asyncio.wait({http, send}, return_when=asyncio.FIRST_EXCEPTION)
-            for t in done:
-                if t.exception() is not None:
-                    # The server rejected the update (so it posts no receive):
-                    # our broadcast can never complete; drop the group.
-                    link.group.close()
+                r.busy = True
+                await asyncio.wait_for(self._transfer(r, staged), self.cfg.deadline_s)
+                r.version = staged.version
+                r.transfers += 1
+                r.last_transfer_s = time.perf_counter() - t0
+                if not r.admitted and r.version >= self._latest.version:
+                    r.admitted = True  # caught up with the newest version: route to it again
+                    logger.info("replica %s caught up at version %d: readmitted", r.url, r.version)
+                    self.on_readmit(r.url)
+            except Exception as e:
+                self._eject(r, e if not isinstance(e, asyncio.TimeoutError)
+                            else TimeoutError(f"missed its {self.cfg.deadline_s}s deadline"))
+            finally:
+                r.busy = False
+                with self._lock:
+                    staged.users -= 1
+                self._notify()
+            if self._latest is not None and self._latest.version > r.version:
+                r.wake.set()  # a newer version arrived meanwhile
+
+    def _eject(self, r: _Replica, e: BaseException) -> None:
+        r.failures += 1
+        r.last_error = f"{type(e).__name__}: {e}"
+        logger.warning("replica %s ejected from routing at version %d: %s", r.url, r.version, r.last_error)
+        if r.group is not None:
+            r.group.abort()  # unblocks a hung NCCL receive; the trainer never waits on it
+        if r.executor is not None:
+            r.executor.shutdown(wait=False, cancel_futures=True)  # a stuck gloo thread is abandoned
+        r.group, r.executor, r.stream = None, None, None
+        if r.admitted:
+            r.admitted = False
+            self.on_eject(r.url)
+        asyncio.get_running_loop().call_later(self.cfg.reconnect_interval_s, r.wake.set)
+
+    async def _transfer(self, r: _Replica, staged: _Staged) -> None:
+        s, loop = self._session, asyncio.get_running_loop()
+        paused = False
+        if self.cfg.pause_mode != "none":
+            await _post(s, r.url + "/pause_generation", {"mode": self.cfg.pause_mode}, 30)
+            paused = True
+        try:
+            if r.sessionful:
+                try:
+                    await _post(s, r.url + "/begin_weight_update", {"selector": "all"}, 30)
+                except FileNotFoundError:
+                    r.sessionful = False  # older SGLang: no session routes
+            n = len(self._plan)
+            for k, (bucket, buf) in enumerate(zip(self._plan, staged.buffers)):
+                last = k == n - 1
+                body = sglang.update_request(
+                    [b.name for b in bucket], [bk.dtype_name(b.dtype) for b in bucket],
+                    [list(b.shape) for b in bucket], GROUP_NAME, flattened=True,
+                    flush_cache=last and self.cfg.pause_mode != "in_place",
+                    weight_version=str(staged.version) if last else None)
+                http = asyncio.create_task(_post(s, r.url + "/update_weights_from_distributed", body,
+                                                 self.cfg.deadline_s))
+                send = loop.run_in_executor(r.executor, self._broadcast, r, staged, buf)
+                try:
+                    done, _ = await asyncio.wait({http, send}, return_when=asyncio.FIRST_EXCEPTION)
+                    for t in done:
+                        if t.exception() is not None:
+                            raise t.exception()  # e.g. the server refused: its receive never comes
+                    await asyncio.gather(http, send)
+                except BaseException:
                     http.cancel()
-                    raise t.exception()
-            await asyncio.gather(http, send)
-        if link.sessionful:
-            await _post(s, link.url + "/end_weight_update", {}, 30)
-        link.version = version
+                    raise
+            if r.sessionful:
+                await _post(s, r.url + "/end_weight_update", {}, 30)
+        finally:
+            if paused:
+                try:
+                    await _post(s, r.url + "/continue_generation", {}, 30)
+                except Exception as e:  # the eject path reports the transfer error
+                    logger.warning("continue_generation on %s failed: %s", r.url, e)
+
+    @staticmethod
+    def _broadcast(r: _Replica, staged: _Staged, buf: torch.Tensor) -> None:
+        if r.stream is not None and staged.ready is not None:
+            r.stream.wait_event(staged.ready)
+        r.group.broadcast(buf, src=0, stream=r.stream)
+
+    # ------------------------------------------------------------ close
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+
         async def _close():
+            for t in self._tasks:
+                t.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
             if self._session:
                 await self._session.close()
+
         try:
             self.loop.run(_close(), timeout=10)
         except Exception:
             pass
-        for link in self.links:
-            if link.group is not None:
-                link.group.close()
+        for r in self.replicas:
+            if r.group is not None:
+                r.group.close()
+            if r.executor is not None:
+                r.executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,8 @@
+"""Reward functions that the end-to-end tests name by import path."""
+
+
+def sometimes_raises(prompt: str, completion: str, row: dict) -> float:
+    """Raises for half of the prompts (always the same ones), else exact match."""
+    if int(row["answer"]) % 2 == 0:
+        raise ZeroDivisionError("deliberate failure in the reward")
+    return 1.0 if completion.strip() == row["answer"] else 0.0

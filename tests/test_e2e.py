@@ -1,0 +1,150 @@
+"""End to end over real processes: torchrun with 2 ranks, built-in servers on
+localhost, real HTTP and real gloo weight pushes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+import torch
+
+from tests.conftest import ROOT
+
+DEMO = os.path.join(ROOT, "train_configs", "demo_cpu.toml")
+pytestmark = pytest.mark.slow
+
+
+def _env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
+
+
+def _torchrun(nproc: int, *args: str, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           os.path.join(ROOT, "grpo_train.py"), "--job.config_file", DEMO, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=timeout, **kw)
+
+
+def _metrics(dump: str) -> list[dict]:
+    with open(os.path.join(dump, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _servers_alive(model_dir: str) -> list[str]:
+    """Command lines of built-in servers still running for this model dir."""
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines()
+            if "torchtitan_grpo.inference.server" in line and model_dir in line]
+
+
+def test_two_ranks_fsdp_sync_push_on_policy(tmp_path, tiny_model_dir):
+    """2 trainer ranks (FSDP over gloo), 2 built-in servers, sync pushes: after
+    each push the servers generate with exactly the trainer's weights, so the
+    trainer's logprobs of the sampled tokens equal the servers' (fp32)."""
+    dump = str(tmp_path / "run")
+    r = _torchrun(2, "--training.steps", "3", "--job.dump_folder", dump, "--model.hf_assets_path", tiny_model_dir,
+                  "--inference.num_servers", "2", "--grpo.prompts_per_step", "4", "--grpo.group_size", "4",
+                  "--weight_sync.mode", "sync")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = _metrics(dump)
+    assert [m["step"] for m in rows] == [1, 2, 3]
+    for m in rows:
+        assert m["trainer_vs_rollout_logprob_max_abs_diff"] <= 1e-4, m
+        assert m["weight_version"] == m["step"]
+        assert m["push/replica0_version_lag"] == 0 and m["push/replica1_version_lag"] == 0
+    assert "step    3 | reward" in r.stdout
+    assert "mean reward: first 3 steps" in r.stdout
+    assert os.path.isdir(os.path.join(dump, "tb")) and os.listdir(os.path.join(dump, "tb"))
+    assert _servers_alive(tiny_model_dir) == []
+
+
+def test_push_puts_trainer_weights_on_server(tmp_path, tiny_model_dir):
+    """After a train step and a push, every tensor the server holds (read back
+    with /get_weights_by_name) equals the trainer's, and the version moved."""
+    from torchtitan_grpo.aio import LoopThread
+    from torchtitan_grpo.config import parse_config
+    from torchtitan_grpo.inference.launcher import ServerSpec, running_servers
+    from torchtitan_grpo.trainer import Sample, build_policy, hf_weights, init_distributed, train_step
+    from torchtitan_grpo.weight_sync.pusher import Pusher, PushConfig
+
+    cfg = parse_config(["--job.config_file", DEMO, "--model.hf_assets_path", tiny_model_dir])
+    d = init_distributed()
+    policy = build_policy(cfg, tiny_model_dir, d)
+    before = {k: v.clone() for k, v in hf_weights(policy).items()}
+    batch = [Sample([19, 31], [20, 1], [-4.0, -4.5], 1.0, 1.0, "stop", ["0"]),
+             Sample([20, 31], [21, 22, 1], [-4.0, -4.5, -4.6], -1.0, 0.0, "stop", ["0"])]
+    train_step(policy, batch, cfg.grpo, 1.0, 4, 2, 5, 0, d)
+    after = hf_weights(policy)
+    assert any(not torch.equal(before[k], after[k]) for k in after)  # the step changed something
+
+    loop = LoopThread()
+    with running_servers([ServerSpec(tiny_model_dir)], str(tmp_path), 120) as servers:
+        url = servers[0].url
+        pusher = Pusher(loop, [url], PushConfig(mode="sync", bucket_bytes=64 << 10), torch.device("cpu"))
+        try:
+            pusher.connect(initial_version=0)
+            assert requests.get(url + "/model_info").json()["weight_version"] == "0"
+            pusher.push(after, version=1)
+            assert requests.get(url + "/model_info").json()["weight_version"] == "1"
+            for name, t in after.items():
+                got = requests.get(url + "/get_weights_by_name", params={"name": name, "truncate_size": 10**9})
+                assert got.status_code == 200, got.text
+                served = torch.tensor(got.json() if isinstance(got.json(), list) else got.json()["parameter"])
+                assert torch.equal(served.reshape(t.shape).to(t.dtype), t), name
+        finally:
+            pusher.close()
+            loop.close()
+
+
+def test_server_that_fails_to_start_shows_its_log(tmp_path):
+    from torchtitan_grpo.inference.launcher import ServerSpec, ServerStartError, running_servers
+
+    missing = str(tmp_path / "no-model-here")
+    with pytest.raises(ServerStartError) as e:
+        with running_servers([ServerSpec(missing)], str(tmp_path / "logs"), 60):
+            pass
+    msg = str(e.value)
+    assert "server_0.log" in msg and "no-model-here" in msg  # the tail of the log names the problem
+
+
+def test_ctrl_c_stops_servers(tmp_path, tiny_model_dir):
+    """SIGINT to the trainer (as Ctrl-C sends it) leaves no server behind."""
+    dump = str(tmp_path / "run")
+    cmd = [sys.executable, os.path.join(ROOT, "grpo_train.py"), "--job.config_file", DEMO,
+           "--job.dump_folder", dump, "--model.hf_assets_path", tiny_model_dir, "--training.steps", "1000"]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not os.path.exists(os.path.join(dump, "metrics.jsonl")):
+            assert p.poll() is None, p.stdout.read()[-3000:]
+            time.sleep(0.5)
+        assert _servers_alive(tiny_model_dir), "no server was running"
+        p.send_signal(signal.SIGINT)
+        p.wait(60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    deadline = time.monotonic() + 15
+    while _servers_alive(tiny_model_dir) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _servers_alive(tiny_model_dir) == []
+
+
+def test_raising_reward_scores_zero_and_run_goes_on(tmp_path, tiny_model_dir):
+    """A jsonl task whose reward raises on some samples: those score 0, the
+    traceback is logged once, and training completes."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{d}>", "answer": str(d)}) + "\n" for d in range(10)))
+    dump = str(tmp_path / "run")
+    r = _torchrun(1, "--training.steps", "2", "--job.dump_folder", dump, "--model.hf_assets_path", tiny_model_dir,
+                  "--rollout.task", "jsonl", "--rollout.dataset_path", str(data),
+                  "--rollout.reward_fn", "tests.reward_fixtures:sometimes_raises",
+                  "--grpo.prompts_per_step", "4", "--grpo.group_size", "4")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    # Half of 8 samples x 2 steps raised; the traceback is logged once.
+    assert out.count("ZeroDivisionError: deliberate failure in the reward") == 1, out[-3000:]
+    assert len(_metrics(dump)) == 2
