@@ -82,4 +82,8 @@ def _setup_logging(rank: int) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except KeyboardInterrupt:
+        logger.warning("interrupted: inference servers stopped")
+        sys.exit(130)

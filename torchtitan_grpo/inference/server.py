@@ -1,9 +1,10 @@
-"""Built-in inference server: an HF model behind SGLang's HTTP protocol.
+"""Built-in inference server: an HF model behind SGLang's HTTP protocol (and
+vLLM's /v1/completions + weight-transfer subset, see ``server_vllm.py``).
 
     python -m torchtitan_grpo.inference.server --model DIR --port 30000 \
         [--host 127.0.0.1] [--device cpu|cuda|cuda:N] [--dtype auto|float32|bfloat16|float16] \
         [--seed 0] [--max-batch-size 64] [--api-key KEY] [--weight-group-timeout 300] \
-        [--num-threads N]
+        [--num-threads N] [--debug-update-delay-s X]
 
 It is the embedded default backend and the stand-in for SGLang in tests, so
 the routes below follow docs PROTOCOLS.md field by field (request names,
@@ -17,6 +18,10 @@ rather than silently ignored: ``stream``, prompt logprobs
 (``logprob_start_len`` >= 0) and structured output (``json_schema``, ``regex``,
 ``ebnf``, ``structural_tag``, ``stop_regex``) are not supported. The server has
 no cross-request prefix cache, so ``flush_cache`` has nothing to drop.
+
+``--debug-update-delay-s X`` is a test knob: every weight-update handler of
+either protocol sleeps X seconds after receiving, to play a slow replica in
+fault tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ from torchtitan_grpo.inference.engine import (
     read_safetensors_dir,
     receive_weights,
 )
+
+from torchtitan_grpo.inference.server_vllm import VLLMRoutes, debug_update_delay
 
 logger = logging.getLogger("torchtitan_grpo.inference.server")
 
@@ -211,6 +218,9 @@ class ServerConfig:
     weight_group_timeout_s: float = 300.0
     """Rendezvous and per-broadcast timeout of weight-update groups."""
     num_threads: int | None = None
+    debug_update_delay_s: float = 0.0
+    """Test knob: every weight-update handler (both protocols) sleeps this long
+    after receiving, to simulate a slow replica. 0 in production."""
 
 
 class SGLangRoutes:
@@ -481,6 +491,7 @@ class SGLangRoutes:
             except Exception as e:
                 logger.warning("weight receive on %s failed: %s", group_name, e)
                 return _result(False, f"receiving weights on group {group_name!r} failed: {type(e).__name__}: {e}")
+            await debug_update_delay(self.cfg)
             return await self._load(named, version, f"{len(named)} tensor(s)")
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
@@ -505,6 +516,7 @@ class SGLangRoutes:
                 return _result(False, str(e))
             except Exception as e:
                 return _result(False, f"cannot read weights from {path!r}: {type(e).__name__}: {e}")
+            await debug_update_delay(self.cfg)
             paused = self.engine.num_live_requests() if self.engine.paused else 0
             return await self._load(named, version, f"{len(named)} tensor(s) from {path}", num_paused_requests=paused)
 
@@ -689,13 +701,20 @@ def build_app(engine: Engine, cfg: ServerConfig) -> tuple[web.Application, SGLan
     app = web.Application(client_max_size=_BODY_LIMIT, middlewares=_middlewares(cfg))
     routes = SGLangRoutes(engine, cfg)
     routes.register(app)
+    vllm_routes = VLLMRoutes(engine, cfg)  # the vLLM subset beside SGLang's
+    vllm_routes.register(app)
+
+    async def close_vllm(_app: web.Application) -> None:
+        vllm_routes.close()
+
+    app.on_cleanup.append(close_vllm)
     return app, routes
 
 
 def parse_args(argv: list[str] | None = None) -> ServerConfig:
     p = argparse.ArgumentParser(
         prog="python -m torchtitan_grpo.inference.server",
-        description="Built-in inference server (SGLang HTTP protocol) for an HF causal LM.",
+        description="Built-in inference server (SGLang and vLLM HTTP protocols) for an HF causal LM.",
     )
     p.add_argument("--model", required=True, help="HF model directory (config.json + safetensors)")
     p.add_argument("--port", type=int, required=True, help="TCP port (0 = pick a free one)")
@@ -708,15 +727,21 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     p.add_argument("--weight-group-timeout", type=float, default=300.0,
                    help="seconds to wait for the trainer to join a weight group / finish a broadcast")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--debug-update-delay-s", type=float, default=0.0,
+                   help="TEST KNOB: sleep this long in every weight-update handler after receiving "
+                        "(simulates a slow replica for fault tests and benchmarks)")
     a = p.parse_args(argv)
     if a.max_batch_size < 1:
         p.error("--max-batch-size must be >= 1")
+    if a.debug_update_delay_s < 0:
+        p.error("--debug-update-delay-s must be >= 0")
     if not a.device.startswith(("cpu", "cuda")):
         p.error(f"--device must be cpu, cuda or cuda:N, got {a.device!r}")
     return ServerConfig(
         model=a.model, host=a.host, port=a.port, device=a.device, dtype=a.dtype, seed=a.seed,
         max_batch_size=a.max_batch_size, api_key=a.api_key,
         weight_group_timeout_s=a.weight_group_timeout, num_threads=a.num_threads,
+        debug_update_delay_s=a.debug_update_delay_s,
     )
 
 

@@ -1,0 +1,716 @@
+"""vLLM 0.33 protocol: client bodies, the built-in server's vLLM routes, and the
+trainer side of vLLM's NCCL rendezvous.
+
+* Request bodies from ``inference/vllm.py`` are validated against vLLM's own
+  pydantic JSON schema (and their keys against its field list: the schema
+  allows extra keys, so a renamed field would otherwise pass).
+* One built-in server subprocess (tiny random Qwen3, CPU) answers
+  /v1/completions (validated against vLLM's CompletionResponse schema, and
+  compared with its own SGLang route) and takes real gloo pushes through the
+  vLLM weight-transfer routes.
+* ``weight_sync/vllm_group.py`` cannot meet a real vLLM here (no GPU), so its
+  store layout and collective sequence are checked against a fake vLLM worker
+  written from the facts in that module's docstring, over a fake NCCL fabric.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import io
+import json
+import math
+import os
+import pickle
+import pickletools
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+import types
+import urllib.error
+import urllib.parse
+import urllib.request
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchtitan_grpo.inference import vllm
+from torchtitan_grpo.inference.server_vllm import GROUP_NAME
+from torchtitan_grpo.inference.types import MalformedResponse, SamplingParams
+from torchtitan_grpo.weight_sync import vllm_group as vg
+from torchtitan_grpo.weight_sync.buckets import dtype_name
+from torchtitan_grpo.weight_sync.group import init_weight_group
+
+torch.set_num_threads(1)
+jsonschema = pytest.importorskip("jsonschema")
+
+REPO = Path(__file__).resolve().parents[1]
+SCHEMA_FILE = Path(os.environ.get("VLLM_SCHEMA", "/work/shared/protocols/vllm-0.33-completions-schema.json"))
+SCHEMAS = json.loads(SCHEMA_FILE.read_text())
+REQUEST = jsonschema.Draft202012Validator(SCHEMAS["CompletionRequest"])
+RESPONSE = jsonschema.Draft202012Validator(SCHEMAS["CompletionResponse"])
+REQUEST_FIELDS = set(SCHEMAS["CompletionRequest"]["properties"])
+
+
+def check_request(body: dict) -> dict:
+    REQUEST.validate(body)
+    unknown = set(body) - REQUEST_FIELDS
+    assert not unknown, f"not CompletionRequest fields in vLLM 0.33: {unknown}"
+    return body
+
+
+# --------------------------------------------------------------------------- #
+# HTTP and process helpers
+# --------------------------------------------------------------------------- #
+
+
+def http(url: str, path: str, body: dict | None = None, query: dict | None = None, method: str | None = None,
+         timeout: float = 60, valid: bool = True) -> tuple[int, dict | list | None]:
+    """POST ``body`` (GET when None and no method); return (status, JSON).
+    ``valid=False`` sends a completions body vLLM's schema rejects (to test our 400s)."""
+    if path == vllm.COMPLETIONS and body is not None and valid:
+        check_request(body)
+    data = json.dumps(body).encode() if body is not None else None
+    method = method or ("POST" if data is not None else "GET")
+    full = url + path + ("?" + urllib.parse.urlencode(query) if query else "")
+    req = urllib.request.Request(full, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, payload = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, payload = e.code, e.read()
+    return status, (json.loads(payload) if payload else None)
+
+
+def post(url: str, path: str, body: dict | None = None, **kw) -> tuple[int, dict]:
+    return http(url, path, body, method="POST", **kw)
+
+
+def complete(url: str, body: dict, timeout: float = 60) -> dict:
+    status, out = http(url, vllm.COMPLETIONS, body, timeout=timeout)
+    assert status == 200, out
+    RESPONSE.validate(out)
+    return out
+
+
+def assert_error(status_body: tuple[int, dict], code: int, *words: str) -> dict:
+    status, body = status_body
+    assert status == code, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == code, err
+    for w in words:
+        assert w in err["message"] or w == err["param"], (w, err)
+    return err
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model_dir: str, log: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torchtitan_grpo.inference.server", "--model", model_dir, "--port", "0",
+         "--num-threads", "1", *extra],
+        stdout=subprocess.PIPE, stderr=open(log, "wb"), env=env, cwd=REPO,
+    )
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if select.select([proc.stdout], [], [], 0.5)[0]:
+            line = proc.stdout.readline().decode()
+            if line.startswith("ready http://"):
+                return proc, line.split()[1].strip()
+        if proc.poll() is not None:
+            break
+    proc.kill()
+    raise AssertionError(f"server did not start:\n{log.read_text()[-3000:]}")
+
+
+def stop_server(proc: subprocess.Popen, log: Path) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    assert proc.returncode == 0, log.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir) -> str:
+    return tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("logs") / "server.log"
+    proc, url = start_server(model_dir, log)
+    yield url
+    stop_server(proc, log)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+        yield ex
+
+
+PROMPT = [5, 6, 7, 8, 9]
+GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
+SEEDED = SamplingParams(max_new_tokens=8, temperature=0.8, top_p=0.9, top_k=40, seed=11)
+
+
+# --------------------------------------------------------------------------- #
+# Client bodies
+# --------------------------------------------------------------------------- #
+
+
+def test_completions_request_is_a_vllm_request(model_dir):
+    body = check_request(vllm.completions_request(PROMPT, 4, SEEDED, model_dir))
+    assert body["prompt"] == PROMPT and body["n"] == 4 and body["max_tokens"] == 8 and body["seed"] == 11
+    assert body["logprobs"] == 0 and body["return_token_ids"] and body["return_tokens_as_token_ids"]
+    assert body["return_weight_versions"] and body["stop_token_ids"] == []
+    assert "seed" not in vllm.completions_request(PROMPT, 1, GREEDY, model_dir)
+    # the two checks bite: an SGLang name, a wrong type
+    with pytest.raises(AssertionError, match="max_new_tokens"):
+        check_request({**body, "max_new_tokens": 8})
+    with pytest.raises(jsonschema.ValidationError):
+        check_request({**body, "logprobs": "0"})
+    with pytest.raises(jsonschema.ValidationError):
+        check_request({**body, "return_weight_versions": None})
+
+
+def test_control_plane_bodies():
+    body = vllm.init_weight_transfer_request(3, 1, "10.0.0.1", 29500, packed=True, packed_buffer_size_bytes=1 << 20)
+    assert body == {"init_info": {"master_address": "10.0.0.1", "master_port": 29500, "rank_offset": 1,
+                                  "world_size": 3, "packed": True, "packed_buffer_size_bytes": 1 << 20,
+                                  "packed_num_buffers": 2}}
+    uid = vllm.init_weight_transfer_request(2, nccl_unique_id_b64="QUJD")["init_info"]
+    assert uid["nccl_unique_id_b64"] == "QUJD" and "master_address" not in uid
+    assert set(uid) <= vllm.INIT_INFO_KEYS and set(body["init_info"]) <= vllm.INIT_INFO_KEYS
+    for bad in [dict(master_address="a", master_port=1, nccl_unique_id_b64="x"), dict(), dict(master_address="a"),
+                dict(master_address="a", master_port=1, rank_offset=2)]:
+        with pytest.raises(ValueError):
+            vllm.init_weight_transfer_request(2, **bad)
+    assert vllm.update_weights_request(["a"], ["bfloat16"], [(2, 3)]) == {
+        "update_info": {"names": ["a"], "dtype_names": ["bfloat16"], "shapes": [[2, 3]]}}
+    with pytest.raises(ValueError, match="bare name"):
+        vllm.update_weights_request(["a"], ["torch.bfloat16"], [[1]])
+    with pytest.raises(ValueError):
+        vllm.update_weights_request(["a", "b"], ["float32"], [[1]])
+    assert vllm.pause_query("wait") == {"mode": "wait"}
+    with pytest.raises(ValueError):
+        vllm.pause_query("retract")  # an SGLang mode
+    assert vllm.finish_weight_update_request("7") == {"weight_version": "7"}
+    assert vllm.finish_weight_update_request(None) == {}
+    assert vllm.parse_weight_info({"weight_version": "3"}, "r") == "3"
+    assert vllm.parse_world_size({"world_size": 4}, "r") == 4
+    with pytest.raises(MalformedResponse, match="world_size"):
+        vllm.parse_world_size({"world_size": 0}, "r")
+
+
+# --------------------------------------------------------------------------- #
+# /v1/completions on the built-in server
+# --------------------------------------------------------------------------- #
+
+
+def test_completions_follow_the_vllm_schema(server, model_dir):
+    out = complete(server, vllm.completions_request(PROMPT, 3, SEEDED, model_dir))
+    assert out["object"] == "text_completion" and out["model"] == model_dir
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    got = vllm.parse_completions(out, 3, server)
+    assert len({tuple(c.token_ids) for c in got}) > 1  # n samples differ
+    assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": sum(len(c.token_ids) for c in got),
+                            "total_tokens": 5 + sum(len(c.token_ids) for c in got)}
+    for c, raw in zip(got, out["choices"]):
+        assert c.finish_reason == "length" and len(c.token_ids) == 8 and c.weight_versions == ["default"]
+        assert raw["weight_versions"] == [{"version": "default", "start": 0, "end": 8}]
+        assert raw["logprobs"]["tokens"] == [f"token_id:{t}" for t in c.token_ids]
+        assert [list(d.values()) for d in raw["logprobs"]["top_logprobs"]] == [[x] for x in c.logprobs]
+        assert raw["prompt_token_ids"] == PROMPT
+    again = complete(server, vllm.completions_request(PROMPT, 3, SEEDED, model_dir))
+    assert again["choices"][1]["token_ids"] == got[1].token_ids  # seeded: reproducible
+
+    # several prompts, prompt-major; top-k logprobs; a stop token; a text prompt
+    body = {"model": model_dir, "prompt": [PROMPT, [20, 21]], "n": 2, "max_tokens": 5, "temperature": 0,
+            "logprobs": 2, "return_token_ids": True,
+            "return_weight_versions": True, "ignore_eos": True}
+    out = complete(server, body)
+    assert [c["prompt_token_ids"] for c in out["choices"]] == [PROMPT, PROMPT, [20, 21], [20, 21]]
+    assert len(vllm.parse_completions(out, 2, server, num_prompts=2)) == 4
+    for c in out["choices"]:
+        assert all(1 <= len(d) <= 3 for d in c["logprobs"]["top_logprobs"])  # sampled + top 2
+        assert all(not t.startswith("token_id:") for t in c["logprobs"]["tokens"])  # decoded text
+    greedy = out["choices"][0]["token_ids"]
+    out = complete(server, {**body, "prompt": PROMPT, "n": 1, "stop_token_ids": [greedy[2]]})
+    choice = out["choices"][0]
+    assert choice["token_ids"] == greedy[: greedy.index(greedy[2]) + 1]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == greedy[2]
+    out = complete(server, {"model": model_dir, "prompt": "abc", "max_tokens": 2, "temperature": 0})
+    assert out["choices"][0]["logprobs"] is None and "token_ids" not in out["choices"][0]
+    assert out["usage"]["prompt_tokens"] == 3  # char tokenizer
+
+    # errors in vLLM's shape, naming the field
+    assert_error(http(server, vllm.COMPLETIONS, {"prompt": PROMPT, "stream": True}), 400, "stream")
+    assert_error(http(server, vllm.COMPLETIONS, {"prompt": PROMPT, "n": "2"}, valid=False), 400, "n")
+    assert_error(http(server, vllm.COMPLETIONS, {"prompt": [PROMPT, []]}), 400, "prompt")
+    assert_error(http(server, vllm.COMPLETIONS, {"prompt": [10**6]}), 400, "vocabulary")
+    assert_error(http(server, vllm.COMPLETIONS, {"prompt": PROMPT, "model": "gpt-9"}), 404, "gpt-9")
+    models = http(server, vllm.MODELS)[1]
+    assert models["data"][0]["id"] == model_dir and models["object"] == "list"
+
+
+def _sglang_generate(url: str, p: SamplingParams) -> dict:
+    sp = {"max_new_tokens": p.max_new_tokens, "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k}
+    if p.seed is not None:
+        sp["sampling_seed"] = p.seed
+    status, out = post(url, "/generate", {"input_ids": PROMPT, "sampling_params": sp, "return_logprob": True})
+    assert status == 200, out
+    return out
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_logprobs_equal_the_sglang_route(server, model_dir, params):
+    sg = _sglang_generate(server, params)
+    (c,) = vllm.parse_completions(complete(server, vllm.completions_request(PROMPT, 1, params, model_dir)), 1, server)
+    assert c.token_ids == sg["output_ids"]
+    ref = [x[0] for x in sg["meta_info"]["output_token_logprobs"]]
+    assert max(abs(a - b) for a, b in zip(c.logprobs, ref)) <= 1e-5
+
+
+def _valid_body() -> dict:
+    choice = {"index": 0, "text": "", "finish_reason": "length", "token_ids": [4, 9],
+              "logprobs": {"text_offset": [0, 9], "token_logprobs": [-0.5, -1.0],
+                           "tokens": ["token_id:4", "token_id:9"],
+                           "top_logprobs": [{"token_id:4": -0.5}, {"token_id:9": -1.0}]},
+              "weight_versions": [{"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 2}]}
+    return {"id": "x", "object": "text_completion", "created": 0, "model": "m", "choices": [choice],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}}
+
+
+@pytest.mark.parametrize("path, value, field_name", [
+    (("choices", 0, "index"), 1, "choices[0].index"),
+    (("choices", 0, "logprobs", "token_logprobs"), [-0.5], "choices[0].logprobs.token_logprobs"),
+    (("choices", 0, "logprobs", "token_logprobs"), [-0.5, float("nan")], "choices[0].logprobs.token_logprobs[1]"),
+    (("choices", 0, "logprobs", "tokens"), ["token_id:9", "token_id:4"], "choices[0].logprobs.tokens[0]"),
+    (("choices", 0, "logprobs"), None, "choices[0].logprobs"),
+    (("choices", 0, "finish_reason"), "error", "choices[0].finish_reason"),
+    (("choices", 0, "token_ids"), None, "choices[0].token_ids"),
+    (("choices", 0, "weight_versions"), None, "choices[0].weight_versions"),
+    (("choices", 0, "weight_versions"), [{"version": "3", "start": 0, "end": 1}], "choices[0].weight_versions"),
+    (("choices", 0, "weight_versions", 1, "start"), 0, "choices[0].weight_versions[1].start"),
+    (("choices",), [], "choices"),
+])
+def test_parse_completions_rejects_malformed(path, value, field_name):
+    good = _valid_body()
+    RESPONSE.validate(good)
+    (c,) = vllm.parse_completions(good, 1, "r1")
+    assert (c.weight_version, c.weight_versions, c.logprobs) == ("4", ["3", "4"], [-0.5, -1.0])
+    bad = json.loads(json.dumps(good))
+    target = bad
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    with pytest.raises(MalformedResponse) as e:
+        vllm.parse_completions(bad, 1, "r1")
+    assert e.value.field_name == field_name and e.value.replica == "r1"
+
+
+# --------------------------------------------------------------------------- #
+# Pause / resume
+# --------------------------------------------------------------------------- #
+
+
+def _long_request(model_dir: str) -> dict:
+    return vllm.completions_request([40, 41], 1, SamplingParams(max_new_tokens=400, temperature=0.0), model_dir) | \
+        {"ignore_eos": True}
+
+
+def _wait_decoding(url: str) -> None:
+    deadline = time.monotonic() + 30
+    while http(url, "/get_load")[1][0]["num_output_tokens"] < 3:
+        assert time.monotonic() < deadline, "the long request never started decoding"
+        time.sleep(0.01)
+
+
+def test_pause_modes(server, model_dir, pool):
+    short = vllm.completions_request(PROMPT, 1, GREEDY, model_dir)
+    # abort: the live request ends with finish_reason abort; new ones get 503 until /resume
+    running = pool.submit(complete, server, _long_request(model_dir))
+    _wait_decoding(server)
+    assert post(server, vllm.PAUSE, query=vllm.pause_query("abort")) == (200, {"status": "paused"})
+    (c,) = vllm.parse_completions(running.result(timeout=30), 1, server)
+    assert c.finish_reason == "abort" and len(c.token_ids) < 400
+    assert http(server, "/is_paused")[1] == {"is_paused": True}
+    assert_error(http(server, vllm.COMPLETIONS, short), 503, "paused")
+    assert post(server, vllm.RESUME) == (200, {"status": "resumed"})
+    complete(server, short)
+
+    # wait: the live request finishes normally while new ones are refused
+    running = pool.submit(complete, server, _long_request(model_dir))
+    _wait_decoding(server)
+    paused = pool.submit(post, server, vllm.PAUSE, query=vllm.pause_query("wait"))
+    time.sleep(0.05)
+    assert_error(http(server, vllm.COMPLETIONS, short), 503)
+    assert paused.result(timeout=60) == (200, {"status": "paused"})
+    (c,) = vllm.parse_completions(running.result(timeout=5), 1, server)
+    assert c.finish_reason == "length" and len(c.token_ids) == 400
+    assert_error(http(server, vllm.COMPLETIONS, short), 503)
+    post(server, vllm.RESUME)
+
+    # keep: new requests queue instead of failing, and run after /resume
+    assert post(server, vllm.PAUSE, query={"mode": "keep"})[0] == 200
+    queued = pool.submit(complete, server, short)
+    time.sleep(0.3)
+    assert not queued.done()
+    post(server, vllm.RESUME)
+    assert vllm.parse_completions(queued.result(timeout=30), 1, server)[0].finish_reason == "length"
+    assert_error(post(server, vllm.PAUSE, query={"mode": "retract"}), 400, "mode")
+    assert http(server, "/is_paused")[1] == {"is_paused": False}
+
+
+# --------------------------------------------------------------------------- #
+# Weight transfer through the vLLM routes (real gloo broadcasts)
+# --------------------------------------------------------------------------- #
+
+
+def _weights(url: str, name: str) -> torch.Tensor:
+    status, values = http(url, "/get_weights_by_name", query={"name": name, "truncate_size": 100000})
+    assert status == 200, values
+    return torch.tensor(values)
+
+
+def _init(pool, url: str, **info) -> tuple:
+    """The HTTP init in flight while the trainer joins as rank 0 (each waits for the other)."""
+    port = free_port()
+    body = vllm.init_weight_transfer_request(2, 1, "127.0.0.1", port, **info)
+    reply = pool.submit(post, url, vllm.INIT_WEIGHT_TRANSFER, body)
+    group = init_weight_group("127.0.0.1", port, 0, 2, backend="gloo", group_name=GROUP_NAME, timeout_s=60)
+    assert reply.result(timeout=60) == (200, {"message": "Weight transfer initialized"})
+    return group, body
+
+
+def _update(pool, url: str, group, named: list, packed: bool, buffer_bytes: int = 1 << 30, empty: bool = False):
+    specs = [(n, dtype_name(t.dtype), list(t.shape)) for n, t in named]
+    body = vllm.update_weights_request(*zip(*specs)) if not empty else {"update_info": {}}
+    reply = pool.submit(post, url, vllm.UPDATE_WEIGHTS, body)
+    sent = vg.send_weights(group, named, packed, buffer_bytes)
+    return reply.result(timeout=60), sent
+
+
+def test_weight_push_through_vllm_routes(server, model_dir, pool):
+    from safetensors.torch import load_file
+
+    original = load_file(os.path.join(model_dir, "model.safetensors"))
+    g = torch.Generator().manual_seed(3)
+    short = vllm.completions_request(PROMPT, 1, GREEDY, model_dir)
+    before = complete(server, short)
+
+    # refused before anything is received (a posted receive would desync the group)
+    assert_error(post(server, vllm.START_WEIGHT_UPDATE), 400, "init_weight_transfer_engine")
+    assert_error(post(server, vllm.UPDATE_WEIGHTS, vllm.update_weights_request(["x"], ["float32"], [[1]])), 400)
+    assert_error(post(server, vllm.INIT_WEIGHT_TRANSFER, {"init_info": {"master_address": "127.0.0.1",
+                 "master_port": 1, "rank_offset": 1, "world_size": 2, "group_name": "g"}}), 400, "group_name")
+    assert_error(post(server, vllm.INIT_WEIGHT_TRANSFER, vllm.init_weight_transfer_request(
+        2, nccl_unique_id_b64="QUJD")), 400, "nccl_unique_id_b64")
+    assert_error(post(server, vllm.INIT_WEIGHT_TRANSFER, {"init_info": {"master_address": "127.0.0.1",
+                 "master_port": 1, "rank_offset": 2, "world_size": 2}}), 400, "init_info.rank_offset")
+    assert_error(post(server, vllm.INIT_WEIGHT_TRANSFER, {"init_info": {"master_address": "127.0.0.1",
+                 "rank_offset": 1, "world_size": 2}}), 400, "init_info.master_port")
+
+    # 1) per-tensor broadcasts: init -> pause(abort) -> start -> update -> finish(v1) -> resume
+    group, init = _init(pool, server)
+    assert_error(post(server, vllm.INIT_WEIGHT_TRANSFER, init), 400, "already initialized")
+    assert post(server, vllm.PAUSE, query=vllm.pause_query("abort"))[0] == 200
+    assert_error(http(server, vllm.COMPLETIONS, short), 503)  # 503 during pause(abort)
+    t0 = time.monotonic()
+    assert_error(post(server, vllm.UPDATE_WEIGHTS, vllm.update_weights_request(["x"], ["float32"], [[1]])), 400,
+                 "start_weight_update")
+    assert time.monotonic() - t0 < 5
+    assert post(server, vllm.START_WEIGHT_UPDATE) == (200, {"message": "Weight update started"})
+    assert_error(post(server, vllm.START_WEIGHT_UPDATE), 400, "already")
+    assert_error(post(server, vllm.UPDATE_WEIGHTS, {"update_info": {"names": [], "dtype_names": [], "shapes": [],
+                                                                     "packed": True}}), 400, "update_info.packed")
+    names = ["model.norm.weight", "model.layers.0.mlp.up_proj.weight"]
+    v1 = [(n, torch.randn(original[n].shape, generator=g)) for n in names]
+    reply, sent = _update(pool, server, group, v1, packed=False)
+    assert reply == (200, {"message": "Weights updated"}) and sent == 2
+    assert http(server, vllm.WEIGHT_INFO)[1] == {"weight_version": "default"}  # set by finish, not update
+    assert post(server, vllm.FINISH_WEIGHT_UPDATE, vllm.finish_weight_update_request("1")) == \
+        (200, {"message": "Weight update finished"})
+    assert post(server, vllm.RESUME)[0] == 200
+    assert vllm.parse_weight_info(http(server, vllm.WEIGHT_INFO)[1], server) == "1"
+    for n, t in v1:
+        assert torch.equal(_weights(server, n), t)
+    (c,) = vllm.parse_completions(complete(server, short), 1, server)
+    assert c.weight_versions == ["1"] and c.token_ids != before["choices"][0]["token_ids"]
+    # the empty update_info reuses the previous metadata (vLLM 0.33)
+    post(server, vllm.START_WEIGHT_UPDATE)
+    v1b = [(n, t + 1) for n, t in v1]
+    assert _update(pool, server, group, v1b, packed=False, empty=True)[0][0] == 200
+    post(server, vllm.FINISH_WEIGHT_UPDATE, {})  # no version: keeps "1"
+    assert http(server, vllm.WEIGHT_INFO)[1] == {"weight_version": "1"}
+    assert torch.equal(_weights(server, names[0]), v1b[0][1])
+    assert post(server, vllm.SHUTDOWN_WEIGHT_TRANSFER) == (200, {"message": "Weight transfer shut down"})
+    group.close()
+    assert_error(post(server, vllm.START_WEIGHT_UPDATE), 400, "init_weight_transfer_engine")
+
+    # 2) packed: mixed dtypes, unaligned offsets, several chunks cut by the vLLM rule
+    group, _ = _init(pool, server, packed=True, packed_buffer_size_bytes=3000)
+    v2 = [("model.layers.1.self_attn.q_norm.weight", torch.randn(16, generator=g).to(torch.bfloat16)),
+          ("model.norm.weight", torch.randn(64, generator=g)),
+          ("lm_head.weight", torch.randn(128, 64, generator=g).to(torch.bfloat16)),
+          ("model.layers.1.mlp.down_proj.weight", torch.randn(64, 256, generator=g))]
+    post(server, vllm.PAUSE, query={"mode": "wait"})
+    post(server, vllm.START_WEIGHT_UPDATE)
+    reply, sent = _update(pool, server, group, v2, packed=True, buffer_bytes=3000)
+    assert reply[0] == 200, reply
+    assert sent == 2  # [32 B, 256 B, 16 KiB] closes past 3000 B, then [64 KiB]
+    # refused after receiving (unknown name): nothing applied, the group stays in step
+    bad = [("model.norm.weight", torch.zeros(64)), ("model.no_such.weight", torch.zeros(3))]
+    reply, _ = _update(pool, server, group, bad, packed=True, buffer_bytes=3000)
+    assert_error(reply, 400, "model.no_such.weight")
+    post(server, vllm.FINISH_WEIGHT_UPDATE, vllm.finish_weight_update_request("2"))
+    post(server, vllm.RESUME)
+    assert http(server, vllm.WEIGHT_INFO)[1] == {"weight_version": "2"}
+    for n, t in v2:
+        assert torch.equal(_weights(server, n), t.float()), n
+    assert vllm.parse_completions(complete(server, short), 1, server)[0].weight_versions == ["2"]
+    # the SGLang route sees the same model and version
+    assert http(server, "/model_info")[1]["weight_version"] == "2"
+
+    # put the checkpoint back for the other tests
+    post(server, vllm.START_WEIGHT_UPDATE)
+    restore = [(n, original[n]) for n in dict(v1) | dict(v2)]
+    assert _update(pool, server, group, restore, packed=True, buffer_bytes=3000)[0][0] == 200
+    post(server, vllm.FINISH_WEIGHT_UPDATE, vllm.finish_weight_update_request("default"))
+    post(server, vllm.SHUTDOWN_WEIGHT_TRANSFER)
+    group.close()
+    assert complete(server, short)["choices"][0]["token_ids"] == before["choices"][0]["token_ids"]
+
+
+def test_debug_update_delay_slows_both_protocols(model_dir, tmp_path, pool):
+    log = tmp_path / "slow.log"
+    proc, url = start_server(model_dir, log, "--debug-update-delay-s", "0.6")
+    try:
+        t = [("model.norm.weight", torch.ones(64))]
+        group, _ = _init(pool, url)
+        post(url, vllm.START_WEIGHT_UPDATE)
+        t0 = time.monotonic()
+        assert _update(pool, url, group, t, packed=False)[0][0] == 200
+        assert time.monotonic() - t0 >= 0.6
+        post(url, vllm.FINISH_WEIGHT_UPDATE, {})
+        post(url, vllm.SHUTDOWN_WEIGHT_TRANSFER)
+        group.close()
+        # SGLang's update from disk goes through the same knob
+        assert post(url, "/begin_weight_update", {})[0] == 200
+        t0 = time.monotonic()
+        assert post(url, "/update_weights_from_disk", {"model_path": model_dir})[0] == 200
+        assert time.monotonic() - t0 >= 0.6
+    finally:
+        stop_server(proc, log)
+
+
+# --------------------------------------------------------------------------- #
+# vllm_group.py against a fake vLLM worker (facts in that module's docstring)
+# --------------------------------------------------------------------------- #
+
+
+@pytest.fixture
+def fake_vllm_module(monkeypatch):
+    """vLLM's ncclUniqueId (pynccl_wrapper.py: a ctypes Structure whose one
+    field is ``internal: c_byte * 128``) at vLLM's module path, so plain
+    ``pickle.loads`` resolves it as a vLLM worker would."""
+    module_name, class_name = vg.VLLM_UNIQUE_ID_CLASS
+    mod = types.ModuleType(module_name)
+    cls = type(class_name, (ctypes.Structure,), {"_fields_": [("internal", ctypes.c_byte * 128)],
+                                                 "__module__": module_name})
+    mod.ncclUniqueId = cls
+    parts = module_name.split(".")
+    for i in range(1, len(parts)):
+        monkeypatch.setitem(sys.modules, ".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+    monkeypatch.setitem(sys.modules, module_name, mod)
+    return cls
+
+
+def test_unique_id_pickle_interoperates_with_vllm_class(fake_vllm_module):
+    raw = bytes(range(128))
+    obj = pickle.loads(vg.pickle_unique_id(raw))  # what a vLLM worker does with the store value
+    assert type(obj) is fake_vllm_module and bytes(obj) == raw
+    assert bytes(bytearray(x & 0xFF for x in obj.internal)) == raw
+    # and the other way: a pickle made by vLLM's own class (any protocol) reads back
+    theirs = fake_vllm_module()
+    ctypes.memmove(ctypes.addressof(theirs), raw, 128)
+    for protocol in (2, 3, pickle.DEFAULT_PROTOCOL):
+        assert vg.load_unique_id(pickle.dumps(theirs, protocol=protocol)) == raw
+    assert vg.load_unique_id(vg.pickle_unique_id(raw)) == raw
+    pickletools.dis(vg.pickle_unique_id(raw), out=io.StringIO())  # well-formed
+    with pytest.raises(pickle.UnpicklingError):  # a store value never runs anything else
+        vg.load_unique_id(pickle.dumps(os.system))
+    with pytest.raises(ValueError):
+        vg.pickle_unique_id(b"short")
+
+
+class FakeFabric:
+    """An in-process stand-in for NCCL: ranks of one unique id meet at
+    barriers, each collective must match in kind, dtype and size on every
+    rank (as NCCL requires), broadcast copies from rank 0, all_reduce sums."""
+
+    def __init__(self, timeout_s: float = 10.0):
+        self.timeout_s = timeout_s
+        self.calls: list[tuple] = []
+        self.errors: list[str] = []
+        self._groups: dict[bytes, dict] = {}
+        self._lock = threading.Lock()
+
+    def unique_id(self) -> bytes:
+        self.calls.append(("unique_id",))
+        return os.urandom(128)
+
+    def init_rank(self, world_size: int, unique_id: bytes, rank: int, device=None):
+        self.calls.append(("init_rank", rank, world_size))
+        with self._lock:
+            g = self._groups.setdefault(unique_id, {"world": world_size, "slots": {},
+                                                    "barrier": threading.Barrier(world_size, timeout=self.timeout_s)})
+        assert g["world"] == world_size, "ranks disagree on world_size"
+        g["barrier"].wait()  # like ncclCommInitRank: returns when all ranks joined
+        return (unique_id, rank)
+
+    def _collective(self, comm, kind: str, tensor: torch.Tensor) -> None:
+        uid, rank = comm
+        g = self._groups[uid]
+        self.calls.append((kind, rank, tensor.dtype, tensor.numel()))
+        g["slots"][rank] = (kind, tensor.dtype, tensor.numel(), tensor)
+        g["barrier"].wait()
+        sig = {s[:3] for s in g["slots"].values()}
+        if len(sig) != 1:
+            self.errors.append(f"mismatched collective: {sorted(map(str, sig))}")
+            g["barrier"].abort()
+            raise RuntimeError(self.errors[-1])
+        result = (sum(s[3] for s in g["slots"].values()) if kind == "all_reduce" else g["slots"][0][3]).clone()
+        g["barrier"].wait()
+        tensor.copy_(result)
+        g["barrier"].wait()
+
+    def all_reduce(self, tensor, comm) -> None:
+        self._collective(comm, "all_reduce", tensor)
+
+    def broadcast(self, tensor, comm, stream=None) -> None:
+        self._collective(comm, "broadcast", tensor)
+
+    def abort(self, comm) -> None:
+        self.calls.append(("abort", comm[1]))
+
+
+def fake_vllm_worker(fabric: FakeFabric, host: str, port: int, rank: int, world_size: int,
+                     specs: list[tuple[str, torch.dtype, list[int]]], packed: bool, buffer_bytes: int) -> dict:
+    """One vLLM worker, from the facts: StatelessProcessGroup client store,
+    broadcast_obj(src=0) #0 = pickled ncclUniqueId, ncclCommInitRank, warm-up
+    all_reduce of zeros(1), then the receive of one update."""
+    store = torch.distributed.TCPStore(host, port, world_size, False, timedelta(seconds=20), use_libuv=False)
+    uid = bytes(pickle.loads(store.get("broadcast_from/0/0")))
+    comm = fabric.init_rank(world_size, uid, rank)
+    warm = torch.zeros(1)
+    fabric.all_reduce(warm, comm)
+    assert warm.item() == 0.0
+    got = {}
+    if not packed:
+        for name, dtype, shape in specs:
+            t = torch.empty(shape, dtype=dtype)
+            fabric.broadcast(t, comm)
+            got[name] = t
+        return got
+    # packed consumer: add tensors until the running size passes the buffer, then receive that chunk
+    pending, size = [], 0
+    for i, (name, dtype, shape) in enumerate(specs):
+        pending.append((name, dtype, shape, math.prod(shape) * dtype.itemsize))
+        size += pending[-1][3]
+        if size > buffer_bytes or i == len(specs) - 1:
+            buf = torch.empty(size, dtype=torch.uint8)
+            fabric.broadcast(buf, comm)
+            pos = 0
+            for n, d, s, nb in pending:
+                got[n] = buf[pos:pos + nb].clone().view(d).view(s)
+                pos += nb
+            pending, size = [], 0
+    return got
+
+
+@pytest.mark.parametrize("packed, buffer_bytes", [(False, 100), (True, 100), (True, 74)],
+                         ids=["per-tensor", "packed", "packed-exact-fill"])
+def test_vllm_group_handshake_with_fake_workers(fake_vllm_module, packed, buffer_bytes):
+    fabric = FakeFabric()
+    port, world = free_port(), 3  # trainer + a TP=2 replica at rank_offset 1
+    g = torch.Generator().manual_seed(0)
+    named = [("a", torch.randn(5, 3, generator=g)), ("b", torch.randn(7, generator=g).to(torch.bfloat16)),
+             ("c", torch.arange(11, dtype=torch.int64)), ("d", torch.randn(40, generator=g))]
+    specs = [(n, t.dtype, list(t.shape)) for n, t in named]
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:
+        # workers first: they wait for the store and the key, as real ones do
+        workers = [ex.submit(fake_vllm_worker, fabric, "127.0.0.1", port, 1 + w, world, specs, packed, buffer_bytes)
+                   for w in range(2)]
+        group = vg.init_vllm_weight_group("127.0.0.1", port, world, device="cpu", timeout_s=20, nccl=fabric)
+        sent = vg.send_weights(group, named, packed, packed_buffer_size_bytes=buffer_bytes)
+        results = [w.result(timeout=20) for w in workers]
+    assert not fabric.errors
+    for got in results:
+        assert list(got) == [n for n, _ in named]
+        for n, t in named:
+            assert got[n].dtype == t.dtype and torch.equal(got[n], t), n
+    # a: 60 B, b: 14 -> 74 (not past 74: stays open), c: 88 -> 162 closes; d: 160 closes
+    assert sent == (2 if packed else 4)
+    mine = [c for c in fabric.calls if len(c) < 2 or c[1] == 0 or c[0] == "unique_id"]
+    assert mine[:3] == [("unique_id",), ("init_rank", 0, world), ("all_reduce", 0, torch.float32, 1)]
+    assert [c[0] for c in mine[3:]] == ["broadcast"] * sent
+    # the store holds the id under StatelessProcessGroup's key, unprefixed
+    client = torch.distributed.TCPStore("127.0.0.1", port, world, False, timedelta(seconds=5), use_libuv=False)
+    assert client.check([vg.UNIQUE_ID_KEY]) and vg.UNIQUE_ID_KEY == "broadcast_from/0/0"
+    assert len(vg.load_unique_id(client.get(vg.UNIQUE_ID_KEY))) == 128
+    group.close()
+    assert group.closed and ("abort", 0) in fabric.calls
+    with pytest.raises(RuntimeError, match="closed"):
+        group.broadcast(torch.zeros(1))
+
+
+def test_a_trainer_without_the_warmup_deadlocks_the_fake(fake_vllm_module, monkeypatch):
+    """The fake is strict enough to catch a skipped warm-up all_reduce."""
+    fabric = FakeFabric(timeout_s=3)
+    monkeypatch.setattr(vg, "_join", lambda nccl, world, uid, dev: nccl.init_rank(world, uid, 0, dev))
+    port = free_port()
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        worker = ex.submit(fake_vllm_worker, fabric, "127.0.0.1", port, 1, 2, [("a", torch.float32, [4])], False, 0)
+        group = vg.init_vllm_weight_group("127.0.0.1", port, 2, device="cpu", timeout_s=10, nccl=fabric)
+        with pytest.raises(Exception):
+            group.broadcast(torch.ones(4))
+        with pytest.raises(Exception):
+            worker.result(timeout=10)
+    assert fabric.errors and "all_reduce" in fabric.errors[0]
+
+
+def test_unique_id_rendezvous_needs_no_store():
+    fabric = FakeFabric()
+    raw, b64 = vg.mint_unique_id_b64(fabric)
+    info = vllm.init_weight_transfer_request(2, nccl_unique_id_b64=b64)["init_info"]
+    import base64
+
+    assert base64.b64decode(info["nccl_unique_id_b64"], validate=True) == raw
+
+    def worker():  # vLLM's uid path: decode, ncclCommInitRank, warm-up, receive
+        comm = fabric.init_rank(2, base64.b64decode(info["nccl_unique_id_b64"]), 1)
+        fabric.all_reduce(torch.zeros(1), comm)
+        t = torch.empty(3)
+        fabric.broadcast(t, comm)
+        return t
+
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        got = ex.submit(worker)
+        group = vg.init_vllm_weight_group_from_unique_id(raw, 2, device="cpu", nccl=fabric)
+        group.broadcast(torch.tensor([1.0, 2.0, 3.0]))
+        assert torch.equal(got.result(timeout=10), torch.tensor([1.0, 2.0, 3.0]))
+    assert not fabric.errors

@@ -1,0 +1,659 @@
+"""vLLM 0.33's HTTP subset on the built-in server (mounted by ``server.py``).
+
+Routes: ``/v1/completions`` (non-streaming), ``/v1/models``, and the RL
+weight-transfer routes a trainer drives (``/init_weight_transfer_engine``,
+``/pause``, ``/resume``, ``/is_paused``, ``/start_weight_update``,
+``/update_weights``, ``/finish_weight_update``, ``/weight_info``,
+``/get_world_size``, ``/shutdown_weight_transfer_engine``). ``/health`` is
+shared with the SGLang routes (same meaning); ``/update_weight_version`` is
+SGLang's (it aborts live requests unless ``abort_all_requests`` is false).
+Errors use vLLM's shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+Generation and weight loading are :class:`Engine`'s, exactly as for the SGLang
+routes, so both protocols serve the same model and the same version.
+
+The transfer group is ours (``weight_sync/group.py``: gloo on a CPU server,
+NCCL on a GPU one), joined as rank ``rank_offset`` (the server is one worker)
+under the group name :data:`GROUP_NAME`; a trainer pushing to the built-in
+server joins with ``init_weight_group(..., rank=0, group_name=GROUP_NAME)``.
+Real vLLM speaks a different rendezvous: see ``weight_sync/vllm_group.py``.
+
+Deliberate differences from vLLM, each a 400 naming the field: streaming,
+echo, suffix, prompt logprobs, beam search, structured output, and the
+``nccl_unique_id_b64`` rendezvous. Logprobs are ``log_softmax(logits / T)``
+(the SGLang routes' quantity), not vLLM's default raw logprobs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+import torch
+from aiohttp import web
+
+from torchtitan_grpo.inference import vllm as proto
+from torchtitan_grpo.inference.engine import (
+    Engine,
+    RequestError,
+    SampleResult,
+    SamplingParams,
+    WeightUpdateError,
+    receive_weights,
+)
+from torchtitan_grpo.weight_sync.buckets import TensorSpec, dtype_from_name, plan_packed_chunks, unpack
+
+logger = logging.getLogger("torchtitan_grpo.inference.server")
+
+GROUP_NAME = "vllm_weight_transfer"
+"""Group name of the built-in server's transfer group (trainer must match)."""
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
+# Valid in vLLM but not implemented here: a value other than the default is a 400.
+_UNSUPPORTED = {
+    "stream": False, "echo": False, "suffix": None, "prompt_logprobs": None, "use_beam_search": False,
+    "response_format": None, "structured_outputs": None, "prompt_embeds": None, "logprob_token_ids": None,
+    "allowed_token_ids": None, "bad_words": None, "truncate_prompt_tokens": None,
+}
+
+
+class VLLMError(Exception):
+    """Becomes ``{"error": {...}}`` with HTTP ``code``."""
+
+    _TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+    def __init__(self, code: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.code, self.message, self.param = code, message, param
+
+    def response(self) -> web.Response:
+        err = {"message": self.message, "type": self._TYPES.get(self.code, "BadRequestError"),
+               "param": self.param, "code": self.code}
+        return web.json_response({"error": err}, status=self.code)
+
+
+def _bad(message: str, param: str | None = None) -> VLLMError:
+    return VLLMError(400, message, param)
+
+
+def _vllm_api(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+    """Answer errors in vLLM's shape (the app's middleware would use SGLang's)."""
+
+    async def run(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except VLLMError as e:
+            return e.response()
+        except RequestError as e:  # the engine refused a prompt or a parameter
+            return _bad(str(e)).response()
+
+    return run
+
+
+def _shielded(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+    """State changes run to completion even if their caller hangs up."""
+
+    async def run(request: web.Request) -> web.StreamResponse:
+        return await asyncio.shield(handler(request))
+
+    return run
+
+
+# --------------------------------------------------------------------------- #
+# Field helpers (each error names the field)
+# --------------------------------------------------------------------------- #
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "int": (_is_int, "an integer"),
+    "num": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+    "bool": (lambda v: isinstance(v, bool), "a boolean"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "list": (lambda v: isinstance(v, list), "a list"),
+    "dict": (lambda v: isinstance(v, dict), "an object"),
+}
+
+
+def _field(body: dict, key: str, kind: str, default: Any = None, where: str = "") -> Any:
+    """``body[key]`` checked against ``kind``; absent or null gives ``default``."""
+    v = body.get(key)
+    if v is None:
+        return default
+    ok, expected = _KINDS[kind]
+    if not ok(v):
+        raise _bad(f"'{where}{key}' must be {expected}, got {str(v)[:80]}", f"{where}{key}")
+    return float(v) if kind == "num" else v
+
+
+async def _json(request: web.Request) -> dict:
+    raw = await request.read()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        raise _bad(f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise _bad("request body must be a JSON object")
+    return body
+
+
+# --------------------------------------------------------------------------- #
+# /v1/completions
+# --------------------------------------------------------------------------- #
+
+
+@dataclass
+class _CompletionCall:
+    """A checked /v1/completions body."""
+
+    prompts: list[list[int]]
+    params: SamplingParams
+    logprobs: int | None
+    """None: no logprobs object; k: the sampled token plus the top k."""
+    return_token_ids: bool
+    tokens_as_ids: bool
+    return_weight_versions: bool
+
+
+def _sampling_params(body: dict, max_context: int) -> SamplingParams:
+    """Map vLLM's CompletionRequest fields onto engine :class:`SamplingParams`."""
+    stop = body.get("stop")
+    if stop is None:
+        stop_t: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stop_t = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stop_t = tuple(s for s in stop if s)
+    else:
+        raise _bad("'stop' must be a string or a list of strings", "stop")
+    stop_ids = _field(body, "stop_token_ids", "list", [])
+    if not all(_is_int(t) for t in stop_ids):
+        raise _bad("'stop_token_ids' must be a list of integers", "stop_token_ids")
+    bias = _field(body, "logit_bias", "dict", None)
+    try:
+        bias = {int(k): float(v) for k, v in bias.items()} if bias else None
+    except (TypeError, ValueError):
+        raise _bad("'logit_bias' must map token ids to numbers", "logit_bias") from None
+    top_k = _field(body, "top_k", "int", -1)
+    # An explicit null means "up to the context": the engine stops there anyway.
+    max_tokens = max_context if "max_tokens" in body and body["max_tokens"] is None else \
+        _field(body, "max_tokens", "int", 16)
+    return SamplingParams(
+        max_new_tokens=max_tokens,
+        temperature=_field(body, "temperature", "num", 1.0),
+        top_p=_field(body, "top_p", "num", 1.0),
+        top_k=-1 if top_k in (0, -1) else top_k,  # vLLM: 0 and -1 both keep all
+        min_p=_field(body, "min_p", "num", 0.0),
+        min_new_tokens=_field(body, "min_tokens", "int", 0),
+        stop_token_ids=tuple(stop_ids),
+        stop=stop_t,
+        ignore_eos=_field(body, "ignore_eos", "bool", False),
+        n=_field(body, "n", "int", 1),
+        seed=_field(body, "seed", "int", None),
+        repetition_penalty=_field(body, "repetition_penalty", "num", 1.0),
+        frequency_penalty=_field(body, "frequency_penalty", "num", 0.0),
+        presence_penalty=_field(body, "presence_penalty", "num", 0.0),
+        logit_bias=bias,
+        skip_special_tokens=_field(body, "skip_special_tokens", "bool", True),
+        no_stop_trim=_field(body, "include_stop_str_in_output", "bool", False),
+    )
+
+
+_ENGINE_TO_VLLM = {"sampling_params.max_new_tokens": "max_tokens", "sampling_params.min_new_tokens": "min_tokens",
+                   "sampling_params.sampling_seed": "seed", "sampling_params.": ""}
+
+
+def _vllm_names(message: str) -> str:
+    """Engine messages use SGLang's field names; say vLLM's instead."""
+    for engine_name, vllm_name in _ENGINE_TO_VLLM.items():
+        message = message.replace(engine_name, vllm_name)
+    return message
+
+
+def _version_spans(r: SampleResult) -> list[dict]:
+    """vLLM reports spans covering every output token, even when the version
+    never changed (the engine records spans only on a change)."""
+    if r.weight_versions:
+        return [{"version": s.version, "start": s.start, "end": s.end} for s in r.weight_versions]
+    n = len(r.output_ids)
+    return [{"version": r.weight_version, "start": 0, "end": n}] if n else []
+
+
+# --------------------------------------------------------------------------- #
+# Weight transfer state
+# --------------------------------------------------------------------------- #
+
+
+@dataclass
+class _TransferInfo:
+    """A checked ``init_info`` (what the receive side must agree on)."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    packed: bool = False
+    packed_buffer_size_bytes: int = proto.DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    packed_num_buffers: int = proto.DEFAULT_PACKED_NUM_BUFFERS
+    """Only paces vLLM's double buffering; the bytes on the wire do not depend on it."""
+
+
+def _parse_init_info(info: Any) -> _TransferInfo:
+    if not isinstance(info, dict):
+        raise _bad("'init_info' must be an object", "init_info")
+    unknown = sorted(set(info) - proto.INIT_INFO_KEYS)
+    if unknown:
+        raise _bad(f"Invalid init_info: unexpected key(s) {unknown}; accepted: {sorted(proto.INIT_INFO_KEYS)}",
+                   f"init_info.{unknown[0]}")
+    if info.get("nccl_unique_id_b64") is not None:
+        raise _bad("init_info.nccl_unique_id_b64: the built-in server rendezvouses through "
+                   "master_address/master_port only", "init_info.nccl_unique_id_b64")
+    w = "init_info."
+    for key in ("master_address", "master_port", "rank_offset", "world_size"):
+        if info.get(key) is None:
+            raise _bad(f"missing required field '{w}{key}'", f"{w}{key}")
+    t = _TransferInfo(
+        master_address=_field(info, "master_address", "str", where=w),
+        master_port=_field(info, "master_port", "int", where=w),
+        rank_offset=_field(info, "rank_offset", "int", where=w),
+        world_size=_field(info, "world_size", "int", where=w),
+        packed=_field(info, "packed", "bool", False, where=w),
+        packed_buffer_size_bytes=_field(info, "packed_buffer_size_bytes", "int",
+                                        proto.DEFAULT_PACKED_BUFFER_SIZE_BYTES, where=w),
+        packed_num_buffers=_field(info, "packed_num_buffers", "int", proto.DEFAULT_PACKED_NUM_BUFFERS, where=w),
+    )
+    if not 0 < t.master_port < 65536:
+        raise _bad(f"'{w}master_port' must be in [1, 65535], got {t.master_port}", f"{w}master_port")
+    # This server is one worker, so its rank is rank_offset itself.
+    if not 0 < t.rank_offset < t.world_size:
+        raise _bad(f"'{w}rank_offset' must be in [1, world_size={t.world_size}), got {t.rank_offset}",
+                   f"{w}rank_offset")
+    if t.packed_buffer_size_bytes <= 0 or t.packed_num_buffers < 1:
+        raise _bad(f"'{w}packed_buffer_size_bytes' must be > 0 and '{w}packed_num_buffers' >= 1",
+                   f"{w}packed_buffer_size_bytes")
+    return t
+
+
+def _parse_update_info(info: Any, previous: list[TensorSpec] | None) -> list[TensorSpec]:
+    """Specs of one /update_weights call; all-empty lists reuse the previous
+    call's (vLLM 0.33 lets a trainer ship unchanged metadata only once)."""
+    if isinstance(info, list):
+        raise _bad("'update_info' as a list (per-worker payloads) is not supported: the built-in "
+                   "server is one worker", "update_info")
+    if not isinstance(info, dict):
+        raise _bad("'update_info' must be an object", "update_info")
+    unknown = sorted(set(info) - proto.UPDATE_INFO_KEYS)
+    if unknown:
+        raise _bad(f"Invalid update_info: unexpected key(s) {unknown}; packing is fixed by init_info",
+                   f"update_info.{unknown[0]}")
+    w = "update_info."
+    names = _field(info, "names", "list", [], where=w)
+    dtypes = _field(info, "dtype_names", "list", [], where=w)
+    shapes = _field(info, "shapes", "list", [], where=w)
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise _bad(f"'names', 'dtype_names' and 'shapes' differ in length ({len(names)}, {len(dtypes)}, "
+                   f"{len(shapes)})", "update_info")
+    if not names:
+        if previous is None:
+            raise _bad("empty update_info reuses the previous call's metadata, and there was none", "update_info")
+        return previous
+    specs = []
+    for i, (n, d, s) in enumerate(zip(names, dtypes, shapes)):
+        if not isinstance(n, str) or not n:
+            raise _bad(f"'{w}names[{i}]' must be a non-empty string", f"{w}names")
+        try:
+            dtype = dtype_from_name(d)
+        except (TypeError, ValueError) as e:
+            raise _bad(f"'{w}dtype_names[{i}]' (tensor {n!r}): {e}", f"{w}dtype_names") from None
+        if not isinstance(s, list) or not all(_is_int(x) and x >= 0 for x in s):
+            raise _bad(f"'{w}shapes[{i}]' (tensor {n!r}) must be a list of non-negative integers", f"{w}shapes")
+        specs.append(TensorSpec(n, dtype, tuple(s)))
+    return specs
+
+
+def receive_packed(group: Any, specs: list[TensorSpec], buffer_bytes: int) -> list[tuple[str, torch.Tensor]]:
+    """Receive vLLM packed-mode chunks: one uint8 broadcast per chunk, cut
+    exactly as the sender cuts (``plan_packed_chunks``). Offsets inside a chunk
+    are not itemsize-aligned, so tensors are copied out."""
+    out = []
+    for chunk in plan_packed_chunks(specs, buffer_bytes):
+        buf = torch.empty(sum(s.nbytes for s in chunk), dtype=torch.uint8, device=group.device)
+        group.broadcast(buf, src=0)
+        out.extend(zip([s.name for s in chunk], unpack(buf, chunk, copy=True)))
+    return out
+
+
+@dataclass
+class _Transfer:
+    """The weight-transfer engine state of this server."""
+
+    info: _TransferInfo | None = None
+    group: Any = None
+    """A ``WeightGroup`` once /init_weight_transfer_engine succeeded."""
+    updating: bool = False
+    """Between /start_weight_update and /finish_weight_update."""
+    last_specs: list[TensorSpec] | None = None
+    """Metadata of the last /update_weights (an all-empty update_info reuses it)."""
+
+
+class VLLMRoutes:
+    """vLLM 0.33's completions and weight-transfer routes over an :class:`Engine`."""
+
+    def __init__(self, engine: Engine, cfg: Any):
+        self.engine = engine
+        self.cfg = cfg
+        """The server's ``ServerConfig``."""
+        self.served_names = [cfg.model, os.path.basename(os.path.normpath(cfg.model))]
+        self.t = _Transfer()
+        self.gate: str | None = None
+        """Pause mode (abort | wait) under which new completions get 503."""
+        self.draining = False
+        self._created = int(time.time())
+        # Receives and loads run here, off the event loop and one at a time.
+        self._transfer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vllm-transfer")
+        self._lock = asyncio.Lock()
+
+    def register(self, app: web.Application) -> None:
+        r = app.router
+        r.add_post(proto.COMPLETIONS, _vllm_api(self.completions))
+        r.add_get(proto.MODELS, _vllm_api(self.models))
+        for path, handler in [
+            (proto.INIT_WEIGHT_TRANSFER, self.init_weight_transfer_engine),
+            (proto.PAUSE, self.pause),
+            (proto.RESUME, self.resume),
+            (proto.START_WEIGHT_UPDATE, self.start_weight_update),
+            (proto.UPDATE_WEIGHTS, self.update_weights),
+            (proto.FINISH_WEIGHT_UPDATE, self.finish_weight_update),
+            (proto.SHUTDOWN_WEIGHT_TRANSFER, self.shutdown_weight_transfer_engine),
+        ]:
+            # shield outside: a caller that hangs up still gets its errors turned into replies
+            r.add_post(path, _shielded(_vllm_api(handler)))
+        r.add_get(proto.WEIGHT_INFO, _vllm_api(self.weight_info))
+        r.add_get(proto.WORLD_SIZE, _vllm_api(self.get_world_size))
+        r.add_get("/is_paused", _vllm_api(self.is_paused))
+
+    def close(self) -> None:
+        if self.t.group is not None:
+            try:
+                self.t.group.close()
+            except Exception as e:  # shutting down anyway
+                logger.warning("closing the vLLM transfer group: %s", e)
+            self.t.group = None
+        self._transfer.shutdown(wait=False, cancel_futures=True)
+
+    async def _run(self, fn: Callable, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._transfer, fn, *args)
+
+    # ---- generation ------------------------------------------------------ #
+
+    def _rejecting(self) -> bool:
+        # The gate holds while draining (mode=wait) and while the engine stays
+        # paused; a resume through the SGLang route lifts it too.
+        return self.gate is not None and (self.draining or self.engine.paused is not None)
+
+    async def completions(self, request: web.Request) -> web.Response:
+        if self._rejecting():
+            raise VLLMError(503, f"generation is paused (mode={self.gate}); retry after /resume")
+        body = await _json(request)
+        call = self._parse_completions(body)
+        rids = [f"cmpl-{uuid.uuid4().hex}" for _ in call.prompts]
+        top = max(call.logprobs or 0, 0)
+        futures = [self.engine.submit(p, call.params, rid=rid, top_logprobs_num=top)
+                   for p, rid in zip(call.prompts, rids)]
+        try:
+            results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        except asyncio.CancelledError:
+            for f, rid in zip(futures, rids):  # the client went away: stop its samples
+                if f.cancelled() or not f.done():
+                    self.engine.abort(rid, "client disconnected", wait=False)
+            raise
+        choices: list[dict] = []
+        for samples in results:  # prompt-major: index = prompt * n + sample
+            for r in samples:
+                choices.append(self._choice(len(choices), r, call))
+        n_prompt = sum(len(p) for p in call.prompts)
+        n_out = sum(len(r.output_ids) for samples in results for r in samples)
+        return web.json_response({
+            "id": rids[0], "object": "text_completion", "created": int(time.time()),
+            "model": body.get("model") or self.served_names[0], "choices": choices,
+            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out},
+        })
+
+    def _parse_completions(self, body: dict) -> _CompletionCall:
+        """Check a whole body (every prompt) before anything is queued."""
+        model = body.get("model")
+        if model is not None and model not in self.served_names:
+            raise VLLMError(404, f"The model `{model}` does not exist.", "model")
+        for key, default in _UNSUPPORTED.items():
+            value = body.get(key)
+            if value is not None and value != default and value != []:  # [] = no bad words etc.
+                raise _bad(f"'{key}' is not supported by the built-in server", key)
+        prompts = self._prompts(body.get("prompt"))
+        params = _sampling_params(body, self.engine.max_context)
+        logprobs = _field(body, "logprobs", "int", None)
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise _bad(f"'logprobs' must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
+        for i, p in enumerate(prompts):
+            try:
+                self.engine.check_request(p, params)
+            except RequestError as e:
+                msg = _vllm_names(str(e))
+                raise _bad(f"prompt {i}: {msg}" if len(prompts) > 1 else msg, "prompt") from None
+        return _CompletionCall(
+            prompts=prompts, params=params, logprobs=logprobs,
+            return_token_ids=bool(_field(body, "return_token_ids", "bool", False)),
+            tokens_as_ids=bool(_field(body, "return_tokens_as_token_ids", "bool", False)),
+            return_weight_versions=bool(_field(body, "return_weight_versions", "bool", False)),
+        )
+
+    def _prompts(self, prompt: Any) -> list[list[int]]:
+        """str | [str] | [int] | [[int]] -> token-id prompts."""
+        if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+            return [prompt]
+        if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+            for i, p in enumerate(prompt):
+                if not p or not all(_is_int(t) for t in p):
+                    raise _bad(f"'prompt[{i}]' must be a non-empty list of token ids", "prompt")
+            return prompt
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+            raise _bad("'prompt' must be a string, a list of strings, a list of token ids or a list of such lists",
+                       "prompt")
+        if self.engine.tokenizer is None:
+            raise _bad("a text 'prompt' needs a tokenizer and this model has none; send token ids", "prompt")
+        return [self.engine.tokenizer.encode(t) for t in texts]
+
+    def _token_str(self, token_id: int, as_id: bool) -> str:
+        text = None if as_id else self.engine.token_text(token_id)
+        return f"{proto.TOKEN_ID_PREFIX}{token_id}" if text is None else text
+
+    def _logprobs(self, r: SampleResult, k: int, as_ids: bool) -> dict:
+        """OpenAI completions logprobs: per token its string, its logprob and a
+        dict of the sampled token plus the top k (at most k+1 entries)."""
+        tokens = [self._token_str(t, as_ids) for t in r.output_ids]
+        values = [max(lp, -9999.0) for lp in r.output_logprobs]  # -inf is not JSON
+        tops = []
+        for step, (tok, lp) in enumerate(zip(tokens, values)):
+            d = {tok: lp}
+            for top_lp, top_id in (r.top_logprobs[step] if r.top_logprobs else [])[:k]:
+                if len(d) > k:
+                    break
+                d.setdefault(self._token_str(top_id, as_ids), max(top_lp, -9999.0))
+            tops.append(d)
+        offsets, pos = [], 0
+        for tok in tokens:
+            offsets.append(pos)
+            pos += len(tok)
+        return {"text_offset": offsets, "token_logprobs": values, "tokens": tokens, "top_logprobs": tops}
+
+    def _choice(self, index: int, r: SampleResult, call: _CompletionCall) -> dict:
+        f = r.finish_reason
+        # stop_reason: the stop string or stop token id; None for EOS or length.
+        stop_reason = None
+        if f.kind == "stop" and (isinstance(f.matched, str) or f.matched in call.params.stop_token_ids):
+            stop_reason = f.matched
+        choice: dict[str, Any] = {
+            "index": index, "text": r.text or "",
+            "logprobs": None if call.logprobs is None else self._logprobs(r, call.logprobs, call.tokens_as_ids),
+            "finish_reason": f.kind, "stop_reason": stop_reason,
+        }
+        if call.return_token_ids:
+            choice["prompt_token_ids"] = r.prompt_ids
+            choice["token_ids"] = r.output_ids
+        if call.return_weight_versions:
+            choice["weight_versions"] = _version_spans(r)
+        return choice
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = {"id": self.served_names[0], "object": "model", "created": self._created, "owned_by": "vllm",
+                "root": self.cfg.model, "parent": None, "max_model_len": self.engine.max_context}
+        return web.json_response({"object": "list", "data": [card]})
+
+    # ---- pause / resume --------------------------------------------------- #
+
+    async def pause(self, request: web.Request) -> web.Response:
+        mode = request.query.get("mode", "abort")
+        if mode not in proto.PAUSE_MODES:
+            raise _bad(f"query 'mode' must be one of {', '.join(proto.PAUSE_MODES)}, got {mode!r}", "mode")
+        if mode == "keep":
+            # Live requests freeze (KV kept); new ones queue until /resume.
+            self.gate = None
+            await asyncio.to_thread(self.engine.pause, "in_place")
+            return web.json_response({"status": "paused"})
+        self.gate = mode
+        if mode == "abort":
+            await asyncio.to_thread(self.engine.pause, "abort")
+            return web.json_response({"status": "paused"})
+        self.draining = True  # mode=wait: refuse new work, let the live work end
+        try:
+            # (requests frozen by an earlier in-place pause would never finish)
+            while self.engine.num_live_requests() and self.engine.alive and self.engine.paused is None:
+                await asyncio.sleep(0.01)
+            await asyncio.to_thread(self.engine.pause, "in_place")
+        finally:
+            self.draining = False
+        return web.json_response({"status": "paused"})
+
+    async def resume(self, request: web.Request) -> web.Response:
+        self.gate = None
+        self.engine.resume()
+        return web.json_response({"status": "resumed"})
+
+    async def is_paused(self, request: web.Request) -> web.Response:
+        return web.json_response({"is_paused": self.engine.paused is not None})
+
+    # ---- weight transfer --------------------------------------------------- #
+
+    async def init_weight_transfer_engine(self, request: web.Request) -> web.Response:
+        info = _parse_init_info((await _json(request)).get("init_info"))
+        async with self._lock:
+            if self.t.group is not None:
+                raise _bad("the weight transfer engine is already initialized; call "
+                           "/shutdown_weight_transfer_engine first", "init_info")
+            from torchtitan_grpo.weight_sync.group import init_weight_group
+
+            backend = "nccl" if self.engine.device.type == "cuda" else "gloo"
+            try:
+                # Blocks until the trainer (rank 0, hosts the store) joins; a
+                # plain thread keeps the event loop serving meanwhile.
+                group = await asyncio.to_thread(
+                    init_weight_group, info.master_address, info.master_port, info.rank_offset,
+                    info.world_size, backend, GROUP_NAME, self.cfg.weight_group_timeout_s,
+                    self.engine.device if backend == "nccl" else None,
+                )
+            except Exception as e:
+                raise VLLMError(500, f"weight transfer rendezvous at {info.master_address}:{info.master_port} "
+                                     f"failed: {type(e).__name__}: {e}") from None
+            self.t = _Transfer(info=info, group=group)
+        logger.info("vLLM weight transfer: rank %d of %d (%s, packed=%s)", info.rank_offset, info.world_size,
+                    backend, info.packed)
+        return web.json_response({"message": "Weight transfer initialized"})
+
+    def _require_group(self) -> Any:
+        if self.t.group is None:
+            raise _bad("weight transfer is not initialized: call /init_weight_transfer_engine first")
+        return self.t.group
+
+    async def start_weight_update(self, request: web.Request) -> web.Response:
+        self._require_group()
+        if self.t.updating:
+            raise _bad("a weight update is already in progress; call /finish_weight_update first")
+        self.t.updating = True
+        return web.json_response({"message": "Weight update started"})
+
+    async def update_weights(self, request: web.Request) -> web.Response:
+        body = await _json(request)
+        # Everything that can be refused is refused before the first receive:
+        # a receive posted for a refused update would desynchronise the group.
+        group = self._require_group()
+        if not self.t.updating:
+            raise _bad("no weight update in progress: call /start_weight_update first (nothing was received)")
+        specs = _parse_update_info(body.get("update_info"), self.t.last_specs)
+        info = self.t.info
+        async with self._lock:
+            try:
+                if info.packed:
+                    named = await self._run(receive_packed, group, specs, info.packed_buffer_size_bytes)
+                else:
+                    named = await self._run(receive_weights, group, specs, False)
+            except WeightUpdateError as e:
+                raise _bad(f"received, not loaded: {e}") from None
+            except Exception as e:
+                logger.warning("vLLM weight receive failed: %s", e)
+                raise VLLMError(500, f"receiving weights failed: {type(e).__name__}: {e}") from None
+            self.t.last_specs = specs
+            await debug_update_delay(self.cfg)
+            try:
+                await self._run(self.engine.load_weights, named, None)
+            except WeightUpdateError as e:
+                raise _bad(f"weights not loaded (model unchanged): {e}", "update_info.names") from None
+        return web.json_response({"message": "Weights updated"})
+
+    async def finish_weight_update(self, request: web.Request) -> web.Response:
+        version = _field(await _json(request), "weight_version", "str", None)
+        if not self.t.updating:
+            raise _bad("no weight update in progress: call /start_weight_update first")
+        async with self._lock:  # after any update in flight
+            self.t.updating = False
+            if version is not None:
+                self.engine.set_weight_version(version)
+        return web.json_response({"message": "Weight update finished"})
+
+    async def shutdown_weight_transfer_engine(self, request: web.Request) -> web.Response:
+        if self._lock.locked() and self.t.group is not None:
+            # An update is stuck in a receive (trainer gone): aborting the group
+            # ends an NCCL receive at once; a gloo one only ends at its timeout
+            # (--weight-group-timeout), and the shutdown waits for it.
+            await asyncio.to_thread(self.t.group.abort)
+        async with self._lock:
+            group, self.t = self.t.group, _Transfer()
+            if group is not None:
+                await asyncio.to_thread(group.close)
+        return web.json_response({"message": "Weight transfer shut down"})
+
+    async def weight_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": self.engine.weight_version})
+
+    async def get_world_size(self, request: web.Request) -> web.Response:
+        # One worker (no TP/PP/DP); include_dp makes no difference.
+        return web.json_response({"world_size": 1})
+
+
+async def debug_update_delay(cfg: Any) -> None:
+    """``--debug-update-delay-s``: a test knob that makes every weight update
+    slow (after the bytes arrived, before loading) to simulate a lagging
+    replica in fault tests and benchmarks. Never set it in production."""
+    delay = getattr(cfg, "debug_update_delay_s", 0.0) or 0.0
+    if delay > 0:
+        await asyncio.sleep(delay)
