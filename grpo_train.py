@@ -21,6 +21,7 @@ import sys
 import torch
 
 from torchtitan_grpo.config import parse_config
+from torchtitan_grpo.parallel import data_parallel_rank_and_degree
 from torchtitan_grpo.trainer import broadcast_object, build_policy, hf_weights, init_distributed, train_step
 
 logger = logging.getLogger("torchtitan_grpo")
@@ -47,7 +48,9 @@ def main(argv: list[str]) -> dict:
         for step in range(1, cfg.training.steps + 1):
             # 1. Rollouts: groups of completions with rewards and advantages.
             batch = broadcast_object(side.rollouts.collect(step) if side else None, d)
-            local = batch.samples[d.rank :: d.world_size]
+            # data-parallel ranks split the batch; TP ranks of one DP rank share its part
+            dp_rank, dp_degree = data_parallel_rank_and_degree(policy.parallel_dims)
+            local = batch.samples[dp_rank::dp_degree]
             num_tokens = sum(len(s.completion_ids) for s in batch.samples)
 
             # 2. One GRPO optimizer step on this rank's share of the batch.
@@ -58,8 +61,8 @@ def main(argv: list[str]) -> dict:
             # 3. Push the new weights, version = step, to every server.
             if cfg.weight_sync.mode != "off":
                 tensors = hf_weights(policy)  # a collective: every rank takes part
-                if side:
-                    metrics |= side.pusher.push(tensors, version=step)
+                if side:  # async mode waits only at the last step: the final weights always arrive
+                    metrics |= side.pusher.push(tensors, version=step, wait=step == cfg.training.steps or None)
                 del tensors
 
             # 4. Log.

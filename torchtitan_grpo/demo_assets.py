@@ -31,7 +31,7 @@ class TinyQwen3:
     intermediate_size: int = 256
     vocab_size: int = 128  # >= 97 tokenizer ids; spare rows are never sampled once trained
     max_position_embeddings: int = 512
-    tie_word_embeddings: bool = False  # FSDP2 on CPU torch 2.13 rejects tied params
+    tie_word_embeddings: bool = False
     rope_theta: float = 1_000_000.0
     seed: int = 0
 

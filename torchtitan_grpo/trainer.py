@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torchtitan_grpo import _titan  # noqa: F401
 from torchtitan_grpo import loss as grpo_losses
 from torchtitan_grpo import model as hf_model
+from torchtitan_grpo import parallel
 
 logger = logging.getLogger(__name__)
 
@@ -74,33 +75,8 @@ class Policy:
     adapter: object
     optimizers: object
     lr_schedulers: object
-    parallel_dims: object | None
+    parallel_dims: object
     max_norm: float
-
-
-def _parallel_dims(job_config, world_size: int):
-    from torchtitan.distributed import ParallelDims
-
-    p = job_config.parallelism
-    return ParallelDims(
-        dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
-        cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
-        ep=p.expert_parallel_degree, etp=p.expert_tensor_parallel_degree, world_size=world_size)
-
-
-def _sum_reduce_gradients(model: torch.nn.Module) -> None:
-    """Make FSDP reduce gradients by plain SUM.
-
-    gloo has no PREMUL_SUM (FSDP's default averaging), and a sum is what we
-    want anyway: the loss on each rank is already divided by the *global*
-    sample/token count, so summing over ranks gives exactly the gradient of
-    the whole batch, whatever the layout.
-    """
-    from torch.distributed.fsdp import FSDPModule
-
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.set_force_sum_reduction_for_comms(True)
 
 
 def build_policy(job_config, hf_dir: str, d: Dist) -> Policy:
@@ -108,7 +84,6 @@ def build_policy(job_config, hf_dir: str, d: Dist) -> Policy:
     config says, with TorchTitan's optimizer and LR schedule."""
     from torchtitan.components.lr_scheduler import build_lr_schedulers
     from torchtitan.components.optimizer import build_optimizers
-    from torchtitan.protocols.train_spec import get_train_spec
 
     name = job_config.model.name
     hf_config = hf_model.load_hf_config(hf_dir)
@@ -118,16 +93,12 @@ def build_policy(job_config, hf_dir: str, d: Dist) -> Policy:
     adapter = hf_model.state_dict_adapter(name, model_args, hf_dir)
     hf_model.load_hf_weights(model, adapter, hf_dir)
 
-    parallel_dims = None
-    if d.world_size > 1:
-        parallel_dims = _parallel_dims(job_config, d.world_size)
-        parallel_dims.build_mesh()
-        spec = get_train_spec(name)
-        model = spec.parallelize_fn(model, parallel_dims, job_config)
-        _sum_reduce_gradients(model)
+    # [parallelism] layout (FSDP / HSDP / DDP / TP); gradients are summed over
+    # data-parallel ranks in every layout, see torchtitan_grpo.parallel.
+    model, parallel_dims = parallel.parallelize(model, job_config, d.world_size, d.device)
     model.train()
 
-    optimizers = build_optimizers([model], job_config.optimizer, parallel_dims or _parallel_dims(job_config, 1))
+    optimizers = build_optimizers([model], job_config.optimizer, parallel_dims)
     lr_schedulers = build_lr_schedulers(optimizers, job_config.lr_scheduler, job_config.training.steps)
     return Policy(model, model_args, adapter, optimizers, lr_schedulers, parallel_dims,
                   float(job_config.training.max_norm))
@@ -198,6 +169,9 @@ def train_step(policy: Policy, local: list[Sample], grpo_cfg, temperature: float
         tokens, mask, old, adv = _pack(chunk, pad_id, d.device)
         if empty:
             mask = torch.zeros_like(mask)
+        # sequence parallelism splits T evenly over TP ranks
+        tokens, mask, old = parallel.pad_to_multiple(
+            tokens, mask, old, parallel.seq_len_multiple(policy.parallel_dims), pad_id)
         logits = model(tokens)[:, :-1].float()
         logprobs = grpo_losses.token_logprobs(logits, tokens[:, 1:], temperature)
         loss, m = grpo_losses.grpo_loss(
@@ -212,7 +186,7 @@ def train_step(policy: Policy, local: list[Sample], grpo_cfg, temperature: float
             sums["tokens"] += ntok
             if ntok:
                 sums["lp_diff_max"] = max(sums["lp_diff_max"], float(((logprobs - old).abs() * mask).max()))
-                sums["entropy"] += float(grpo_losses.entropy_from_logits(logits / temperature, mask)) * ntok
+                sums["entropy"] += float(grpo_losses.entropy_from_logits(logits, mask, temperature=temperature)) * ntok
         del logits, logprobs, loss
 
     grad_norm = _clip_grad_norm(policy)
@@ -224,7 +198,10 @@ def train_step(policy: Policy, local: list[Sample], grpo_cfg, temperature: float
     lp_max = torch.tensor([sums["lp_diff_max"]], dtype=torch.float64)
     if d.world_size > 1:
         stats, lp_max = stats.to(d.device), lp_max.to(d.device)
-        dist.all_reduce(stats)
+        # sums over data-parallel ranks only: TP ranks hold copies of the same numbers
+        dp_group = parallel.data_parallel_group(policy.parallel_dims)
+        if dp_group is not None:
+            dist.all_reduce(stats, group=dp_group)
         dist.all_reduce(lp_max, op=dist.ReduceOp.MAX)
     loss_sum, clip_sum, ent_sum, ntok = stats.tolist()
     return {

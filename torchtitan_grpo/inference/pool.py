@@ -23,8 +23,8 @@ Replica states (``states()``, ``metrics()``):
   request every ``slow_probe_interval_s`` so that its latency is re-measured:
   that is how it becomes healthy again.
 * ``down``: not routed to. Entered on a failed request (connection error,
-  timeout, HTTP 5xx/401/403/404, malformed response) or a failed health
-  check. The background health check (GET /health every
+  timeout, an HTTP status other than 200/400/422/503, a malformed response)
+  or a failed health check. The background health check (GET /health every
   ``health_interval_s``) returns it to routing once it answers 200, but not
   before a back-off of ``backoff_s * 2**(k-1)`` (capped at
   ``backoff_max_s``) after its k-th consecutive failed request, so a replica
@@ -48,6 +48,10 @@ on another replica (its limits may differ) without marking anyone down.
 If no replica is routable, a request waits for one to come back (health
 check, ``readmit``, a new line in ``replica_file``) for at most
 ``request_timeout_s`` in all, then raises :class:`NoHealthyReplica`.
+
+Replicas come from ``urls`` (routable at once: the caller started them and
+waited for them) and/or ``PoolConfig.replica_file`` (routable after their
+first passing health check), see there.
 
 Threading: create and use the pool on one event loop (see ``aio.LoopThread``);
 ``eject``, ``readmit``, ``states`` and ``metrics`` may be called from any thread.
@@ -155,8 +159,9 @@ class PoolConfig:
     """Routing weight of an outstanding request on a slow replica."""
     slow_probe_interval_s: float = 5.0
     """An idle slow replica gets a request at least this often (re-measures it)."""
-    slow_min_samples: int = 3
-    """Latencies a replica needs before it can be judged slow (or compared against)."""
+    slow_min_samples: int = 8
+    """Latencies a replica needs before it can be judged slow (or compared
+    against): a few unlucky requests must not flag a replica."""
     latency_window: int = 16
     """Recent successful requests per replica used for its median latency."""
     replica_file: str | None = None
@@ -245,6 +250,8 @@ class Replica:
     dispatched: int = 0
     served: int = 0
     failures: int = 0
+    downs: int = 0
+    """Times it went down (a flapping replica shows here)."""
     last_error: str = ""
 
     @property
@@ -280,7 +287,7 @@ def read_replica_file(path: str) -> list[str]:
     return urls
 
 
-def _percentile(sorted_values: list[float], q: float) -> float:
+def percentile(sorted_values: list[float], q: float) -> float:
     """Nearest-rank percentile (q in [0, 100]) of an ascending list."""
     if not sorted_values:
         return 0.0
@@ -313,6 +320,7 @@ class InferencePool:
         self._tasks: list[asyncio.Task] = []
         self._checks: set[asyncio.Task] = set()
         self._file_mtime: float | None = None
+        self._closed = False
         self._latency: deque[float] = deque(maxlen=4096)  # end-to-end, successful requests
         self.counters: dict[str, int] = dict.fromkeys(
             ("requests", "failed_requests", "attempts", "retries", "failures", "timeouts", "malformed",
@@ -335,6 +343,8 @@ class InferencePool:
         self._tasks.append(asyncio.create_task(self._health_loop(), name="pool-health"))
 
     async def close(self) -> None:
+        self._closed = True
+        self._notify()  # requests still waiting for a replica fail now, not at their timeout
         tasks = self._tasks + list(self._checks)
         for t in tasks:
             t.cancel()
@@ -487,6 +497,8 @@ class InferencePool:
         assert self._changed is not None, "InferencePool.start() was not awaited"
         counted = False
         while True:
+            if self._closed:
+                raise PoolError("InferencePool is closed")
             r = self._pick(tried)
             if r is not None:
                 r.outstanding += 1
@@ -553,6 +565,7 @@ class InferencePool:
         if r.down:
             return
         r.down, r.down_reason = True, reason
+        r.downs += 1
         r.epoch += 1
         r.slow = False
         with self._lock:
@@ -704,12 +717,13 @@ class InferencePool:
         for s in (HEALTHY, SLOW, DOWN, CATCHING_UP):
             m[f"pool/replicas_{s.replace('-', '_')}"] = float(states.count(s))
         m["pool/outstanding"] = float(sum(r.outstanding for r in replicas))
-        m["pool/latency_p50_s"] = _percentile(latency, 50)
-        m["pool/latency_p99_s"] = _percentile(latency, 99)
+        m["pool/latency_p50_s"] = percentile(latency, 50)
+        m["pool/latency_p99_s"] = percentile(latency, 99)
         for r, s in zip(replicas, states):
             m[f"pool/replica{r.index}_state"] = STATE_CODES[s]
             m[f"pool/replica{r.index}_outstanding"] = float(r.outstanding)
             m[f"pool/replica{r.index}_served"] = float(r.served)
             m[f"pool/replica{r.index}_failures"] = float(r.failures)
+            m[f"pool/replica{r.index}_downs"] = float(r.downs)
             m[f"pool/replica{r.index}_latency_s"] = medians[r.index]
         return m

@@ -51,7 +51,7 @@ GROUP_NAME = "weight_update_group"
 
 
 class WeightPusher(Protocol):
-    def push(self, tensors: dict[str, torch.Tensor], version: int) -> dict[str, float]: ...
+    def push(self, tensors: dict[str, torch.Tensor], version: int, wait: bool | None = None) -> dict[str, float]: ...
 
     def close(self) -> None: ...
 
@@ -59,7 +59,7 @@ class WeightPusher(Protocol):
 class NoPush:
     """``weight_sync.mode = "off"``: replicas keep their initial weights."""
 
-    def push(self, tensors, version):
+    def push(self, tensors, version, wait=None):
         return {}
 
     def close(self) -> None:
@@ -108,6 +108,8 @@ class _Replica:
     transfers: int = 0
     failures: int = 0
     last_error: str = ""
+    eject_reason: str = ""
+    next_reconnect: float = 0.0
     last_transfer_s: float = 0.0
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -200,15 +202,24 @@ class Pusher:
 
     # ------------------------------------------------------- trainer side
 
-    def push(self, tensors: dict[str, torch.Tensor], version: int) -> dict[str, float]:
-        """Snapshot ``tensors`` as ``version`` and return (async), or also wait
-        for every admitted replica (sync). Never waits for a busy buffer."""
+    def push(self, tensors: dict[str, torch.Tensor], version: int, wait: bool | None = None) -> dict[str, float]:
+        """Snapshot ``tensors`` as ``version`` and return. With ``wait`` (the
+        default in sync mode) also wait until every admitted replica serves it.
+
+        Without ``wait`` this never blocks: when every staging buffer is being
+        sent, the version is skipped. With ``wait`` it waits for a buffer too,
+        so the last version of a run is always delivered."""
+        wait = self.cfg.mode == "sync" if wait is None else wait
         t0 = time.perf_counter()
         specs = [bk.TensorSpec.of(n, t) for n, t in tensors.items()]
         if self._plan is None or {s for b in self._plan for s in b} != set(specs):
             self._plan = bk.plan_buckets(specs, self.cfg.bucket_bytes)  # same tensors every step: plan once
             self.bytes_per_version = sum(s.nbytes for s in specs)
         staged = self._free_buffer()
+        while staged is None and wait:
+            with self._progress:
+                self._progress.wait(timeout=0.05)
+            staged = self._free_buffer()
         if staged is None:
             self.skipped_versions += 1
             stall = time.perf_counter() - t0
@@ -226,7 +237,7 @@ class Pusher:
         stall = time.perf_counter() - t0
         m = {"time/push_stall_s": stall, "push/bytes": float(self.bytes_per_version),
              "push/skipped_versions": float(self.skipped_versions)}
-        if self.cfg.mode == "sync":
+        if wait:
             self.wait_for(version)
             m["time/push_s"] = time.perf_counter() - t0
             m["push/GBps"] = self.bytes_per_version / m["time/push_s"] / 1e9
@@ -271,7 +282,8 @@ class Pusher:
 
     def status(self) -> list[dict]:
         return [{"url": r.url, "version": r.version, "admitted": r.admitted, "transfers": r.transfers,
-                 "failures": r.failures, "last_error": r.last_error, "last_transfer_s": r.last_transfer_s}
+                 "failures": r.failures, "last_error": r.last_error, "eject_reason": r.eject_reason,
+                 "last_transfer_s": r.last_transfer_s}
                 for r in self.replicas]
 
     # -------------------------------------------------------- sender side
@@ -289,7 +301,12 @@ class Pusher:
             await r.wake.wait()
             r.wake.clear()
             if r.group is None:  # ejected earlier: rejoin before anything else
+                early = r.next_reconnect - time.monotonic()
+                if early > 0:
+                    await asyncio.sleep(early)
+                r.next_reconnect = time.monotonic() + self.cfg.reconnect_interval_s
                 try:
+                    await self._reset_remote(r)
                     await asyncio.wait_for(self._connect(r), self.cfg.init_timeout_s + 5)
                 except Exception as e:
                     r.last_error = f"reconnect: {type(e).__name__}: {e}"
@@ -323,9 +340,21 @@ class Pusher:
             if self._latest is not None and self._latest.version > r.version:
                 r.wake.set()  # a newer version arrived meanwhile
 
+    async def _reset_remote(self, r: _Replica) -> None:
+        """Before rejoining, close what the abandoned transfer left open on the
+        replica (its update session and old group); each may already be gone."""
+        s = self._session
+        for path, body in (("/end_weight_update", {}), ("/destroy_weights_update_group", {"group_name": GROUP_NAME}),
+                           ("/continue_generation", {})):
+            try:
+                await _post(s, r.url + path, body, self.cfg.init_timeout_s)
+            except Exception:
+                pass
+
     def _eject(self, r: _Replica, e: BaseException) -> None:
         r.failures += 1
-        r.last_error = f"{type(e).__name__}: {e}"
+        r.last_error = r.eject_reason = f"{type(e).__name__}: {e}"
+        r.next_reconnect = time.monotonic() + self.cfg.reconnect_interval_s
         logger.warning("replica %s ejected from routing at version %d: %s", r.url, r.version, r.last_error)
         if r.group is not None:
             r.group.abort()  # unblocks a hung NCCL receive; the trainer never waits on it
@@ -335,7 +364,7 @@ class Pusher:
         if r.admitted:
             r.admitted = False
             self.on_eject(r.url)
-        asyncio.get_running_loop().call_later(self.cfg.reconnect_interval_s, r.wake.set)
+        asyncio.get_running_loop().call_later(self.cfg.reconnect_interval_s, r.wake.set)  # retry even if idle
 
     async def _transfer(self, r: _Replica, staged: _Staged) -> None:
         s, loop = self._session, asyncio.get_running_loop()

@@ -1,0 +1,432 @@
+"""One GRPO step gives the same numbers in every parallel layout
+(torchtitan_grpo.parallel), on CPU over gloo with real torchrun ranks (the
+same file runs on GPUs over NCCL, one GPU per rank, where launches needing
+more GPUs than there are skip).
+
+A fixed batch (tokens, masks, advantages, rollout log-probs; uneven lengths
+and an odd sample count, so DP ranks get different numbers of samples and TP
+needs padding) goes through micro-batched forward/backward with the GRPO loss
+normalised by *global* counts, TorchTitan's grad-norm clipping and one AdamW
+step. Each layout is compared with a single process on: the batch loss, the
+grad norm, every full gradient (Adam's first step hides a gradient scale,
+clipping too, so the gradients are compared directly), every parameter after
+the step, and the HF-named tensors that would be pushed to the servers.
+
+Models (tiny, fp32): qwen3 untied, qwen3 tied (``tie_word_embeddings``) and
+llama3. Layouts: FSDP dp_shard=2, TP=2 and DDP dp_replicate=2 in one
+2-rank launch; HSDP 2x2 and FSDP 2 x TP 2 in one 4-rank launch.
+
+Run as a script to print the measured table (docs/PARITY.md)::
+
+    python tests/test_parallel_parity.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import torchtitan_grpo  # noqa: E402,F401  (before torchtitan)
+
+torch.set_num_threads(1)
+# fp32 means fp32 on GPUs too (the same file runs there over NCCL)
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+
+TOL = 1e-5
+PAD = 0
+MICRO_BATCH = 2
+MAX_NORM = 1.0
+MODELS = ("qwen3", "qwen3_tied", "llama3")
+# name -> (dp_replicate, dp_shard, tp); the product is the launch's world size
+LAYOUTS = {
+    "fsdp": (1, 2, 1),
+    "tp": (1, 1, 2),
+    "ddp": (2, 1, 1),
+    "hsdp": (2, 2, 1),
+    "fsdp_tp": (1, 2, 2),
+}
+LAUNCHES = {2: ("fsdp", "tp", "ddp"), 4: ("hsdp", "fsdp_tp")}
+if torch.cuda.is_available():  # one GPU per rank
+    LAUNCHES = {n: names for n, names in LAUNCHES.items() if n <= torch.cuda.device_count()}
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+# --------------------------------------------------------------- fixtures
+
+
+def write_models(root: str) -> dict[str, str]:
+    """Tiny qwen3 (untied and tied) and llama3 HF checkpoints under ``root``."""
+    from torchtitan_grpo.demo_assets import TinyQwen3, ensure_tiny_qwen3, write_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dirs = {
+        "qwen3": ensure_tiny_qwen3(os.path.join(root, "qwen3")),
+        "qwen3_tied": ensure_tiny_qwen3(
+            os.path.join(root, "qwen3_tied"), TinyQwen3(tie_word_embeddings=True, seed=1)
+        ),
+    }
+    llama = os.path.join(root, "llama3")
+    if not os.path.exists(os.path.join(llama, "config.json")):
+        config = LlamaConfig(
+            vocab_size=128, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None, eos_token_id=1,
+            pad_token_id=0,
+        )
+        torch.manual_seed(2)
+        model = LlamaForCausalLM(config)
+        with torch.no_grad():  # norms away from 1 so a mix-up cannot hide
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.uniform_(0.5, 1.5)
+        model.save_pretrained(llama, safe_serialization=True)
+        write_tokenizer(llama)
+    dirs["llama3"] = llama
+    return dirs
+
+
+def fixed_batch():
+    """Seven samples with uneven prompt/completion lengths, drawn from a fixed seed."""
+    from torchtitan_grpo.trainer import Sample
+
+    g = torch.Generator().manual_seed(1234)
+    samples = []
+    for i in range(7):
+        n_prompt = 3 + i % 4
+        n_completion = 2 + (3 * i) % 6
+        ids = torch.randint(2, 97, (n_prompt + n_completion,), generator=g).tolist()
+        # near the untrained model's log-probs (~ -log 128) so some ratios clip
+        old = (-math.log(128) + 0.3 * torch.randn(n_completion, generator=g)).tolist()
+        samples.append(Sample(ids[:n_prompt], ids[n_prompt:], old, 0.0, 0.0, "stop", []))
+    adv = torch.randn(len(samples), generator=g)
+    adv = (adv - adv.mean()) / adv.std()
+    for s, a in zip(samples, adv.tolist()):
+        s.advantage = a
+    return samples
+
+
+def job_config(model_name: str, layout: tuple[int, int, int]):
+    from torchtitan.config import ConfigManager
+
+    dp_replicate, dp_shard, tp = layout
+    return ConfigManager().parse_args([
+        "--model.name", "qwen3" if model_name.startswith("qwen3") else model_name,
+        "--parallelism.data_parallel_replicate_degree", str(dp_replicate),
+        "--parallelism.data_parallel_shard_degree", str(dp_shard),
+        "--parallelism.tensor_parallel_degree", str(tp),
+        "--training.seq_len", "64",
+        "--training.max_norm", str(MAX_NORM),
+        # CPU: TorchTitan's bf16 default on purpose, parallelize must switch
+        # FSDP to fp32 there (bf16 compute would miss TOL by orders of magnitude)
+        "--training.mixed_precision_param", "float32" if torch.cuda.is_available() else "bfloat16",
+        "--optimizer.name", "AdamW",
+        "--optimizer.lr", "1e-2",
+        "--optimizer.weight_decay", "0.1",
+        # Adam's first step is lr * g / (|g| + eps): with the default eps=1e-8
+        # a gradient entry of ~1e-8 (float noise level) moves its weight by
+        # O(lr), whatever its last bits are. eps=1e-4 keeps the step
+        # layout-independent to ~1e-6 and still scale-sensitive.
+        "--optimizer.eps", "1e-4",
+        "--optimizer.implementation", "for-loop",
+        "--activation_checkpoint.mode", "none",
+    ])
+
+
+# ------------------------------------------------------------ one GRPO step
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    t = t.full_tensor() if isinstance(t, DTensor) else t
+    return t.detach().to("cpu", copy=True)
+
+
+def run_case(model_dir: str, model_name: str, layout: tuple[int, int, int], world_size: int) -> dict:
+    """Build, parallelise, run one GRPO step; full tensors of what matters.
+
+    A collective under a layout: every rank calls it; all ranks return the
+    same dict.
+    """
+    import torch.distributed as dist
+
+    from torchtitan.components.optimizer import build_optimizers
+    from torchtitan.distributed.utils import clip_grad_norm_
+    from torchtitan_grpo import model as hf_model
+    from torchtitan_grpo import parallel
+    from torchtitan_grpo.loss import grpo_loss, token_logprobs
+    from torchtitan_grpo.trainer import _pack
+
+    device = _device()
+    cfg = job_config(model_name, layout)
+    name = cfg.model.name
+    args = hf_model.model_args_from_hf(name, hf_model.load_hf_config(model_dir), max_seq_len=64)
+    model = hf_model.build_model(name, args, device)
+    adapter = hf_model.state_dict_adapter(name, args, model_dir)
+    hf_model.load_hf_weights(model, adapter, model_dir)
+    model, pdims = parallel.parallelize(model, cfg, world_size, device)
+    model.train()
+    optimizers = build_optimizers([model], cfg.optimizer, pdims)
+    before = {n: _full(p) for n, p in model.named_parameters()}
+
+    batch = fixed_batch()
+    n_samples = len(batch)
+    n_tokens = sum(len(s.completion_ids) for s in batch)
+    dp_rank, dp_degree = parallel.data_parallel_rank_and_degree(pdims)
+    local = batch[dp_rank::dp_degree]
+    multiple = parallel.seq_len_multiple(pdims)
+
+    n_micro = torch.tensor([max(1, -(-len(local) // MICRO_BATCH))], device=device)
+    if world_size > 1:
+        dist.all_reduce(n_micro, op=dist.ReduceOp.MAX)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for k in range(int(n_micro)):
+        chunk = local[k * MICRO_BATCH : (k + 1) * MICRO_BATCH]
+        tokens, mask, old, adv = _pack(chunk or local[:1], PAD, device)
+        if not chunk:  # keeps the collectives in step, adds nothing
+            mask = torch.zeros_like(mask)
+        tokens, mask, old = parallel.pad_to_multiple(tokens, mask, old, multiple, PAD)
+        logits = model(tokens)[:, :-1].float()
+        logprobs = token_logprobs(logits, tokens[:, 1:])
+        loss, _ = grpo_loss(logprobs, old, adv, mask, num_sequences=n_samples, num_tokens=n_tokens)
+        loss.backward()
+        loss_sum += loss.detach().double()
+    group = parallel.data_parallel_group(pdims)
+    if group is not None:
+        dist.all_reduce(loss_sum, group=group)
+
+    params = dict(model.named_parameters())
+    grads = {n: _full(p.grad) for n, p in params.items()}
+    norm = clip_grad_norm_([p for p in params.values() if p.grad is not None], MAX_NORM, foreach=True)
+    norm = _full(norm)
+    optimizers.step()
+    optimizers.zero_grad()
+    after = {n: _full(p) for n, p in params.items()}
+    return {
+        "loss": float(loss_sum),
+        "grad_norm": float(norm),
+        "grads": grads,
+        "params": after,
+        "moved": max_diff(before, after),
+        "pushed": {k: v.to("cpu", copy=True) for k, v in hf_model.hf_state_dict(model, adapter).items()},
+        "tied": parallel._is_tied(model),
+    }
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
+    for k in a:
+        assert a[k].shape == b[k].shape, (k, a[k].shape, b[k].shape)
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def compare(ref: dict, got: dict) -> dict[str, float]:
+    return {
+        "loss": abs(got["loss"] - ref["loss"]),
+        "grad_norm": abs(got["grad_norm"] - ref["grad_norm"]),
+        "grads": max_diff(ref["grads"], got["grads"]),
+        "params": max_diff(ref["params"], got["params"]),
+        "pushed": max_diff(ref["pushed"], got["pushed"]),
+    }
+
+
+# ---------------------------------------------------------------- workers
+
+
+def _worker(out_dir: str, model_dirs: dict[str, str], layouts: list[str]) -> None:
+    """Under torchrun: every (model, layout) of this launch, results to out_dir."""
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    device = _device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=300))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    try:
+        for layout in layouts:
+            for model_name in MODELS:
+                t0 = time.perf_counter()
+                result = run_case(model_dirs[model_name], model_name, LAYOUTS[layout], world)
+                result["seconds"] = time.perf_counter() - t0
+                if rank == 0:
+                    torch.save(result, os.path.join(out_dir, f"{model_name}-{layout}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(nproc: int, out_dir: str, model_dirs: dict[str, str], timeout: float = 600) -> str:
+    """torchrun ``nproc`` ranks over this file's worker; returns the log."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        os.path.abspath(__file__), "worker", "--out", out_dir,
+        "--layouts", ",".join(LAUNCHES[nproc]),
+        *[f"--model={k}={v}" for k, v in model_dirs.items()],
+    ]
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, TOKENIZERS_PARALLELISM="false")
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    log = r.stdout + r.stderr
+    if r.returncode != 0:
+        raise RuntimeError(f"torchrun x{nproc} failed (rc={r.returncode}):\n{log[-6000:]}")
+    return log
+
+
+# ------------------------------------------------------------------ tests
+
+
+def test_pad_to_multiple_only_appends_masked_positions():
+    from torchtitan_grpo.parallel import pad_to_multiple
+    from torchtitan_grpo.trainer import _pack
+
+    tokens, mask, old, _ = _pack(fixed_batch()[:3], PAD, torch.device("cpu"))
+    assert tokens.shape[1] % 2 == 1  # the fixture needs padding under TP=2
+    t2, m2, o2 = pad_to_multiple(tokens, mask, old, 2, PAD)
+    assert t2.shape[1] == tokens.shape[1] + 1 and m2.shape[1] == t2.shape[1] - 1
+    assert torch.equal(t2[:, : tokens.shape[1]], tokens) and bool((t2[:, -1] == PAD).all())
+    assert torch.equal(m2[:, : mask.shape[1]], mask) and float(m2[:, -1].abs().sum()) == 0.0
+    assert torch.equal(o2[:, : old.shape[1]], old)
+    assert pad_to_multiple(t2, m2, o2, 2, PAD)[0] is t2  # already a multiple: untouched
+
+
+@pytest.mark.parametrize("key", ["pipeline_parallel_degree", "context_parallel_degree",
+                                 "expert_parallel_degree"])
+def test_unsupported_parallelisms_are_rejected(key):
+    from torchtitan_grpo.parallel import build_parallel_dims
+
+    cfg = job_config("qwen3", (1, 1, 1))
+    setattr(cfg.parallelism, key, 2)
+    with pytest.raises(NotImplementedError, match=key):
+        build_parallel_dims(cfg, 2, "cpu")
+
+
+def test_cpu_sdpa_strategy_is_registered_once():
+    from torch.distributed.tensor import DTensor
+    from torchtitan_grpo.parallel import register_cpu_sdpa_sharding
+
+    register_cpu_sdpa_sharding()
+    assert register_cpu_sdpa_sharding() is False  # already there: left alone
+    funcs = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs
+    assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default in funcs
+    assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default in funcs
+
+
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory):
+    """Single-process references, then both launches (once for the module)."""
+    root = tmp_path_factory.mktemp("parity")
+    model_dirs = write_models(str(root / "models"))
+    refs = {m: run_case(model_dirs[m], m, (1, 1, 1), 1) for m in MODELS}
+    out = root / "results"
+    out.mkdir()
+    errors = {}
+    for nproc in LAUNCHES:
+        try:
+            launch(nproc, str(out), model_dirs)
+        except RuntimeError as e:  # reported by the tests of that launch
+            errors[nproc] = str(e)
+    return refs, out, errors
+
+
+def _result(parity, model_name: str, layout: str) -> tuple[dict, dict]:
+    refs, out, errors = parity
+    nproc = next((n for n, names in LAUNCHES.items() if layout in names), None)
+    if nproc is None:
+        pytest.skip(f"{layout} needs more GPUs than this machine has")
+    if nproc in errors:
+        pytest.fail(errors[nproc])
+    return refs[model_name], torch.load(out / f"{model_name}-{layout}.pt")
+
+
+def test_reference_step_is_not_trivial(parity):
+    """The comparisons below mean something: every model's batch has a grad
+    norm above the clip threshold, gradients far above TOL, and the step
+    moves the weights by far more than TOL."""
+    for model_name, ref in parity[0].items():
+        assert ref["grad_norm"] > MAX_NORM, model_name
+        assert max(float(g.abs().max()) for g in ref["grads"].values()) > 1e3 * TOL, model_name
+        assert ref["moved"] > 1e3 * TOL, model_name
+        assert ref["tied"] == (model_name == "qwen3_tied")
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("model_name", MODELS)
+def test_layout_matches_single_process(parity, model_name, layout):
+    ref, got = _result(parity, model_name, layout)
+    diffs = compare(ref, got)
+    assert diffs["loss"] < TOL, diffs
+    assert diffs["grad_norm"] < TOL * max(1.0, ref["grad_norm"]), diffs
+    assert diffs["grads"] < TOL, diffs
+    assert diffs["params"] < TOL, diffs
+    assert diffs["pushed"] < TOL, diffs
+    assert got["tied"] == ref["tied"]  # TP/FSDP kept one shared weight
+
+
+# ------------------------------------------------------------------ table
+
+
+def table() -> str:
+    import tempfile
+
+    rows = ["| layout | model | ranks | loss | grad norm | max abs grad diff | "
+            "max abs param diff after AdamW step | max abs pushed weight diff | s/case |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    with tempfile.TemporaryDirectory() as root:
+        model_dirs = write_models(os.path.join(root, "models"))
+        refs = {}
+        for m in MODELS:
+            t0 = time.perf_counter()
+            refs[m] = run_case(model_dirs[m], m, (1, 1, 1), 1)
+            r = refs[m]
+            rows.append(f"| single | {m} | 1 | {r['loss']:.9f} | {r['grad_norm']:.7f} | - | - | - | "
+                        f"{time.perf_counter() - t0:.2f} |")
+        out = os.path.join(root, "results")
+        os.makedirs(out)
+        for nproc in LAUNCHES:
+            launch(nproc, out, model_dirs)
+            for layout in LAUNCHES[nproc]:
+                for m in MODELS:
+                    got = torch.load(os.path.join(out, f"{m}-{layout}.pt"))
+                    d = compare(refs[m], got)
+                    rows.append(
+                        f"| {layout} {LAYOUTS[layout]} | {m} | {nproc} | {got['loss']:.9f} | "
+                        f"{got['grad_norm']:.7f} | {d['grads']:.1e} | {d['params']:.1e} | "
+                        f"{d['pushed']:.1e} | {got['seconds']:.2f} |")
+    return "\n".join(rows)
+
+
+def _main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", nargs="?", default="table", choices=["table", "worker"])
+    p.add_argument("--out")
+    p.add_argument("--layouts", default="")
+    p.add_argument("--model", action="append", default=[])
+    a = p.parse_args(argv)
+    if a.mode == "worker":
+        dirs = dict(m.split("=", 1) for m in a.model)
+        _worker(a.out, dirs, [x for x in a.layouts.split(",") if x])
+    else:
+        print(table())
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])

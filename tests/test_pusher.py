@@ -1,0 +1,194 @@
+"""The weight-push sidecar over real gloo groups and real built-in servers:
+the trainer never waits, replicas skip to the newest version, a version is
+never applied half-way, a slow or dead replica is ejected and catches up."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+import torch
+from safetensors.torch import load_file
+
+from torchtitan_grpo.aio import LoopThread
+from torchtitan_grpo.inference.launcher import ServerSpec, start_servers, stop_process
+from torchtitan_grpo.weight_sync.pusher import Pusher, PushConfig
+
+pytestmark = pytest.mark.slow
+
+
+def _weights(model_dir: str, fill: float) -> dict[str, torch.Tensor]:
+    """The model's HF tensors, every element set to ``fill`` (a version marker)."""
+    w = load_file(os.path.join(model_dir, "model.safetensors"))
+    return {k: torch.full_like(v, fill) for k, v in sorted(w.items())}
+
+
+def _served_markers(url: str, names) -> set[float]:
+    """The set of distinct values across all the server's tensors."""
+    vals = set()
+    for n in names:
+        r = requests.get(url + "/get_weights_by_name", params={"name": n, "truncate_size": 4}, timeout=10)
+        r.raise_for_status()
+        flat = torch.tensor(r.json()).flatten()
+        vals |= set(flat.tolist())
+    return vals
+
+
+def _version(url: str) -> str:
+    return requests.get(url + "/model_info", timeout=10).json()["weight_version"]
+
+
+def _wait(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Recorder:
+    def __init__(self):
+        self.ejected, self.readmitted = [], []
+
+    def eject(self, url):
+        self.ejected.append(url)
+
+    def readmit(self, url):
+        self.readmitted.append(url)
+
+
+@pytest.fixture
+def loop():
+    lt = LoopThread()
+    yield lt
+    lt.close()
+
+
+def _servers(tmp_path, model_dir, delays):
+    specs = [ServerSpec(model_dir, extra_args=["--debug-update-delay-s", str(d), "--weight-group-timeout", "30"])
+             for d in delays]
+    return start_servers(specs, str(tmp_path / "logs"), 120)
+
+
+def test_async_push_never_waits_and_skips_to_newest(tmp_path, tiny_model_dir, loop):
+    """A slow replica (1 s per update), a fast one, ONE staging buffer, and 6
+    versions pushed back to back. The trainer's calls return at once (versions
+    are skipped while the slow replica holds the buffer), both replicas end on
+    the newest version, and every replica only ever holds one whole version."""
+    fast, slow = _servers(tmp_path, tiny_model_dir, [0.0, 1.0])
+    rec = Recorder()
+    pusher = Pusher(loop, [fast.url, slow.url], PushConfig(mode="async", bucket_bytes=32 << 10,
+                    num_staging_buffers=1, deadline_s=30), torch.device("cpu"),
+                    on_eject=rec.eject, on_readmit=rec.readmit)
+    try:
+        pusher.connect(initial_version=0)
+        names = list(_weights(tiny_model_dir, 0.0))
+        stalls = []
+        for v in range(1, 7):
+            m = pusher.push(_weights(tiny_model_dir, float(v)), version=v)
+            stalls.append(m["time/push_stall_s"])
+            time.sleep(0.05)
+        assert max(stalls) < 0.5, stalls  # a copy (or a skip), never a transfer
+        assert pusher.skipped_versions >= 1  # the only buffer was busy with the slow replica
+        m = pusher.push(_weights(tiny_model_dir, 7.0), version=7, wait=True)  # a run's last version
+        assert _version(fast.url) == _version(slow.url) == "7"
+        st = {s["url"]: s for s in pusher.status()}
+        assert st[slow.url]["transfers"] < 7  # it skipped intermediate versions
+        for u in (fast.url, slow.url):
+            assert _served_markers(u, names) == {7.0}  # all tensors from one version
+        assert rec.ejected == []
+        # Generations are tagged with the version that produced them.
+        g = requests.post(fast.url + "/generate", json={"input_ids": [19, 31], "sampling_params": {
+            "max_new_tokens": 2, "temperature": 0}, "return_logprob": True}, timeout=30).json()
+        assert g["meta_info"]["weight_version"] == "7"
+    finally:
+        pusher.close()
+        for s in (fast, slow):
+            stop_process(s.proc)
+
+
+def test_sync_push_waits_for_every_replica(tmp_path, tiny_model_dir, loop):
+    a, b = _servers(tmp_path, tiny_model_dir, [0.0, 0.3])
+    pusher = Pusher(loop, [a.url, b.url], PushConfig(mode="sync", bucket_bytes=32 << 10), torch.device("cpu"))
+    try:
+        pusher.connect(initial_version=0)
+        names = list(_weights(tiny_model_dir, 0.0))
+        for v in (1, 2):
+            m = pusher.push(_weights(tiny_model_dir, float(v)), version=v)
+            # When push returns, both replicas already serve v, whole.
+            assert _version(a.url) == _version(b.url) == str(v)
+            assert _served_markers(b.url, names) == {float(v)}
+            assert m["time/push_s"] >= 0.3  # it waited for the slow one
+            assert m["push/replica1_version_lag"] == 0
+    finally:
+        pusher.close()
+        for s in (a, b):
+            stop_process(s.proc)
+
+
+def test_replica_missing_deadline_is_ejected_and_trainer_goes_on(tmp_path, tiny_model_dir, loop):
+    """A replica slower than the deadline is ejected from routing; the other
+    keeps up; the trainer's pushes stay instant."""
+    ok, late = _servers(tmp_path, tiny_model_dir, [0.0, 4.0])
+    rec = Recorder()
+    pusher = Pusher(loop, [ok.url, late.url], PushConfig(mode="async", bucket_bytes=1 << 20, deadline_s=1.0,
+                    reconnect_interval_s=60), torch.device("cpu"), on_eject=rec.eject, on_readmit=rec.readmit)
+    try:
+        pusher.connect(initial_version=0)
+        t0 = time.perf_counter()
+        pusher.push(_weights(tiny_model_dir, 1.0), version=1)
+        assert time.perf_counter() - t0 < 0.5
+        _wait(lambda: rec.ejected == [late.url], 20, "the late replica's ejection")
+        _wait(lambda: _version(ok.url) == "1", 20, "the healthy replica at version 1")
+        pusher.push(_weights(tiny_model_dir, 2.0), version=2)
+        _wait(lambda: _version(ok.url) == "2", 20, "the healthy replica at version 2")
+        st = {s["url"]: s for s in pusher.status()}
+        assert not st[late.url]["admitted"] and "deadline" in st[late.url]["eject_reason"]
+        assert st[ok.url]["admitted"] and rec.readmitted == []
+        # The late replica never holds a version half-way: either all of the
+        # original checkpoint (version 0) or all of one pushed version.
+        original = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
+        served = {n: torch.tensor(requests.get(late.url + "/get_weights_by_name",
+                                                params={"name": n, "truncate_size": 4}, timeout=10).json()).flatten()
+                  for n in sorted(original)}
+        untouched = all(torch.equal(served[n], original[n][:4].flatten()) for n in served)  # first 4 rows
+        assert untouched or len(set(torch.cat(list(served.values())).tolist())) == 1
+    finally:
+        pusher.close()
+        for s in (ok, late):
+            stop_process(s.proc)
+
+
+def test_killed_replica_is_ejected_then_catches_up_before_readmission(tmp_path, tiny_model_dir, loop):
+    """Kill a replica mid-transfer (SIGKILL), restart it on the same port: the
+    sidecar reconnects, sends it the newest version, and only then readmits it."""
+    (srv,) = _servers(tmp_path, tiny_model_dir, [2.0])
+    rec = Recorder()
+    pusher = Pusher(loop, [srv.url], PushConfig(mode="async", bucket_bytes=1 << 20, deadline_s=5.0,
+                    init_timeout_s=20, reconnect_interval_s=0.5), torch.device("cpu"),
+                    on_eject=rec.eject, on_readmit=rec.readmit)
+    restarted = None
+    try:
+        pusher.connect(initial_version=0)
+        pusher.push(_weights(tiny_model_dir, 1.0), version=1)
+        time.sleep(0.5)  # the transfer is in the server's 2 s update handler now
+        srv.proc.kill()
+        srv.proc.wait()
+        _wait(lambda: rec.ejected == [srv.url], 20, "ejection of the killed replica")
+        pusher.push(_weights(tiny_model_dir, 3.0), version=3)  # the trainer goes on meanwhile
+        cmd = [sys.executable, "-m", "torchtitan_grpo.inference.server", "--model", tiny_model_dir,
+               "--port", str(srv.port), "--debug-update-delay-s", "0"]
+        restarted = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     env=dict(os.environ, OMP_NUM_THREADS="1"))
+        _wait(lambda: rec.readmitted == [srv.url], 90, "readmission after catch-up")
+        assert _version(srv.url) == "3"  # readmitted only with the newest version
+        assert _served_markers(srv.url, list(_weights(tiny_model_dir, 0.0))) == {3.0}
+    finally:
+        pusher.close()
+        stop_process(srv.proc)
+        if restarted is not None:
+            stop_process(restarted)
+
