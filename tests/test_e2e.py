@@ -151,3 +151,16 @@ def test_raising_reward_scores_zero_and_run_goes_on(tmp_path, tiny_model_dir):
     assert out.count("reward tests.reward_fixtures.sometimes_raises raised ZeroDivisionError") == 1, out[-3000:]
     assert out.count('raise ZeroDivisionError("deliberate failure in the reward")') == 1, out[-3000:]
     assert len(_metrics(dump)) == 2
+
+
+def test_demo_learns_the_digits_task(tmp_path, tiny_model_dir):
+    """The README's demo, unchanged: a random tiny model learns the task by RL
+    alone, from near chance (a constant output scores <= 0.15) to >= 0.8."""
+    dump = str(tmp_path / "run")
+    r = _torchrun(1, "--job.dump_folder", dump, "--model.hf_assets_path", str(tmp_path / "fresh-model"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = _metrics(dump)
+    first = sum(m["reward/mean"] for m in rows[:10]) / 10
+    last = sum(m["reward/mean"] for m in rows[-10:]) / 10
+    assert first < 0.15 and last >= 0.8, (first, last)
+    assert f"mean reward: first 10 steps {first:.3f}, last 10 steps {last:.3f}" in r.stdout

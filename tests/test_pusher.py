@@ -192,3 +192,28 @@ def test_killed_replica_is_ejected_then_catches_up_before_readmission(tmp_path, 
         if restarted is not None:
             stop_process(restarted)
 
+
+
+def test_vllm_protocol_push_in_packed_chunks(tmp_path, tiny_model_dir, loop):
+    """The vLLM weight-transfer sequence (pause, start, update_weights with
+    packed chunks broadcast meanwhile, finish(version), resume) against the
+    built-in server's vLLM routes: whole versions arrive, the version is set."""
+    (srv,) = _servers(tmp_path, tiny_model_dir, [0.0])
+    pusher = Pusher(loop, [srv.url], PushConfig(mode="sync", protocol="vllm", packed_buffer_bytes=20_000),
+                    torch.device("cpu"))
+    try:
+        pusher.connect(initial_version=0)
+        names = list(_weights(tiny_model_dir, 0.0))
+        assert len(pusher._plan or []) == 0  # planned at the first push
+        for v in (1, 2):
+            pusher.push(_weights(tiny_model_dir, float(v)), version=v)
+            info = requests.get(srv.url + "/weight_info", timeout=10).json()
+            assert info["weight_version"] == str(v)
+            assert _served_markers(srv.url, names) == {float(v)}
+        assert len(pusher._plan) > 1  # several packed chunks were sent
+        out = requests.post(srv.url + "/v1/completions", json={"prompt": [19, 31], "max_tokens": 2,
+                            "temperature": 0, "return_weight_versions": True}, timeout=30)
+        assert out.status_code == 200, out.text
+    finally:
+        pusher.close()
+        stop_process(srv.proc)

@@ -103,6 +103,13 @@ class Inference:
     urls: list[str] = field(default_factory=list)
     """Replica base URLs for externally started servers (sglang/vllm, or builtin started elsewhere)."""
 
+    replica_file: str = ""
+    """File with one replica URL per line, written by a launcher and re-read
+    periodically (replicas may join); used in addition to urls."""
+
+    model: str = ""
+    """Model name sent in vLLM /v1/completions requests (vLLM's served model name)."""
+
     num_servers: int = 1
     """Built-in servers started by the trainer when urls is empty."""
 
@@ -201,7 +208,8 @@ def validate(cfg) -> None:
     _check(r.temperature > 0, "rollout.temperature", "must be > 0 (GRPO needs sampled, not greedy, completions)", r.temperature)
     _check(0 < r.top_p <= 1, "rollout.top_p", "must be in (0, 1]", r.top_p)
     _check(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", "must be -1 (off) or >= 1", r.top_k)
-    _check(i.backend == "builtin" or bool(i.urls), "inference.urls", f"is required for backend {i.backend!r} (the trainer starts only built-in servers)", i.urls)
+    _check(i.backend == "builtin" or bool(i.urls) or bool(i.replica_file), "inference.urls",
+           f"(or inference.replica_file) is required for backend {i.backend!r}: the trainer starts only built-in servers", i.urls)
     for u in i.urls:
         _check(u.startswith(("http://", "https://")), "inference.urls", f"{u!r} is not an http(s) URL", i.urls)
     _check(i.num_servers >= 1, "inference.num_servers", "must be >= 1", i.num_servers)

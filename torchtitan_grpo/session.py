@@ -70,7 +70,7 @@ def rollout_side(cfg, hf_dir: str, d: Dist):
     i, w, r = cfg.inference, cfg.weight_sync, cfg.rollout
     tok = AutoTokenizer.from_pretrained(hf_dir)
     with contextlib.ExitStack() as stack:
-        if i.urls:
+        if i.urls or i.replica_file:
             urls = list(i.urls)
         else:
             specs = [ServerSpec(hf_dir, device=i.server_device, dtype=i.server_dtype, host=i.host,
@@ -80,7 +80,8 @@ def rollout_side(cfg, hf_dir: str, d: Dist):
             urls = [s.url for s in servers]
         loop = LoopThread()
         stack.callback(loop.close)
-        pool = InferencePool(urls, PoolConfig(request_timeout_s=i.request_timeout_s, max_retries=i.max_retries))
+        pool = InferencePool(urls, PoolConfig(backend=i.backend, model=i.model, replica_file=i.replica_file or None,
+                                              request_timeout_s=i.request_timeout_s, max_retries=i.max_retries))
         loop.run(pool.start())
         stack.callback(lambda: loop.run(pool.close(), timeout=10))
 
@@ -90,7 +91,8 @@ def rollout_side(cfg, hf_dir: str, d: Dist):
             pusher = Pusher(loop, urls, PushConfig(
                 mode=w.mode, backend=w.transport, master_address=w.master_address,
                 bucket_bytes=w.bucket_size_mb << 20, num_staging_buffers=w.num_staging_buffers,
-                deadline_s=w.replica_deadline_s, init_timeout_s=w.init_timeout_s, pause_mode=w.pause_mode),
+                deadline_s=w.replica_deadline_s, init_timeout_s=w.init_timeout_s, pause_mode=w.pause_mode,
+                protocol="vllm" if i.backend == "vllm" else "sglang"),
                 device=d.device, on_eject=pool.eject, on_readmit=pool.readmit)
             stack.callback(pusher.close)
             pusher.connect(initial_version=0)

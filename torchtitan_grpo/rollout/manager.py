@@ -85,7 +85,7 @@ class RolloutManager:
             "time/reward_s": reward_s,
             "rollout/tokens_per_s": n_tok / gen_s if gen_s > 0 else 0.0,
         }
-        return RolloutBatch(samples, metrics | {"_versions": versions})
+        return RolloutBatch(samples, metrics | self.pool.metrics() | {"_versions": versions})
 
     async def _generate_all(self, ids: list[list[int]], step: int) -> list[list[Completion]]:
         def params(i: int) -> SamplingParams:

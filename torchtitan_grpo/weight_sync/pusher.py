@@ -40,14 +40,15 @@ import aiohttp
 import torch
 
 from torchtitan_grpo.aio import LoopThread
-from torchtitan_grpo.inference import sglang
+from torchtitan_grpo.inference import sglang, vllm
 from torchtitan_grpo.inference.launcher import free_port
 from torchtitan_grpo.weight_sync import buckets as bk
 from torchtitan_grpo.weight_sync.group import WeightGroup, init_weight_group
 
 logger = logging.getLogger(__name__)
 
-GROUP_NAME = "weight_update_group"
+GROUP_NAME = "weight_update_group"  # SGLang's default group name
+VLLM_GROUP_NAME = "vllm_weight_transfer"  # the built-in server's vLLM-route group
 
 
 class WeightPusher(Protocol):
@@ -85,6 +86,11 @@ class PushConfig:
     """SGLang /pause_generation mode around an update: "none" (updates wait for
     in-flight requests), "abort", "retract" or "in_place" (keeps KV cache)."""
     reconnect_interval_s: float = 2.0
+    protocol: str = "sglang"
+    """Weight-update protocol of the replicas: "sglang" (also the built-in
+    server's default) or "vllm"."""
+    packed_buffer_bytes: int = vllm.DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    """vLLM packed mode: a chunk closes right after the tensor that takes it past this size."""
 
 
 @dataclass
@@ -102,6 +108,7 @@ class _Replica:
     executor: concurrent.futures.ThreadPoolExecutor | None = None
     stream: object | None = None
     sessionful: bool = True  # False: pre-0.5.23 SGLang without begin/end_weight_update
+    world_size: int = 2  # trainer + the replica's ranks (its TP*PP*DP workers)
     version: int = -1
     admitted: bool = True
     busy: bool = False
@@ -169,26 +176,42 @@ class Pusher:
         errors = [f"{r.url}: {e}" for r, e in zip(self.replicas, results) if isinstance(e, Exception)]
         if errors:
             raise PushError("weight groups could not be set up: " + "; ".join(errors))
-        await asyncio.gather(*(
-            _post(self._session, r.url + "/update_weight_version",
-                  {"new_version": str(initial_version), "abort_all_requests": False}, 30)
-            for r in self.replicas))
+        if self.cfg.protocol == "sglang":  # vLLM has no route for this: its version is set by the first push
+            await asyncio.gather(*(
+                _post(self._session, r.url + "/update_weight_version",
+                      {"new_version": str(initial_version), "abort_all_requests": False}, 30)
+                for r in self.replicas))
         for r in self.replicas:
             r.version = initial_version
             self._tasks.append(asyncio.create_task(self._sender(r)))
 
     async def _connect(self, r: _Replica) -> None:
-        """One weight group for replica ``r``: its HTTP join and ours run at once
-        (each blocks until the other side has joined)."""
+        """One weight group for replica ``r``: its HTTP join and ours run at
+        once (each blocks until the other side has joined)."""
         port = free_port(self.cfg.master_address)
-        body = sglang.init_group_request(self.cfg.master_address, port, 1, 2, GROUP_NAME, self.cfg.backend)
+        r.world_size = 1 + await self._replica_ranks(r)
+        join_fn = lambda: init_weight_group(  # noqa: E731
+            self.cfg.master_address, port, 0, r.world_size, backend=self.cfg.backend,
+            group_name=GROUP_NAME if self.cfg.protocol == "sglang" else VLLM_GROUP_NAME,
+            timeout_s=self.cfg.init_timeout_s, device=self.device if self.cfg.backend == "nccl" else None)
+        if self.cfg.protocol == "sglang":
+            path = "/init_weights_update_group"
+            body = sglang.init_group_request(self.cfg.master_address, port, 1, r.world_size, GROUP_NAME,
+                                             self.cfg.backend)
+        else:
+            path = vllm.INIT_WEIGHT_TRANSFER
+            body = vllm.init_weight_transfer_request(r.world_size, 1, self.cfg.master_address, port, packed=True,
+                                                     packed_buffer_size_bytes=self.cfg.packed_buffer_bytes)
+            if self.cfg.backend == "nccl" and not await self._is_builtin(r):
+                # A real vLLM joins through its own store layout and PyNccl handshake.
+                from torchtitan_grpo.weight_sync.vllm_group import init_vllm_weight_group
+
+                join_fn = lambda: init_vllm_weight_group(  # noqa: E731
+                    self.cfg.master_address, port, r.world_size, device=self.device,
+                    timeout_s=self.cfg.init_timeout_s)
         executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="push")
-        http = asyncio.create_task(_post(self._session, r.url + "/init_weights_update_group", body,
-                                         self.cfg.init_timeout_s))
-        join = asyncio.get_running_loop().run_in_executor(
-            executor, lambda: init_weight_group(self.cfg.master_address, port, 0, 2, backend=self.cfg.backend,
-                                                group_name=GROUP_NAME, timeout_s=self.cfg.init_timeout_s,
-                                                device=self.device if self.cfg.backend == "nccl" else None))
+        http = asyncio.create_task(_post(self._session, r.url + path, body, self.cfg.init_timeout_s))
+        join = asyncio.get_running_loop().run_in_executor(executor, join_fn)
         try:
             group, _ = await asyncio.gather(join, http)
         except BaseException:
@@ -199,6 +222,27 @@ class Pusher:
             r.stream = await asyncio.get_running_loop().run_in_executor(
                 executor, lambda: torch.cuda.Stream(device=self.device))
         r.group, r.executor = group, executor
+
+    async def _get(self, url: str) -> dict | None:
+        try:
+            async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=30)) as resp:
+                return await resp.json(content_type=None) if resp.status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return None
+
+    async def _replica_ranks(self, r: _Replica) -> int:
+        """How many ranks the replica joins with: vLLM's /get_world_size,
+        SGLang's tp_size from /get_server_info, else 1 (the built-in server)."""
+        if self.cfg.protocol == "vllm":
+            body = await self._get(r.url + vllm.WORLD_SIZE)
+            return vllm.parse_world_size(body, r.url) if body is not None else 1
+        info = await self._get(r.url + "/get_server_info")
+        tp = info.get("tp_size") if isinstance(info, dict) else None
+        return int(tp) if isinstance(tp, int) and tp >= 1 else 1
+
+    async def _is_builtin(self, r: _Replica) -> bool:
+        """The built-in server answers /model_info on its vLLM routes too; a real vLLM does not."""
+        return await self._get(r.url + "/model_info") is not None
 
     # ------------------------------------------------------- trainer side
 
@@ -213,7 +257,10 @@ class Pusher:
         t0 = time.perf_counter()
         specs = [bk.TensorSpec.of(n, t) for n, t in tensors.items()]
         if self._plan is None or {s for b in self._plan for s in b} != set(specs):
-            self._plan = bk.plan_buckets(specs, self.cfg.bucket_bytes)  # same tensors every step: plan once
+            # Same tensors every step: plan once. SGLang flattened buckets are
+            # itemsize-aligned; vLLM packed chunks keep the tensors' order.
+            self._plan = (bk.plan_buckets(specs, self.cfg.bucket_bytes) if self.cfg.protocol == "sglang"
+                          else bk.plan_packed_chunks(specs, self.cfg.packed_buffer_bytes))
             self.bytes_per_version = sum(s.nbytes for s in specs)
         staged = self._free_buffer()
         while staged is None and wait:
@@ -344,8 +391,10 @@ class Pusher:
         """Before rejoining, close what the abandoned transfer left open on the
         replica (its update session and old group); each may already be gone."""
         s = self._session
-        for path, body in (("/end_weight_update", {}), ("/destroy_weights_update_group", {"group_name": GROUP_NAME}),
-                           ("/continue_generation", {})):
+        calls = ((("/end_weight_update", {}), ("/destroy_weights_update_group", {"group_name": GROUP_NAME}),
+                  ("/continue_generation", {})) if self.cfg.protocol == "sglang" else
+                 ((vllm.SHUTDOWN_WEIGHT_TRANSFER, None), (vllm.RESUME, None)))
+        for path, body in calls:
             try:
                 await _post(s, r.url + path, body, self.cfg.init_timeout_s)
             except Exception:
@@ -367,7 +416,35 @@ class Pusher:
         asyncio.get_running_loop().call_later(self.cfg.reconnect_interval_s, r.wake.set)  # retry even if idle
 
     async def _transfer(self, r: _Replica, staged: _Staged) -> None:
-        s, loop = self._session, asyncio.get_running_loop()
+        if self.cfg.protocol == "sglang":
+            await self._transfer_sglang(r, staged)
+        else:
+            await self._transfer_vllm(r, staged)
+
+    async def _with_broadcasts(self, r: _Replica, http: asyncio.Task, staged: _Staged, bufs) -> None:
+        """Run the replica's update request and our broadcasts of ``bufs``
+        together; if the replica refuses (so it posts no receive), stop at once."""
+        loop = asyncio.get_running_loop()
+
+        async def send_all():
+            for buf in bufs:
+                await loop.run_in_executor(r.executor, self._broadcast, r, staged, buf)
+
+        send = asyncio.ensure_future(send_all())
+        try:
+            done, _ = await asyncio.wait({http, send}, return_when=asyncio.FIRST_EXCEPTION)
+            for t in done:
+                if t.exception() is not None:
+                    raise t.exception()
+            await asyncio.gather(http, send)
+        except BaseException:
+            http.cancel()
+            send.cancel()
+            raise
+
+    async def _transfer_sglang(self, r: _Replica, staged: _Staged) -> None:
+        """pause -> begin -> (update request + broadcast) per bucket -> end -> continue."""
+        s = self._session
         paused = False
         if self.cfg.pause_mode != "none":
             await _post(s, r.url + "/pause_generation", {"mode": self.cfg.pause_mode}, 30)
@@ -388,16 +465,7 @@ class Pusher:
                     weight_version=str(staged.version) if last else None)
                 http = asyncio.create_task(_post(s, r.url + "/update_weights_from_distributed", body,
                                                  self.cfg.deadline_s))
-                send = loop.run_in_executor(r.executor, self._broadcast, r, staged, buf)
-                try:
-                    done, _ = await asyncio.wait({http, send}, return_when=asyncio.FIRST_EXCEPTION)
-                    for t in done:
-                        if t.exception() is not None:
-                            raise t.exception()  # e.g. the server refused: its receive never comes
-                    await asyncio.gather(http, send)
-                except BaseException:
-                    http.cancel()
-                    raise
+                await self._with_broadcasts(r, http, staged, [buf])
             if r.sessionful:
                 await _post(s, r.url + "/end_weight_update", {}, 30)
         finally:
@@ -406,6 +474,27 @@ class Pusher:
                     await _post(s, r.url + "/continue_generation", {}, 30)
                 except Exception as e:  # the eject path reports the transfer error
                     logger.warning("continue_generation on %s failed: %s", r.url, e)
+
+    async def _transfer_vllm(self, r: _Replica, staged: _Staged) -> None:
+        """pause -> start -> one update_weights call while every packed chunk
+        is broadcast -> finish(version) -> resume."""
+        s = self._session
+        # Our "none" (let running requests finish) is vLLM's "wait"; in_place keeps them, as "keep" does.
+        mode = {"none": "wait", "abort": "abort", "retract": "abort", "in_place": "keep"}[self.cfg.pause_mode]
+        await _post(s, r.url + vllm.PAUSE, None, 30, params=vllm.pause_query(mode))
+        try:
+            await _post(s, r.url + vllm.START_WEIGHT_UPDATE, None, 30)
+            specs = [b for chunk in self._plan for b in chunk]
+            body = vllm.update_weights_request([b.name for b in specs], [bk.dtype_name(b.dtype) for b in specs],
+                                               [list(b.shape) for b in specs])
+            http = asyncio.create_task(_post(s, r.url + vllm.UPDATE_WEIGHTS, body, self.cfg.deadline_s))
+            await self._with_broadcasts(r, http, staged, staged.buffers)
+            await _post(s, r.url + vllm.FINISH_WEIGHT_UPDATE, vllm.finish_weight_update_request(str(staged.version)), 30)
+        finally:
+            try:
+                await _post(s, r.url + vllm.RESUME, None, 30)
+            except Exception as e:
+                logger.warning("resume on %s failed: %s", r.url, e)
 
     @staticmethod
     def _broadcast(r: _Replica, staged: _Staged, buf: torch.Tensor) -> None:
