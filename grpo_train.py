@@ -7,8 +7,12 @@ Each step: sample ``group_size`` completions for each of ``prompts_per_step``
 prompts from the inference servers (with their logprobs and the weight
 version that produced them), score them, normalise rewards within each group
 into advantages, take one clipped-surrogate step on the trainer's own
-logprobs, then push the new weights, tagged with the step number, to every
-server. Infrastructure lives in the ``torchtitan_grpo`` package.
+logprobs, then push the new weights, tagged with a version number, to every
+server. Samples from weights more than ``grpo.max_staleness`` versions old are
+dropped; the rest are importance-weighted against the rollout logprobs
+(``grpo.is_correction``). With ``[checkpoint] enable``, the run saves every
+``checkpoint.interval`` steps and resumes from the newest checkpoint in its
+dump folder. Infrastructure lives in the ``torchtitan_grpo`` package.
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ import sys
 
 import torch
 
+from torchtitan_grpo.checkpoint import Checkpointer, export_hf
 from torchtitan_grpo.config import parse_config
 from torchtitan_grpo.parallel import data_parallel_rank_and_degree
+from torchtitan_grpo.rollout import offpolicy
 from torchtitan_grpo.trainer import broadcast_object, build_policy, hf_weights, init_distributed, train_step
 
 logger = logging.getLogger("torchtitan_grpo")
@@ -40,38 +46,77 @@ def main(argv: list[str]) -> dict:
     logger.info("policy %s from %s: %.2fM parameters on %s x%d", cfg.model.name, hf_dir,
                 sum(p.numel() for p in policy.model.parameters()) / 1e6, d.device, d.world_size)
 
-    with contextlib.ExitStack() as stack:
-        # Rank 0 owns the inference side: servers, pool, rollouts, pusher, metrics.
-        side = stack.enter_context(rollout_side(cfg, hf_dir, d)) if d.is_main else None
-        pad_id = broadcast_object(side.pad_id if side else None, d)
+    # Resume ([checkpoint]): weights, optimizer, LR schedule, step, weight version,
+    # prompt position and RNG states from the newest checkpoint, if any.
+    ckpt = Checkpointer(cfg, policy, d)
+    resumed = ckpt.load()
+    start = resumed.step if resumed else 0
+    version = resumed.weight_version if resumed else 0  # of the trainer's weights; +1 per optimizer step
+    pushing = cfg.weight_sync.mode != "off"
+    g = cfg.grpo
 
-        for step in range(1, cfg.training.steps + 1):
-            # 1. Rollouts: groups of completions with rewards and advantages.
-            batch = broadcast_object(side.rollouts.collect(step) if side else None, d)
+    with contextlib.ExitStack() as stack:
+        stack.callback(ckpt.close)
+        # Rank 0 owns the inference side: servers, pool, rollouts, pusher, metrics.
+        side = stack.enter_context(rollout_side(cfg, hf_dir, d, resumed)) if d.is_main else None
+        pad_id = broadcast_object(side.pad_id if side else None, d)
+        if resumed and pushing:
+            # The servers loaded the initial weights from disk: they get the
+            # restored ones before generating anything.
+            tensors = hf_weights(policy)
+            if side:
+                side.pusher.push(tensors, version=version, wait=True)
+            del tensors
+
+        for step in range(start + 1, cfg.training.steps + 1):
+            # 1. Rollouts: groups of completions with rewards and advantages; samples
+            #    staler than grpo.max_staleness (and, with grpo.mask_truncated, those
+            #    cut at max_new_tokens) are dropped.
+            batch = None
+            if side:
+                batch = side.rollouts.collect(step)
+                batch.samples, kept = offpolicy.select_samples(batch.samples, version if pushing else 0,
+                                                               g.max_staleness, g.mask_truncated)
+                batch.metrics |= kept
+            batch = broadcast_object(batch, d)
             # data-parallel ranks split the batch; TP ranks of one DP rank share its part
             dp_rank, dp_degree = data_parallel_rank_and_degree(policy.parallel_dims)
             local = batch.samples[dp_rank::dp_degree]
             num_tokens = sum(len(s.completion_ids) for s in batch.samples)
 
-            # 2. One GRPO optimizer step on this rank's share of the batch.
-            metrics = train_step(policy, local, cfg.grpo, cfg.rollout.temperature, cfg.rollout.max_new_tokens,
-                                 global_num_samples=len(batch.samples), global_num_tokens=num_tokens,
-                                 pad_id=pad_id, d=d)
+            metrics = {}
+            if batch.samples:  # else every sample was dropped: no step, no new version
+                # 2. One GRPO optimizer step on this rank's share of the batch.
+                metrics = train_step(policy, local, g, cfg.rollout.temperature, cfg.rollout.max_new_tokens,
+                                     global_num_samples=len(batch.samples), global_num_tokens=num_tokens,
+                                     pad_id=pad_id, d=d)
+                version += 1
 
-            # 3. Push the new weights, version = step, to every server.
-            if cfg.weight_sync.mode != "off":
-                tensors = hf_weights(policy)  # a collective: every rank takes part
-                if side:  # async mode waits only at the last step: the final weights always arrive
-                    metrics |= side.pusher.push(tensors, version=step, wait=step == cfg.training.steps or None)
-                del tensors
+                # 3. Push the new weights, tagged with their version, to every server.
+                if pushing:
+                    tensors = hf_weights(policy)  # a collective: every rank takes part
+                    if side:  # async: snapshot and go on; sync: wait for every admitted replica
+                        metrics |= side.pusher.push(tensors, version=version)
+                    del tensors
 
-            # 4. Log.
+            # 4. Log, and checkpoint every checkpoint.interval steps and at the last.
             if side:
                 metrics |= {k: v for k, v in batch.metrics.items() if not k.startswith("_")}
-                metrics["weight_version"] = float(step if cfg.weight_sync.mode != "off" else 0)
+                metrics["weight_version"] = float(version if pushing else 0)
                 side.log.log(step, metrics)
+            ckpt.save(step, version, side.prompts if side else None, last_step=step == cfg.training.steps)
 
+        if pushing and cfg.weight_sync.mode == "async":
+            # The servers end on the final weights, whatever async mode skipped
+            # (a busy buffer, or a last step whose samples were all too stale).
+            tensors = hf_weights(policy)
+            if side:
+                side.pusher.push(tensors, version=version, wait=True)
+            del tensors
         summary = side.summary() if side else {}
+    if cfg.checkpoint.hf_export:
+        export_hf(policy, hf_dir, os.path.join(cfg.job.dump_folder, cfg.checkpoint.hf_export_folder), d,
+                  cfg.checkpoint.export_dtype)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return summary

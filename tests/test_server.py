@@ -31,7 +31,7 @@ torch.set_num_threads(1)
 jsonschema = pytest.importorskip("jsonschema")
 
 REPO = Path(__file__).resolve().parents[1]
-OPENAPI = Path(os.environ.get("SGLANG_OPENAPI", "/work/shared/protocols/sglang-0.5.23-openapi.json"))
+OPENAPI = Path(os.environ.get("SGLANG_OPENAPI", Path(__file__).parent / "protocols" / "sglang-0.5.23-openapi.json"))
 SPEC = json.loads(OPENAPI.read_text())
 
 # Which request schema each route's body must satisfy.

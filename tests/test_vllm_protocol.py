@@ -50,7 +50,7 @@ torch.set_num_threads(1)
 jsonschema = pytest.importorskip("jsonschema")
 
 REPO = Path(__file__).resolve().parents[1]
-SCHEMA_FILE = Path(os.environ.get("VLLM_SCHEMA", "/work/shared/protocols/vllm-0.33-completions-schema.json"))
+SCHEMA_FILE = Path(os.environ.get("VLLM_SCHEMA", Path(__file__).parent / "protocols" / "vllm-0.33-completions-schema.json"))
 SCHEMAS = json.loads(SCHEMA_FILE.read_text())
 REQUEST = jsonschema.Draft202012Validator(SCHEMAS["CompletionRequest"])
 RESPONSE = jsonschema.Draft202012Validator(SCHEMAS["CompletionResponse"])

@@ -53,3 +53,44 @@ class LoopThread:
         self._thread.join(timeout=10)
         if not self._thread.is_alive():
             self.loop.close()
+
+
+class DaemonExecutor(concurrent.futures.Executor):
+    """A one-thread executor whose thread never blocks interpreter exit.
+
+    The sidecar's blocking calls (a gloo rendezvous, a broadcast to a replica
+    that died) can hang until their timeout; ThreadPoolExecutor threads are
+    joined at exit, so one such call would hold the whole process. Work is
+    abandoned, not waited for, once ``shutdown`` is called.
+    """
+
+    def __init__(self, name: str = "grpo-sender") -> None:
+        import queue
+
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        threading.Thread(target=self._work, name=name, daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fut, fn, args, kwargs = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args, **kwargs))
+            except BaseException as e:
+                fut.set_exception(e)
+
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+        if self._closed:
+            raise RuntimeError("executor is shut down")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((fut, fn, args, kwargs))
+        return fut
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._closed = True
+        self._queue.put(None)  # the thread ends after its current call (if that ever returns)

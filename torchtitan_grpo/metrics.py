@@ -11,11 +11,18 @@ logger = logging.getLogger("torchtitan_grpo")
 
 
 class MetricLogger:
-    def __init__(self, dump_folder: str, tb_folder: str = "tb", enable_tensorboard: bool = True):
+    def __init__(self, dump_folder: str, tb_folder: str = "tb", enable_tensorboard: bool = True,
+                 resume_step: int | None = None):
+        """``resume_step``: a resumed run keeps the metrics.jsonl rows of steps
+        up to it (a stopped run may have logged later steps) and appends."""
         self.history: list[dict[str, float]] = []
         self.writer = None
         os.makedirs(dump_folder, exist_ok=True)
-        self.jsonl = open(os.path.join(dump_folder, "metrics.jsonl"), "w")
+        path = os.path.join(dump_folder, "metrics.jsonl")
+        kept = _rows_up_to(path, resume_step) if resume_step is not None and os.path.isfile(path) else []
+        self.jsonl = open(path, "w")
+        self.jsonl.writelines(kept)
+        self.jsonl.flush()
         if enable_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -38,6 +45,19 @@ class MetricLogger:
         self.jsonl.close()
         if self.writer is not None:
             self.writer.close()
+
+
+def _rows_up_to(path: str, step: int) -> list[str]:
+    """metrics.jsonl lines of steps <= ``step`` (a line cut by a kill is dropped)."""
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+            except ValueError:
+                continue
+    return kept
 
 
 def format_line(step: int, m: dict[str, float]) -> str:

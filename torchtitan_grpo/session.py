@@ -8,6 +8,7 @@ import contextlib
 import logging
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -20,6 +21,9 @@ from torchtitan_grpo.rollout import tasks
 from torchtitan_grpo.rollout.manager import RolloutManager, make_reward_fn
 from torchtitan_grpo.trainer import Dist
 from torchtitan_grpo.weight_sync.pusher import NoPush, Pusher, PushConfig, WeightPusher
+
+if TYPE_CHECKING:
+    from torchtitan_grpo.checkpoint import Resumed
 
 logger = logging.getLogger("torchtitan_grpo")
 
@@ -45,6 +49,8 @@ class RolloutSide:
     pusher: WeightPusher
     log: MetricLogger
     pad_id: int
+    prompts: tasks.PromptIterator | tasks.DigitsPrompts
+    """The prompt source; its state_dict() is checkpointed."""
 
     def summary(self) -> dict:
         h = self.log.history
@@ -54,17 +60,20 @@ class RolloutSide:
         return {"reward_first10": first, "reward_last10": last, "steps": len(h)}
 
 
-def _prompt_batches(cfg):
+def _prompt_source(cfg):
+    """A resumable source of prompt batches (state_dict/load_state_dict) and the task's reward."""
     r = cfg.rollout
     if r.task == "digits":
-        rows = tasks.digits_task_rows(cfg.grpo.seed)
-        return (([next(rows) for _ in range(cfg.grpo.prompts_per_step)]) for _ in iter(int, 1)), tasks.digits_reward
+        return tasks.DigitsPrompts(cfg.grpo.prompts_per_step, cfg.grpo.seed), tasks.digits_reward
     data = tasks.load_prompts(r.dataset_path, r.prompt_key)
-    return iter(tasks.PromptIterator(data, cfg.grpo.prompts_per_step, cfg.grpo.seed)), None
+    return tasks.PromptIterator(data, cfg.grpo.prompts_per_step, cfg.grpo.seed), None
 
 
 @contextlib.contextmanager
-def rollout_side(cfg, hf_dir: str, d: Dist):
+def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
+    """With ``resume``, the prompt source continues where the checkpoint left
+    it, and the servers' on-disk weights are tagged version -1 (not the
+    trainer's): the caller pushes the restored weights before any rollout."""
     from transformers import AutoTokenizer
 
     i, w, r = cfg.inference, cfg.weight_sync, cfg.rollout
@@ -95,18 +104,22 @@ def rollout_side(cfg, hf_dir: str, d: Dist):
                 protocol="vllm" if i.backend == "vllm" else "sglang"),
                 device=d.device, on_eject=pool.eject, on_readmit=pool.readmit)
             stack.callback(pusher.close)
-            pusher.connect(initial_version=0)
+            pusher.connect(initial_version=0 if resume is None else -1)
 
-        batches, task_reward = _prompt_batches(cfg)
+        prompts, task_reward = _prompt_source(cfg)
+        if resume is not None and resume.prompts is not None:
+            prompts.load_state_dict(resume.prompts)
         reward_fn = make_reward_fn(r.reward_fn, task_reward)
         eos = [t for t in ([tok.eos_token_id] if tok.eos_token_id is not None else [])]
         sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                   top_k=r.top_k, stop_token_ids=tuple(eos))
-        rollouts = RolloutManager(loop, pool, tok, batches, reward_fn, group_size=cfg.grpo.group_size,
+        rollouts = RolloutManager(loop, pool, tok, iter(prompts), reward_fn, group_size=cfg.grpo.group_size,
                                   sampling=sampling, prompt_key=r.prompt_key, scale_rewards=cfg.grpo.scale_rewards,
                                   filter_constant_groups=cfg.grpo.filter_constant_groups,
-                                  reward_timeout_s=r.reward_timeout_s, seed=cfg.grpo.seed)
-        log = MetricLogger(cfg.job.dump_folder, cfg.metrics.save_tb_folder)
+                                  reward_timeout_s=r.reward_timeout_s, seed=cfg.grpo.seed,
+                                  use_chat_template=r.use_chat_template and r.task == "jsonl")
+        log = MetricLogger(cfg.job.dump_folder, cfg.metrics.save_tb_folder,
+                           resume_step=None if resume is None else resume.step)
         stack.callback(log.close)
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-        yield RolloutSide(rollouts, pusher, log, pad_id)
+        yield RolloutSide(rollouts, pusher, log, pad_id, prompts)

@@ -19,6 +19,7 @@ from torchtitan_grpo import _titan  # noqa: F401
 from torchtitan_grpo import loss as grpo_losses
 from torchtitan_grpo import model as hf_model
 from torchtitan_grpo import parallel
+from torchtitan_grpo.rollout import offpolicy
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,8 @@ class Policy:
     lr_schedulers: object
     parallel_dims: object
     max_norm: float
+    reference: torch.nn.Module | None = None
+    """Frozen initial weights for the KL penalty (only when grpo.kl_coef > 0)."""
 
 
 def build_policy(job_config, hf_dir: str, d: Dist) -> Policy:
@@ -100,8 +103,9 @@ def build_policy(job_config, hf_dir: str, d: Dist) -> Policy:
 
     optimizers = build_optimizers([model], job_config.optimizer, parallel_dims)
     lr_schedulers = build_lr_schedulers(optimizers, job_config.lr_scheduler, job_config.training.steps)
+    reference = offpolicy.build_reference(job_config, hf_dir, d) if job_config.grpo.kl_coef > 0 else None
     return Policy(model, model_args, adapter, optimizers, lr_schedulers, parallel_dims,
-                  float(job_config.training.max_norm))
+                  float(job_config.training.max_norm), reference)
 
 
 def hf_weights(policy: Policy) -> dict[str, torch.Tensor]:
@@ -153,6 +157,7 @@ def train_step(policy: Policy, local: list[Sample], grpo_cfg, temperature: float
     model = policy.model
     t0 = time.perf_counter()
     sums = {"loss": 0.0, "clip_fraction": 0.0, "lp_diff_max": 0.0, "entropy": 0.0, "tokens": 0.0}
+    off_stats = offpolicy.OffPolicyStats(grpo_cfg.is_correction, policy.reference is not None)
     mbs = grpo_cfg.micro_batch_size
     # Ranks with fewer local samples still run the same number of forward/backward
     # passes (on an empty micro-batch), or FSDP's collectives would deadlock.
@@ -174,11 +179,19 @@ def train_step(policy: Policy, local: list[Sample], grpo_cfg, temperature: float
             tokens, mask, old, parallel.seq_len_multiple(policy.parallel_dims), pad_id)
         logits = model(tokens)[:, :-1].float()
         logprobs = grpo_losses.token_logprobs(logits, tokens[:, 1:], temperature)
+        ref = None
+        if policy.reference is not None:
+            ref = offpolicy.reference_logprobs(policy.reference, tokens, temperature)
+        # "old" of the ratio and the IS weights: see grpo.is_correction
+        ratio_old, is_w, is_m = offpolicy.importance_weights(logprobs, old, mask, grpo_cfg.is_correction,
+                                                             grpo_cfg.is_cap)
         loss, m = grpo_losses.grpo_loss(
-            logprobs, old, adv, mask, clip_low=grpo_cfg.clip_low, clip_high=grpo_cfg.clip_high,
+            logprobs, ratio_old, adv, mask, clip_low=grpo_cfg.clip_low, clip_high=grpo_cfg.clip_high,
             loss_agg=grpo_cfg.loss_agg, max_completion_len=max_new_tokens,
-            num_sequences=global_num_samples, num_tokens=global_num_tokens)
+            num_sequences=global_num_samples, num_tokens=global_num_tokens,
+            ref_logprobs=ref, kl_coef=grpo_cfg.kl_coef, kl_estimator=grpo_cfg.kl_estimator, is_weights=is_w)
         loss.backward()
+        off_stats.add(mask, is_m, m)
         with torch.no_grad():
             ntok = float(mask.sum())
             sums["loss"] += float(loss)
@@ -187,7 +200,7 @@ def train_step(policy: Policy, local: list[Sample], grpo_cfg, temperature: float
             if ntok:
                 sums["lp_diff_max"] = max(sums["lp_diff_max"], float(((logprobs - old).abs() * mask).max()))
                 sums["entropy"] += float(grpo_losses.entropy_from_logits(logits, mask, temperature=temperature)) * ntok
-        del logits, logprobs, loss
+        del logits, logprobs, loss, ref
 
     grad_norm = _clip_grad_norm(policy)
     policy.optimizers.step()
@@ -203,6 +216,7 @@ def train_step(policy: Policy, local: list[Sample], grpo_cfg, temperature: float
         if dp_group is not None:
             dist.all_reduce(stats, group=dp_group)
         dist.all_reduce(lp_max, op=dist.ReduceOp.MAX)
+    off_metrics = off_stats.reduce(d.world_size, parallel.data_parallel_group(policy.parallel_dims), d.device)
     loss_sum, clip_sum, ent_sum, ntok = stats.tolist()
     return {
         "loss": loss_sum,  # local losses are already globally normalised: their sum is the batch loss
@@ -212,7 +226,7 @@ def train_step(policy: Policy, local: list[Sample], grpo_cfg, temperature: float
         "lr": policy.lr_schedulers.schedulers[0].get_last_lr()[0],
         "trainer_vs_rollout_logprob_max_abs_diff": float(lp_max.item()),
         "time/train_s": time.perf_counter() - t0,
-    }
+    } | off_metrics
 
 
 def _clip_grad_norm(policy: Policy) -> float:

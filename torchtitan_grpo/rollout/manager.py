@@ -32,7 +32,7 @@ class RolloutManager:
     def __init__(self, loop: LoopThread, pool: InferencePool, tokenizer, prompt_batches: Iterator[list[dict]],
                  reward_fn: rw.RewardFn, *, group_size: int, sampling: SamplingParams,
                  prompt_key: str = "prompt", scale_rewards: bool = True, filter_constant_groups: bool = False,
-                 reward_timeout_s: float = 10.0, seed: int = 0):
+                 reward_timeout_s: float = 10.0, seed: int = 0, use_chat_template: bool = False):
         self.loop, self.pool, self.tok = loop, pool, tokenizer
         self.prompt_batches = prompt_batches
         self.reward_fn = reward_fn
@@ -43,8 +43,15 @@ class RolloutManager:
         self.filter_constant_groups = filter_constant_groups
         self.reward_timeout_s = reward_timeout_s
         self.seed = seed
+        # Chat models expect their template: the prompt becomes one user turn
+        # followed by the assistant header (tokenizers without one: raw text).
+        self.use_chat_template = use_chat_template and bool(getattr(tokenizer, "chat_template", None))
 
     def encode_prompt(self, text: str) -> list[int]:
+        if self.use_chat_template:
+            # The template writes every special token (BOS included) itself.
+            text = self.tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                add_generation_prompt=True)
         return list(self.tok.encode(text, add_special_tokens=False))
 
     def collect(self, step: int) -> RolloutBatch:

@@ -151,6 +151,49 @@ def digits_task_rows(seed: int = 0) -> Iterator[dict]:
         yield {"prompt": prompt, "answer": digits_answer(prompt)}
 
 
+class DigitsPrompts:
+    """Endless, resumable batches of digits-task rows.
+
+    Yields the rows of :func:`digits_task_rows` (same seed, same order) in
+    batches of ``batch_size``. ``state_dict()`` records how many rows were
+    drawn; ``load_state_dict()`` replays the seeded generator to that point
+    (one ``randrange`` per row: a million rows take well under a second), so
+    a resumed run sees exactly the batches it would have seen.
+    """
+
+    def __init__(self, batch_size: int, seed: int = 0):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.batch_size = batch_size
+        self.seed = seed
+        self.rows_drawn = 0
+        self._rows = digits_task_rows(seed)
+
+    def next_batch(self) -> list[dict]:
+        batch = [next(self._rows) for _ in range(self.batch_size)]
+        self.rows_drawn += len(batch)
+        return batch
+
+    def __iter__(self) -> Iterator[list[dict]]:
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict:
+        return {"rows_drawn": self.rows_drawn, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("seed", self.seed) != self.seed:
+            raise ValueError(
+                f"digits task checkpoint has seed {state['seed']}, this run uses {self.seed}"
+            )
+        if "rows_drawn" not in state:
+            raise ValueError(f"digits task checkpoint has no 'rows_drawn': {state!r}")
+        self._rows = digits_task_rows(self.seed)
+        for _ in range(state["rows_drawn"]):
+            next(self._rows)
+        self.rows_drawn = state["rows_drawn"]
+
+
 def digits_reward(prompt: str, completion: str, row: dict) -> float:
     """1.0 iff the completion (text before EOS, whitespace stripped) is the answer.
 
@@ -167,6 +210,7 @@ def digits_reward(prompt: str, completion: str, row: dict) -> float:
 
 
 __all__ = [
+    "DigitsPrompts",
     "PromptIterState",
     "PromptIterator",
     "digits_reward",

@@ -29,7 +29,6 @@ always waiting when the bytes arrive.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import threading
 import time
@@ -39,7 +38,7 @@ from typing import Callable, Protocol
 import aiohttp
 import torch
 
-from torchtitan_grpo.aio import LoopThread
+from torchtitan_grpo.aio import DaemonExecutor, LoopThread
 from torchtitan_grpo.inference import sglang, vllm
 from torchtitan_grpo.inference.launcher import free_port
 from torchtitan_grpo.weight_sync import buckets as bk
@@ -105,7 +104,7 @@ class _Staged:
 class _Replica:
     url: str
     group: WeightGroup | None = None
-    executor: concurrent.futures.ThreadPoolExecutor | None = None
+    executor: DaemonExecutor | None = None
     stream: object | None = None
     sessionful: bool = True  # False: pre-0.5.23 SGLang without begin/end_weight_update
     world_size: int = 2  # trainer + the replica's ranks (its TP*PP*DP workers)
@@ -160,6 +159,11 @@ class Pusher:
         self._progress = threading.Condition()
         self._closed = False
         self.skipped_versions = 0
+        # An ejected replica is readmitted once it is as current as admitted ones
+        # are: the newest version in sync mode; in async mode also the one before
+        # (a new version may be staged while its transfer runs; demanding lag 0
+        # would never readmit a replica whose update outlasts a trainer step).
+        self._readmit_lag = 0 if config.mode == "sync" else 1
         self.bytes_per_version = 0
 
     # ------------------------------------------------------------ set-up
@@ -209,7 +213,7 @@ class Pusher:
                 join_fn = lambda: init_vllm_weight_group(  # noqa: E731
                     self.cfg.master_address, port, r.world_size, device=self.device,
                     timeout_s=self.cfg.init_timeout_s)
-        executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="push")
+        executor = DaemonExecutor(f"push-{r.url}")
         http = asyncio.create_task(_post(self._session, r.url + path, body, self.cfg.init_timeout_s))
         join = asyncio.get_running_loop().run_in_executor(executor, join_fn)
         try:
@@ -372,8 +376,8 @@ class Pusher:
                 r.version = staged.version
                 r.transfers += 1
                 r.last_transfer_s = time.perf_counter() - t0
-                if not r.admitted and r.version >= self._latest.version:
-                    r.admitted = True  # caught up with the newest version: route to it again
+                if not r.admitted and self._latest.version - r.version <= self._readmit_lag:
+                    r.admitted = True  # caught up: route to it again
                     logger.info("replica %s caught up at version %d: readmitted", r.url, r.version)
                     self.on_readmit(r.url)
             except Exception as e:
