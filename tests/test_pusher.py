@@ -217,3 +217,38 @@ def test_vllm_protocol_push_in_packed_chunks(tmp_path, tiny_model_dir, loop):
     finally:
         pusher.close()
         stop_process(srv.proc)
+
+
+def test_replica_joining_from_file_gets_newest_weights_before_traffic(tmp_path, tiny_model_dir, loop):
+    """The pool reads a launcher's replica file; a replica added mid-run is
+    held as catching-up, joined by the pusher, sent the newest version, and
+    only then routed to."""
+    from torchtitan_grpo.inference.pool import InferencePool, PoolConfig
+
+    a, b = _servers(tmp_path, tiny_model_dir, [0.0, 0.0])
+    listing = tmp_path / "replicas.txt"
+    listing.write_text(a.url + "\n")
+    rec = Recorder()
+    pool = InferencePool([], PoolConfig(replica_file=str(listing), replica_file_interval_s=0.2,
+                                        health_interval_s=0.2))
+    pusher = Pusher(loop, [], PushConfig(mode="async", bucket_bytes=32 << 10), torch.device("cpu"),
+                    on_eject=pool.eject, on_readmit=lambda u: (rec.readmit(u), pool.readmit(u)))
+    pool.on_join = pusher.add_replica
+    try:
+        loop.run(pool.start())
+        _wait(lambda: pool.states().get(a.url) == "healthy", 30, "replica a from the file")
+        pusher.connect(initial_version=0)
+        pusher.push(_weights(tiny_model_dir, 1.0), version=1, wait=True)
+        assert _version(a.url) == "1"
+        listing.write_text(a.url + "\n" + b.url + "\n")  # a launcher adds replica b
+        _wait(lambda: b.url in pool.states(), 30, "replica b listed")
+        assert pool.states()[b.url] == "catching-up" or rec.readmitted == [b.url]
+        _wait(lambda: rec.readmitted == [b.url], 60, "replica b readmitted after catching up")
+        assert _version(b.url) == "1"
+        assert _served_markers(b.url, list(_weights(tiny_model_dir, 0.0))) == {1.0}
+        _wait(lambda: pool.states()[b.url] == "healthy", 30, "replica b routable")
+    finally:
+        pusher.close()
+        loop.run(pool.close())
+        for s in (a, b):
+            stop_process(s.proc)

@@ -91,9 +91,6 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
         stack.callback(loop.close)
         pool = InferencePool(urls, PoolConfig(backend=i.backend, model=i.model, replica_file=i.replica_file or None,
                                               request_timeout_s=i.request_timeout_s, max_retries=i.max_retries))
-        loop.run(pool.start())
-        stack.callback(lambda: loop.run(pool.close(), timeout=10))
-
         if w.mode == "off":
             pusher: WeightPusher = NoPush()
         else:
@@ -104,6 +101,10 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
                 protocol="vllm" if i.backend == "vllm" else "sglang"),
                 device=d.device, on_eject=pool.eject, on_readmit=pool.readmit)
             stack.callback(pusher.close)
+            pool.on_join = pusher.add_replica  # replicas from inference.replica_file get weights too
+        loop.run(pool.start())
+        stack.callback(lambda: loop.run(pool.close(), timeout=10))
+        if w.mode != "off":
             pusher.connect(initial_version=0 if resume is None else -1)
 
         prompts, task_reward = _prompt_source(cfg)

@@ -312,6 +312,10 @@ class InferencePool:
         self._by_url: dict[str, Replica] = {}
         self._lock = threading.Lock()  # replica list, eject flags, latency windows
         self._pending_eject: set[str] = set()  # ejected before the replica joined
+        self.on_join: Callable[[str], bool] | None = None
+        """Set by the weight pusher: called with each replica that joins through
+        the replica file; True means "it holds stale weights: route to it only
+        after readmit()"."""
         for u in dict.fromkeys(_norm(u) for u in urls):
             self._add(u, static=True)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -365,10 +369,11 @@ class InferencePool:
                 connector=aiohttp.TCPConnector(limit=cfg.max_connections, keepalive_timeout=cfg.keepalive_s))
 
     def _add(self, url: str, static: bool) -> Replica:
+        stale = not static and self.on_join is not None and self.on_join(url)
         with self._lock:
             r = Replica(len(self.replicas), url, static=static,
                         latencies=deque(maxlen=self.config.latency_window))
-            r.ejected = url in self._pending_eject
+            r.ejected = stale or url in self._pending_eject
             self._pending_eject.discard(url)
             self.replicas.append(r)
             self._by_url[url] = r

@@ -158,6 +158,7 @@ class Pusher:
         self._tasks: list[asyncio.Task] = []
         self._progress = threading.Condition()
         self._closed = False
+        self._started = False
         self.skipped_versions = 0
         # An ejected replica is readmitted once it is as current as admitted ones
         # are: the newest version in sync mode; in async mode also the one before
@@ -176,16 +177,19 @@ class Pusher:
 
     async def _connect_all(self, initial_version: int) -> None:
         self._session = aiohttp.ClientSession()
-        results = await asyncio.gather(*(self._connect(r) for r in self.replicas), return_exceptions=True)
-        errors = [f"{r.url}: {e}" for r, e in zip(self.replicas, results) if isinstance(e, Exception)]
+        with self._lock:  # replicas added from now on join on their own (add_replica)
+            self._started = True
+            initial = list(self.replicas)
+        results = await asyncio.gather(*(self._connect(r) for r in initial), return_exceptions=True)
+        errors = [f"{r.url}: {e}" for r, e in zip(initial, results) if isinstance(e, Exception)]
         if errors:
             raise PushError("weight groups could not be set up: " + "; ".join(errors))
         if self.cfg.protocol == "sglang":  # vLLM has no route for this: its version is set by the first push
             await asyncio.gather(*(
                 _post(self._session, r.url + "/update_weight_version",
                       {"new_version": str(initial_version), "abort_all_requests": False}, 30)
-                for r in self.replicas))
-        for r in self.replicas:
+                for r in initial))
+        for r in initial:
             r.version = initial_version
             self._tasks.append(asyncio.create_task(self._sender(r)))
 
@@ -247,6 +251,28 @@ class Pusher:
     async def _is_builtin(self, r: _Replica) -> bool:
         """The built-in server answers /model_info on its vLLM routes too; a real vLLM does not."""
         return await self._get(r.url + "/model_info") is not None
+
+    def add_replica(self, url: str) -> bool:
+        """A replica that joined the fleet (e.g. through the pool's replica
+        file); any thread. Before ``connect`` it is simply connected with the
+        others (False). Afterwards it is joined in the background, sent the
+        newest version and only then readmitted (True: route to it only after
+        ``on_readmit``)."""
+        url = url.rstrip("/")
+        with self._lock:
+            if any(r.url == url for r in self.replicas):
+                return False
+            r = _Replica(url)
+            started = self._started
+            if started:
+                r.admitted = False
+            self.replicas.append(r)
+        if started:
+            def begin():
+                self._tasks.append(asyncio.create_task(self._sender(r)))
+                r.wake.set()  # no group yet: the sender joins, then catches up
+            self.loop.loop.call_soon_threadsafe(begin)
+        return started
 
     # ------------------------------------------------------- trainer side
 
