@@ -331,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target-ms", type=float, default=None,
                     help="grow the batch (up to 8x) until an off step takes about this long (GPU 150; 0 = keep)")
     ap.add_argument("--bucket-mb", type=int, default=256, help="weight_sync.bucket_size_mb")
+    ap.add_argument("--push-dtype", default="model", choices=["model", "bfloat16", "float32"],
+                    help="weight_sync.dtype: the dtype the weights are sent in")
     ap.add_argument("--slow-factor", type=float, default=10.0, help="the slow replica's extra time per version, "
                                                                       "in units of the normal update time")
     ap.add_argument("--deadline-s", type=float, default=None, help="weight_sync.replica_deadline_s (GPU 20, --cpu 15)")
@@ -383,7 +385,8 @@ def _run(args, model_dir: str, gpu: bool) -> int:
     def new_pusher(urls: list[str], initial_version: int):
         p = Pusher(loop, urls, PushConfig(mode="async", backend=backend, bucket_bytes=args.bucket_mb << 20,
                                           num_staging_buffers=2, deadline_s=args.deadline_s, init_timeout_s=120,
-                                          reconnect_interval_s=1.0),
+                                          reconnect_interval_s=1.0,
+                                          dtype=None if args.push_dtype == "model" else getattr(torch, args.push_dtype)),
                    device=device, on_eject=events.eject, on_readmit=events.readmit)
         p.connect(initial_version=initial_version)
         return p
@@ -419,11 +422,13 @@ def _run(args, model_dir: str, gpu: bool) -> int:
             if k > 0:  # the first push also creates the communicators
                 update_s.append(max(st["last_transfer_s"] for st in p1.status()))
         t_u = statistics.median(update_s)
-        n_buckets = len(bk.plan_buckets(tr.push_specs(), args.bucket_mb << 20))
+        sent = [bk.TensorSpec(x.name, getattr(torch, args.push_dtype) if args.push_dtype != "model" else x.dtype,
+                              x.shape) for x in tr.push_specs()]
+        n_buckets = len(bk.plan_buckets(sent, args.bucket_mb << 20))  # as the pusher plans them
         delay = args.slow_factor * t_u / n_buckets
         push_gb = sum(s.nbytes for s in tr.push_specs()) / 1e9
         print(f"# batch: {len(tr.batch)} samples x ({args.prompt_len} prompt + {args.completion_len} completion) "
-              f"tokens; push: {push_gb:.2f} GB/version (float32 master weights, as grpo_train sends them) in "
+              f"tokens; push: {push_gb:.2f} GB/version of float32 master weights, sent as {args.push_dtype}, in "
               f"{n_buckets} bucket(s) of <= {args.bucket_mb} MiB over {backend}", flush=True)
         print(f"# normal update time t_u = {t_u * 1e3:.1f} ms/version (median of sync warm-up pushes, slowest "
               f"replica); slow replica: --debug-update-delay-s {delay:.4f} x {n_buckets} handler(s) = "

@@ -252,3 +252,21 @@ def test_replica_joining_from_file_gets_newest_weights_before_traffic(tmp_path, 
         loop.run(pool.close())
         for s in (a, b):
             stop_process(s.proc)
+
+
+def test_push_in_bfloat16_casts_inside_the_snapshot(tmp_path, tiny_model_dir, loop):
+    """weight_sync.dtype = bfloat16: fp32 trainer weights are sent as bf16
+    (half the bytes); an fp32 server then holds exactly the bf16-rounded values."""
+    (srv,) = _servers(tmp_path, tiny_model_dir, [0.0])
+    pusher = Pusher(loop, [srv.url], PushConfig(mode="sync", dtype=torch.bfloat16), torch.device("cpu"))
+    try:
+        pusher.connect(initial_version=0)
+        w = _weights(tiny_model_dir, 1.1)  # 1.1 is not a bf16 number
+        m = pusher.push(w, version=1)
+        assert m["push/bytes"] == sum(t.numel() * 2 for t in w.values())
+        expected = torch.tensor(1.1).to(torch.bfloat16).float().item()
+        assert expected != pytest.approx(1.1, abs=1e-6)
+        assert _served_markers(srv.url, list(w)) == {expected}
+    finally:
+        pusher.close()
+        stop_process(srv.proc)

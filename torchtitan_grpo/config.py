@@ -173,6 +173,10 @@ class WeightSync:
     bucket_size_mb: int = 256
     """Tensors are flattened into buckets of about this size (one broadcast each)."""
 
+    dtype: Literal["model", "bfloat16", "float16", "float32"] = "model"
+    """Dtype the weights are sent in: "model" keeps the trainer's (fp32 master
+    weights); "bfloat16" halves the bytes for bf16 servers (cast in the snapshot copy)."""
+
     num_staging_buffers: int = 2
     """Snapshots that may exist at once; when all are being sent, the trainer
     skips that step's snapshot instead of waiting (each costs one copy of the weights)."""

@@ -88,6 +88,9 @@ class PushConfig:
     protocol: str = "sglang"
     """Weight-update protocol of the replicas: "sglang" (also the built-in
     server's default) or "vllm"."""
+    dtype: torch.dtype | None = None
+    """Dtype the replicas receive (e.g. bfloat16 for bf16 servers); the cast
+    happens inside the snapshot copy. None: the trainer's own dtype."""
     packed_buffer_bytes: int = vllm.DEFAULT_PACKED_BUFFER_SIZE_BYTES
     """vLLM packed mode: a chunk closes right after the tensor that takes it past this size."""
 
@@ -285,7 +288,9 @@ class Pusher:
         so the last version of a run is always delivered."""
         wait = self.cfg.mode == "sync" if wait is None else wait
         t0 = time.perf_counter()
-        specs = [bk.TensorSpec.of(n, t) for n, t in tensors.items()]
+        cast = self.cfg.dtype
+        specs = [bk.TensorSpec(n, cast if cast is not None and t.is_floating_point() else t.dtype, tuple(t.shape))
+                 for n, t in tensors.items()]
         if self._plan is None or {s for b in self._plan for s in b} != set(specs):
             # Same tensors every step: plan once. SGLang flattened buckets are
             # itemsize-aligned; vLLM packed chunks keep the tensors' order.
@@ -303,7 +308,13 @@ class Pusher:
             return {"push/skipped_versions": float(self.skipped_versions), "time/push_stall_s": stall,
                     **self._lag_metrics(version)}
         for bucket, buf in zip(self._plan, staged.buffers):
-            bk.pack([tensors[s.name] for s in bucket], out=buf)
+            if self.cfg.dtype is None:
+                bk.pack([tensors[s.name] for s in bucket], out=buf)
+            else:  # cast while copying: one pass over the weights, no temporary
+                pos = 0
+                for spec in bucket:
+                    buf[pos : pos + spec.nbytes].view(spec.dtype).view(spec.shape).copy_(tensors[spec.name])
+                    pos += spec.nbytes
         if self.device.type == "cuda":
             staged.ready = torch.cuda.Event()
             staged.ready.record()  # senders order their streams after the copy
