@@ -401,7 +401,7 @@ def test_catching_up_needs_readmit(fleet, reference):
             t0 = time.monotonic()
             with pytest.raises(NoHealthyReplica, match="catching-up"):
                 await pool.generate(PROMPTS[0], N, params(0))
-            assert 0.4 < time.monotonic() - t0 < 3
+            assert 0.4 < time.monotonic() - t0 < 10  # waited its request_timeout_s, not forever
         finally:
             await pool.close()
 

@@ -1014,3 +1014,15 @@ def read_safetensors_dir(path: str) -> list[tuple[str, torch.Tensor]]:
             for k in fh.keys():
                 out.append((k, fh.get_tensor(k)))
     return out
+
+
+def parse_stop(value) -> tuple[str, ...] | None:
+    """The ``stop`` field of both protocols: absent, a string, or a list of
+    strings (empty ones ignored). None when it is none of these."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return tuple(v for v in value if v)
+    return None

@@ -42,6 +42,7 @@ from aiohttp import web
 
 from torchtitan_grpo.inference.engine import (
     PAUSE_MODES,
+    parse_stop,
     Engine,
     EngineConfig,
     ModelLoadError,
@@ -122,14 +123,8 @@ def sampling_params_from_sglang(d: Any, where: str = "sampling_params.") -> Samp
     for key in _UNSUPPORTED_SAMPLING_KEYS:
         if d.get(key) is not None:
             raise BadRequest(f"sampling parameter '{where}{key}' is not supported by the built-in server")
-    stop = d.get("stop")
-    if stop is None:
-        stop_t: tuple[str, ...] = ()
-    elif isinstance(stop, str):
-        stop_t = (stop,)
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        stop_t = tuple(s for s in stop if s)
-    else:
+    stop_t = parse_stop(d.get("stop"))
+    if stop_t is None:
         raise BadRequest(f"field '{where}stop' must be a string or a list of strings")
     stop_ids = _get(d, "stop_token_ids", "list", [], where=where)
     if not all(_is_int(t) for t in stop_ids):

@@ -45,6 +45,7 @@ from torchtitan_grpo.inference.engine import (
     RequestError,
     SampleResult,
     SamplingParams,
+    parse_stop,
     WeightUpdateError,
     receive_weights,
 )
@@ -168,14 +169,8 @@ class _CompletionCall:
 
 def _sampling_params(body: dict, max_context: int) -> SamplingParams:
     """Map vLLM's CompletionRequest fields onto engine :class:`SamplingParams`."""
-    stop = body.get("stop")
-    if stop is None:
-        stop_t: tuple[str, ...] = ()
-    elif isinstance(stop, str):
-        stop_t = (stop,)
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        stop_t = tuple(s for s in stop if s)
-    else:
+    stop_t = parse_stop(body.get("stop"))
+    if stop_t is None:
         raise _bad("'stop' must be a string or a list of strings", "stop")
     stop_ids = _field(body, "stop_token_ids", "list", [])
     if not all(_is_int(t) for t in stop_ids):

@@ -241,6 +241,13 @@ class Pusher:
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             return None
 
+    async def _up(self, r: _Replica) -> bool:
+        try:
+            async with self._session.get(r.url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
+
     async def _replica_ranks(self, r: _Replica) -> int:
         """How many ranks the replica joins with: vLLM's /get_world_size,
         SGLang's tp_size from /get_server_info, else 1 (the built-in server)."""
@@ -393,6 +400,12 @@ class Pusher:
                 if early > 0:
                     await asyncio.sleep(early)
                 r.next_reconnect = time.monotonic() + self.cfg.reconnect_interval_s
+                if not await self._up(r):
+                    # Joining a group with a replica that is not there would leave
+                    # a thread blocked in the rendezvous until its timeout.
+                    r.last_error = "reconnect: replica not answering /health"
+                    r.wake.set()
+                    continue
                 try:
                     await self._reset_remote(r)
                     await asyncio.wait_for(self._connect(r), self.cfg.init_timeout_s + 5)

@@ -1,0 +1,51 @@
+"""Start and stop a built-in server subprocess for tests (shared by the
+SGLang- and vLLM-route test files)."""
+
+import os
+import select
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+
+def start_server(model_dir: str, log: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+    """Start on a port the server picks itself; return once it printed its URL."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torchtitan_grpo.inference.server", "--model", model_dir, "--port", "0",
+         "--num-threads", "1", *extra],
+        stdout=subprocess.PIPE, stderr=open(log, "wb"), env=server_env(), cwd=REPO,
+    )
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if select.select([proc.stdout], [], [], 0.5)[0]:
+            line = proc.stdout.readline().decode()
+            if line.startswith("ready http://"):
+                return proc, line.split()[1].strip()
+        if proc.poll() is not None:
+            break
+    proc.kill()
+    raise AssertionError(f"server did not start:\n{log.read_text()[-3000:]}")
+
+
+def stop_server(proc: subprocess.Popen, log: Path) -> None:
+    """SIGTERM; the server must exit cleanly (code 0)."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    assert proc.returncode == 0, log.read_text()[-3000:]
