@@ -73,3 +73,9 @@ def test_unknown_cli_flag_exits_with_its_name():
                         "--grpo.bogus_key", "3"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode != 0
     assert "--grpo.bogus_key" in r.stdout + r.stderr
+
+
+def test_disk_transport_needs_sglang_protocol():
+    with pytest.raises(ConfigError, match=r"weight_sync\.transport.*vLLM"):
+        parse_config(["--job.config_file", DEMO, "--weight_sync.transport", "disk", "--inference.backend", "vllm",
+                      "--inference.urls", "http://127.0.0.1:1"])

@@ -271,3 +271,27 @@ def test_push_in_bfloat16_casts_inside_the_snapshot(tmp_path, tiny_model_dir, lo
     finally:
         pusher.close()
         stop_process(srv.proc)
+
+
+def test_disk_transport_writes_each_version_once(tmp_path, tiny_model_dir, loop):
+    """transport "disk": a version is written once as safetensors into the
+    shared folder and loaded by every replica with /update_weights_from_disk;
+    only the newest two versions are kept on disk."""
+    a, b = _servers(tmp_path, tiny_model_dir, [0.0, 0.0])
+    folder = tmp_path / "pushed"
+    pusher = Pusher(loop, [a.url, b.url], PushConfig(mode="sync", backend="disk", disk_folder=str(folder)),
+                    torch.device("cpu"))
+    try:
+        pusher.connect(initial_version=0)
+        names = list(_weights(tiny_model_dir, 0.0))
+        for v in (1, 2, 3):
+            pusher.push(_weights(tiny_model_dir, float(v)), version=v)
+            for u in (a.url, b.url):
+                assert _version(u) == str(v)
+                assert _served_markers(u, names) == {float(v)}
+        assert sorted(p.name for p in folder.iterdir()) == ["v2", "v3"]
+        assert load_file(str(folder / "v3" / "model.safetensors")).keys() == set(names)
+    finally:
+        pusher.close()
+        for s in (a, b):
+            stop_process(s.proc)

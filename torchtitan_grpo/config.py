@@ -167,8 +167,13 @@ class WeightSync:
     "sync": push and wait for every admitted replica (on-policy baseline);
     "off": never push (replicas keep the initial weights; for measuring)."""
 
-    transport: Literal["gloo", "nccl"] = "gloo"
-    """Collective backend of the trainer-to-replica weight groups (nccl needs GPUs on both sides)."""
+    transport: Literal["gloo", "nccl", "disk"] = "gloo"
+    """How weights travel: a gloo or nccl broadcast per replica (nccl needs GPUs
+    on both sides), or "disk": safetensors in disk_folder plus
+    /update_weights_from_disk (no shared network fabric needed; SGLang protocol)."""
+
+    disk_folder: str = ""
+    """transport "disk": a folder every replica can read (default <dump_folder>/pushed_weights)."""
 
     bucket_size_mb: int = 256
     """Tensors are flattened into buckets of about this size (one broadcast each)."""
@@ -268,9 +273,11 @@ def validate(cfg) -> None:
     _check(i.max_retries >= 1, "inference.max_retries", "must be >= 1", i.max_retries)
     _check(w.bucket_size_mb >= 1, "weight_sync.bucket_size_mb", "must be >= 1", w.bucket_size_mb)
     _check(w.init_timeout_s > 0, "weight_sync.init_timeout_s", "must be > 0", w.init_timeout_s)
+    _check(w.transport != "disk" or i.backend != "vllm", "weight_sync.transport",
+           "disk needs the SGLang protocol (/update_weights_from_disk); vLLM has no such route", w.transport)
     _check(w.num_staging_buffers >= 1, "weight_sync.num_staging_buffers", "must be >= 1", w.num_staging_buffers)
     _check(w.replica_deadline_s > 0, "weight_sync.replica_deadline_s", "must be > 0", w.replica_deadline_s)
-    _check(w.transport == "gloo" or i.server_device != "cpu" or bool(i.urls), "weight_sync.transport",
+    _check(w.transport != "nccl" or i.server_device != "cpu" or bool(i.urls), "weight_sync.transport",
            "nccl needs the built-in servers on a GPU (inference.server_device)", w.transport)
     _check(cfg.model.name in ("qwen3", "llama3"), "model.name", 'must be "qwen3" or "llama3"', cfg.model.name)
     if not g.tiny_model_if_missing:

@@ -88,6 +88,10 @@ class PushConfig:
     protocol: str = "sglang"
     """Weight-update protocol of the replicas: "sglang" (also the built-in
     server's default) or "vllm"."""
+    disk_folder: str = ""
+    """backend "disk": a folder every replica can read; version v is written
+    once to <disk_folder>/v<v>/model.safetensors and loaded with
+    /update_weights_from_disk. The two newest versions are kept."""
     dtype: torch.dtype | None = None
     """Dtype the replicas receive (e.g. bfloat16 for bf16 servers); the cast
     happens inside the snapshot copy. None: the trainer's own dtype."""
@@ -183,8 +187,15 @@ class Pusher:
         with self._lock:  # replicas added from now on join on their own (add_replica)
             self._started = True
             initial = list(self.replicas)
-        results = await asyncio.gather(*(self._connect(r) for r in initial), return_exceptions=True)
+        results = await asyncio.gather(*(self._connect(r) for r in initial if self.cfg.backend != "disk"),
+                                       return_exceptions=True)
         errors = [f"{r.url}: {e}" for r, e in zip(initial, results) if isinstance(e, Exception)]
+        if self.cfg.backend == "disk":
+            import os
+
+            os.makedirs(self.cfg.disk_folder, exist_ok=True)
+            self._disk_lock = asyncio.Lock()
+            self._disk_written: dict[int, str] = {}
         if errors:
             raise PushError("weight groups could not be set up: " + "; ".join(errors))
         if self.cfg.protocol == "sglang":  # vLLM has no route for this: its version is set by the first push
@@ -395,7 +406,7 @@ class Pusher:
         while True:
             await r.wake.wait()
             r.wake.clear()
-            if r.group is None:  # ejected earlier: rejoin before anything else
+            if r.group is None and self.cfg.backend != "disk":  # ejected earlier: rejoin before anything else
                 early = r.next_reconnect - time.monotonic()
                 if early > 0:
                     await asyncio.sleep(early)
@@ -470,7 +481,9 @@ class Pusher:
         asyncio.get_running_loop().call_later(self.cfg.reconnect_interval_s, r.wake.set)  # retry even if idle
 
     async def _transfer(self, r: _Replica, staged: _Staged) -> None:
-        if self.cfg.protocol == "sglang":
+        if self.cfg.backend == "disk":
+            await self._transfer_disk(r, staged)
+        elif self.cfg.protocol == "sglang":
             await self._transfer_sglang(r, staged)
         else:
             await self._transfer_vllm(r, staged)
@@ -528,6 +541,50 @@ class Pusher:
                     await _post(s, r.url + "/continue_generation", {}, 30)
                 except Exception as e:  # the eject path reports the transfer error
                     logger.warning("continue_generation on %s failed: %s", r.url, e)
+
+    async def _version_on_disk(self, staged: _Staged) -> str:
+        """Write ``staged`` once (the first sender to need it does it, off the
+        event loop) and return its folder; older folders are pruned."""
+        import os
+        import shutil
+
+        from safetensors.torch import save_file
+
+        async with self._disk_lock:
+            v = staged.version
+            if v not in self._disk_written:
+                path = os.path.join(self.cfg.disk_folder, f"v{v}")
+
+                def write():
+                    tensors = {}
+                    for bucket, buf in zip(self._plan, staged.buffers):
+                        for spec, t in zip(bucket, bk.unpack(buf.cpu(), bucket)):
+                            tensors[spec.name] = t.clone()
+                    tmp = path + ".tmp"
+                    os.makedirs(tmp, exist_ok=True)
+                    save_file(tensors, os.path.join(tmp, "model.safetensors"))
+                    os.replace(tmp, path)  # replicas never see a half-written version
+
+                await asyncio.get_running_loop().run_in_executor(None, write)
+                self._disk_written[v] = path
+                for old in sorted(self._disk_written)[:-2]:
+                    shutil.rmtree(self._disk_written.pop(old), ignore_errors=True)
+            return self._disk_written[v]
+
+    async def _transfer_disk(self, r: _Replica, staged: _Staged) -> None:
+        """begin -> /update_weights_from_disk(folder of the version) -> end."""
+        s = self._session
+        path = await self._version_on_disk(staged)
+        if r.sessionful:
+            try:
+                await _post(s, r.url + "/begin_weight_update", {"selector": "all"}, 30)
+            except FileNotFoundError:
+                r.sessionful = False
+        body = {"model_path": path, "load_format": "safetensors", "weight_version": str(staged.version),
+                "flush_cache": self.cfg.pause_mode != "in_place", "abort_all_requests": False}
+        await _post(s, r.url + "/update_weights_from_disk", body, self.cfg.deadline_s)
+        if r.sessionful:
+            await _post(s, r.url + "/end_weight_update", {}, 30)
 
     async def _transfer_vllm(self, r: _Replica, staged: _Staged) -> None:
         """pause -> start -> one update_weights call while every packed chunk
