@@ -509,6 +509,15 @@ class Pusher:
             send.cancel()
             raise
 
+    async def _begin_session(self, r: _Replica) -> None:
+        """SGLang >= 0.5.23 needs an update session; older builds answer 404
+        (probed once per replica, then skipped)."""
+        if r.sessionful:
+            try:
+                await _post(self._session, r.url + "/begin_weight_update", {"selector": "all"}, 30)
+            except FileNotFoundError:
+                r.sessionful = False
+
     async def _transfer_sglang(self, r: _Replica, staged: _Staged) -> None:
         """pause -> begin -> (update request + broadcast) per bucket -> end -> continue."""
         s = self._session
@@ -517,11 +526,7 @@ class Pusher:
             await _post(s, r.url + "/pause_generation", {"mode": self.cfg.pause_mode}, 30)
             paused = True
         try:
-            if r.sessionful:
-                try:
-                    await _post(s, r.url + "/begin_weight_update", {"selector": "all"}, 30)
-                except FileNotFoundError:
-                    r.sessionful = False  # older SGLang: no session routes
+            await self._begin_session(r)
             n = len(self._plan)
             for k, (bucket, buf) in enumerate(zip(self._plan, staged.buffers)):
                 last = k == n - 1
@@ -575,11 +580,7 @@ class Pusher:
         """begin -> /update_weights_from_disk(folder of the version) -> end."""
         s = self._session
         path = await self._version_on_disk(staged)
-        if r.sessionful:
-            try:
-                await _post(s, r.url + "/begin_weight_update", {"selector": "all"}, 30)
-            except FileNotFoundError:
-                r.sessionful = False
+        await self._begin_session(r)
         body = {"model_path": path, "load_format": "safetensors", "weight_version": str(staged.version),
                 "flush_cache": self.cfg.pause_mode != "in_place", "abort_all_requests": False}
         await _post(s, r.url + "/update_weights_from_disk", body, self.cfg.deadline_s)
