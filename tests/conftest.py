@@ -14,3 +14,19 @@ def tiny_model_dir(tmp_path_factory) -> str:
     from torchtitan_grpo.demo_assets import ensure_tiny_qwen3
 
     return ensure_tiny_qwen3(str(tmp_path_factory.mktemp("models") / "tiny-qwen3"))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir) -> str:
+    return tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    """One built-in server per test module (SGLang and vLLM routes), stopped cleanly after it."""
+    from tests.server_procs import start_server, stop_server
+
+    log = tmp_path_factory.mktemp("logs") / "server.log"
+    proc, url = start_server(model_dir, log)
+    yield url
+    stop_server(proc, log)

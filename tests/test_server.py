@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.server_procs import free_port, server_env, start_server, stop_server
+from tests.server_procs import free_port, server_env, start_server
 from torchtitan_grpo.weight_sync.buckets import TensorSpec, dtype_name, pack, plan_buckets
 from torchtitan_grpo.weight_sync.group import init_weight_group
 
@@ -149,19 +149,6 @@ def load(url: str) -> dict:
 # --------------------------------------------------------------------------- #
 # Fixtures
 # --------------------------------------------------------------------------- #
-
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_dir) -> str:
-    return tiny_model_dir
-
-
-@pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("logs") / "server.log"
-    proc, url = start_server(model_dir, log)
-    yield url
-    stop_server(proc, log)
 
 
 @pytest.fixture(scope="module")

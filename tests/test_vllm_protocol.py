@@ -107,19 +107,6 @@ def assert_error(status_body: tuple[int, dict], code: int, *words: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model_dir) -> str:
-    return tiny_model_dir
-
-
-@pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("logs") / "server.log"
-    proc, url = start_server(model_dir, log)
-    yield url
-    stop_server(proc, log)
-
-
-@pytest.fixture(scope="module")
 def pool():
     with concurrent.futures.ThreadPoolExecutor(4) as ex:
         yield ex
