@@ -28,7 +28,8 @@ from torchtitan_grpo.checkpoint import Checkpointer, export_hf
 from torchtitan_grpo.config import parse_config
 from torchtitan_grpo.parallel import data_parallel_rank_and_degree
 from torchtitan_grpo.rollout import offpolicy
-from torchtitan_grpo.trainer import broadcast_object, build_policy, hf_weights, init_distributed, train_step
+from torchtitan_grpo.trainer import (broadcast_object, build_policy, close_distributed, hf_weights, init_distributed,
+                                     train_step)
 
 logger = logging.getLogger("torchtitan_grpo")
 
@@ -117,8 +118,7 @@ def main(argv: list[str]) -> dict:
     if cfg.checkpoint.hf_export:
         export_hf(policy, hf_dir, os.path.join(cfg.job.dump_folder, cfg.checkpoint.hf_export_folder), d,
                   cfg.checkpoint.export_dtype)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    close_distributed()
     return summary
 
 

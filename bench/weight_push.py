@@ -367,6 +367,7 @@ def _worker(rank: int, args: argparse.Namespace) -> None:
             bad = [f"{row['set']}/{row['bucket_mb']}MiB" for row in rows if row["check"] != "ok"]
             if bad:
                 raise RuntimeError(f"the replica did not end up with the trainer's bytes for {bad}")
+        dist.barrier(group=ctrl)  # leave together: a peer gone early can abort this rank at exit
     finally:
         if loop is not None:
             loop.close()

@@ -395,6 +395,7 @@ def _fsdp_worker(rank: int, world: int, jobs: list[tuple[str, str, str]]) -> Non
             exported = hf_state_dict(model, adapter)
             if rank == 0:
                 torch.save({"logits": logits, "exported": exported, "shard": shard}, out)
+        dist.barrier()  # leave together: a peer gone early can abort this rank at exit
     finally:
         dist.destroy_process_group()
 

@@ -270,6 +270,7 @@ def _worker(out_dir: str, model_dirs: dict[str, str], layouts: list[str]) -> Non
                 result["seconds"] = time.perf_counter() - t0
                 if rank == 0:
                     torch.save(result, os.path.join(out_dir, f"{model_name}-{layout}.pt"))
+        dist.barrier()  # leave together: a peer gone early can abort this rank at exit
     finally:
         dist.destroy_process_group()
 

@@ -58,6 +58,15 @@ def init_distributed(timeout_s: float = 600) -> Dist:
     return Dist(rank, world, local_rank, device)
 
 
+def close_distributed() -> None:
+    """Leave the default group together. A rank that tears gloo down while a
+    peer is still busy (saving, exporting, pushing) can make that peer abort
+    at exit ("terminate called without an active exception")."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def broadcast_object(obj, d: Dist):
     """Rank 0's ``obj`` on every rank (rollouts are produced on rank 0)."""
     if d.world_size == 1:
