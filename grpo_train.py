@@ -28,8 +28,8 @@ from torchtitan_grpo.checkpoint import Checkpointer, export_hf
 from torchtitan_grpo.config import parse_config
 from torchtitan_grpo.parallel import data_parallel_rank_and_degree
 from torchtitan_grpo.rollout import offpolicy
-from torchtitan_grpo.trainer import (broadcast_object, build_policy, close_distributed, hf_weights, init_distributed,
-                                     train_step)
+from torchtitan_grpo.trainer import broadcast_object, build_policy, close_distributed, init_distributed, train_step
+from torchtitan_grpo.weight_sync.gather import trainer_push
 
 logger = logging.getLogger("torchtitan_grpo")
 
@@ -61,13 +61,18 @@ def main(argv: list[str]) -> dict:
         # Rank 0 owns the inference side: servers, pool, rollouts, pusher, metrics.
         side = stack.enter_context(rollout_side(cfg, hf_dir, d, resumed)) if d.is_main else None
         pad_id = broadcast_object(side.pad_id if side else None, d)
+        push = None
+        if pushing:
+            # After each step every rank copies its shards into a staging slot and
+            # goes on; a sidecar thread gathers full HF-named tensors over
+            # communicators of its own and rank 0's Pusher sends them to each
+            # replica (one trainer rank: the Pusher's snapshot is the only copy).
+            push = stack.enter_context(trainer_push([policy.model], policy.adapter, policy.parallel_dims,
+                                                    d.device, side.pusher if side else None, cfg.weight_sync))
         if resumed and pushing:
             # The servers loaded the initial weights from disk: they get the
             # restored ones before generating anything.
-            tensors = hf_weights(policy)
-            if side:
-                side.pusher.push(tensors, version=version, wait=True)
-            del tensors
+            push.snapshot(version, wait=True)
 
         for step in range(start + 1, cfg.training.steps + 1):
             # 1. Rollouts: groups of completions with rewards and advantages; samples
@@ -94,11 +99,9 @@ def main(argv: list[str]) -> dict:
                 version += 1
 
                 # 3. Push the new weights, tagged with their version, to every server.
+                #    async: snapshot and go on; sync: wait for every admitted replica.
                 if pushing:
-                    tensors = hf_weights(policy)  # a collective: every rank takes part
-                    if side:  # async: snapshot and go on; sync: wait for every admitted replica
-                        metrics |= side.pusher.push(tensors, version=version)
-                    del tensors
+                    metrics |= push.snapshot(version)
 
             # 4. Log, and checkpoint every checkpoint.interval steps and at the last.
             if side:
@@ -110,10 +113,7 @@ def main(argv: list[str]) -> dict:
         if pushing and cfg.weight_sync.mode == "async":
             # The servers end on the final weights, whatever async mode skipped
             # (a busy buffer, or a last step whose samples were all too stale).
-            tensors = hf_weights(policy)
-            if side:
-                side.pusher.push(tensors, version=version, wait=True)
-            del tensors
+            push.snapshot(version, wait=True)
         summary = side.summary() if side else {}
     if cfg.checkpoint.hf_export:
         export_hf(policy, hf_dir, os.path.join(cfg.job.dump_folder, cfg.checkpoint.hf_export_folder), d,

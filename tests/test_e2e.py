@@ -55,6 +55,7 @@ def test_two_ranks_fsdp_sync_push_on_policy(tmp_path, tiny_model_dir):
         assert m["trainer_vs_rollout_logprob_max_abs_diff"] <= 1e-4, m
         assert m["weight_version"] == m["step"]
         assert m["push/replica0_version_lag"] == 0 and m["push/replica1_version_lag"] == 0
+        assert "time/gather_slot_wait_s" in m  # the shards went through the sidecar's own gather
     assert "step    3 | reward" in r.stdout
     assert "mean reward: first 3 steps" in r.stdout
     assert os.path.isdir(os.path.join(dump, "tb")) and os.listdir(os.path.join(dump, "tb"))

@@ -21,6 +21,7 @@ from torchtitan_grpo.metrics import MetricLogger, window_mean
 from torchtitan_grpo.rollout import tasks
 from torchtitan_grpo.rollout.manager import RolloutManager, make_reward_fn
 from torchtitan_grpo.trainer import Dist
+from torchtitan_grpo.weight_sync.gather import push_dtype
 from torchtitan_grpo.weight_sync.pusher import NoPush, Pusher, PushConfig, WeightPusher
 
 if TYPE_CHECKING:
@@ -100,7 +101,7 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
                 bucket_bytes=w.bucket_size_mb << 20, num_staging_buffers=w.num_staging_buffers,
                 deadline_s=w.replica_deadline_s, init_timeout_s=w.init_timeout_s, pause_mode=w.pause_mode,
                 protocol="vllm" if i.backend == "vllm" else "sglang",
-                dtype=None if w.dtype == "model" else getattr(torch, w.dtype),
+                dtype=push_dtype(w),
                 disk_folder=w.disk_folder or os.path.join(cfg.job.dump_folder, "pushed_weights")),
                 device=d.device, on_eject=pool.eject, on_readmit=pool.readmit)
             stack.callback(pusher.close)

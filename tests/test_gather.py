@@ -1,0 +1,241 @@
+"""The sidecar's gather of full HF-named weights from a sharded trainer.
+
+Under torchrun (gloo, 2 and 4 ranks) for FSDP, TP, DDP, HSDP and FSDP+TP:
+what rank 0 delivers equals the trainer's own collective export of the same
+version, bit for bit, even though the trainer runs forward/backward (its own
+FSDP/TP collectives) and changes the weights while the gather is in flight;
+and the gather's process groups are none of the trainer's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# (dp_replicate, dp_shard, tp) per layout, launched with as many ranks as they need
+LAYOUTS = {"fsdp": (1, 2, 1), "tp": (1, 1, 2), "ddp": (2, 1, 1), "hsdp": (2, 2, 1), "fsdp_tp": (1, 2, 2)}
+LAUNCHES = {2: ("fsdp", "tp", "ddp"), 4: ("hsdp", "fsdp_tp")}
+MODELS = ("qwen3", "qwen3_tied", "llama3")
+
+
+def _config(model_name: str, layout: tuple[int, int, int]):
+    from torchtitan.config import ConfigManager
+
+    dp_replicate, dp_shard, tp = layout
+    return ConfigManager().parse_args([
+        "--model.name", "qwen3" if model_name.startswith("qwen3") else model_name,
+        "--parallelism.data_parallel_replicate_degree", str(dp_replicate),
+        "--parallelism.data_parallel_shard_degree", str(dp_shard),
+        "--parallelism.tensor_parallel_degree", str(tp),
+        "--training.seq_len", "64",
+        "--training.mixed_precision_param", "float32",
+    ])
+
+
+def _cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
+
+
+def _groups(mesh) -> set[str]:
+    return {mesh.get_group(i).group_name for i in range(mesh.ndim) if mesh.size(i) > 1}
+
+
+def run_case(model_dir: str, model_name: str, layout: tuple[int, int, int]) -> dict | None:
+    """Two versions through a ShardGatherer; rank 0 returns what it saw."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from torchtitan_grpo import model as hf_model
+    from torchtitan_grpo import parallel
+    from torchtitan_grpo.weight_sync.gather import ShardGatherer
+
+    device = torch.device("cpu")
+    cfg = _config(model_name, layout)
+    name = cfg.model.name
+    args = hf_model.model_args_from_hf(name, hf_model.load_hf_config(model_dir), max_seq_len=64)
+    model = hf_model.build_model(name, args, device)
+    adapter = hf_model.state_dict_adapter(name, args, model_dir)
+    hf_model.load_hf_weights(model, adapter, model_dir)
+    model, pdims = parallel.parallelize(model, cfg, dist.get_world_size(), device)
+
+    delivered: dict[int, dict] = {}
+    overlapped = threading.Event()
+
+    def deliver(tensors, version, wait):
+        if version == 1:  # hold version 1 until the trainer has moved on
+            overlapped.wait(timeout=30)
+        delivered[version] = _cpu(tensors)
+        return {"push/bytes": float(sum(t.nbytes for t in tensors.values()))}
+
+    dtype = torch.bfloat16 if model_name == "llama3" else None  # the cast happens in the snapshot
+    gatherer = ShardGatherer([model], adapter, pdims, device, deliver if dist.get_rank() == 0 else None,
+                             dtype=dtype, num_slots=2)
+    expected = {1: _cpu(hf_model.hf_state_dict(model, adapter))}  # the trainer's own collective export
+    gatherer.snapshot(1)
+
+    # The trainer goes on while version 1 is gathered: forward/backward with
+    # its FSDP/TP collectives, then weights change in place.
+    tokens = torch.arange(2, 2 + 2 * 16).reshape(2, 16) % 97 + 2
+    tokens = parallel.pad_to_multiple(tokens, torch.ones_like(tokens), torch.zeros(tokens.shape),
+                                      parallel.seq_len_multiple(pdims), 0)[0]
+    model(tokens).float().pow(2).mean().backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(p.grad, alpha=-0.5)
+    overlapped.set()
+    expected[2] = _cpu(hf_model.hf_state_dict(model, adapter))
+    metrics = gatherer.snapshot(2, wait=True)
+    gatherer.close()
+
+    trainer_groups, own_groups = set(), set()
+    for p in model.state_dict(keep_vars=True).values():
+        if isinstance(p, DTensor):
+            trainer_groups |= _groups(p.device_mesh)
+    for key in ("dense", "dataloading", "world"):
+        own_groups |= _groups(gatherer.meshes[key])
+    default = dist.group.WORLD.group_name
+    if dist.get_rank() != 0:
+        return None
+    return {"delivered": delivered, "expected": expected, "dtype": dtype, "metrics": metrics,
+            "shared_groups": sorted(own_groups & (trainer_groups | {default}))}
+
+
+def _worker(out_dir: str, model_dirs: dict[str, str], layouts: list[str]) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        for layout in layouts:
+            for model_name in MODELS:
+                result = run_case(model_dirs[model_name], model_name, LAYOUTS[layout])
+                if result is not None:
+                    torch.save(result, os.path.join(out_dir, f"{model_name}-{layout}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def gathered(tmp_path_factory):
+    from tests.test_parallel_parity import write_models
+
+    root = tmp_path_factory.mktemp("gather")
+    dirs = write_models(str(root / "models"))
+    out = root / "out"
+    out.mkdir()
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, TOKENIZERS_PARALLELISM="false")
+    for nproc, layouts in LAUNCHES.items():
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               os.path.abspath(__file__), "--out", str(out), "--layouts", ",".join(layouts),
+               *[f"--model={k}={v}" for k, v in dirs.items()]]
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, f"torchrun x{nproc} failed:\n{(r.stdout + r.stderr)[-6000:]}"
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_name", MODELS)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_gathered_versions_equal_the_trainers_export(gathered, layout, model_name):
+    r = torch.load(gathered / f"{model_name}-{layout}.pt")
+    assert sorted(r["delivered"]) == [1, 2]
+    assert r["shared_groups"] == [], "the gather used the trainer's process groups"
+    moved = max(float((r["expected"][2][k] - r["expected"][1][k]).abs().max()) for k in r["expected"][1])
+    assert moved > 1e-3, "the two versions must differ for the check to mean anything"
+    for version in (1, 2):
+        got, want = r["delivered"][version], r["expected"][version]
+        assert got.keys() == want.keys()
+        for k in want:
+            w = want[k] if r["dtype"] is None else want[k].to(r["dtype"])
+            assert got[k].dtype == w.dtype, k
+            assert torch.equal(got[k], w), f"version {version}: {k} differs"
+    if model_name == "qwen3_tied":  # HF loaders re-tie it from the embedding
+        assert "lm_head.weight" not in r["delivered"][1]
+    assert r["metrics"]["push/bytes"] > 0
+
+
+# ------------------------------------------------- one process, plain tensors
+
+
+class _Identity:
+    def to_hf(self, tensors):
+        return dict(tensors)
+
+
+@pytest.fixture()
+def one_rank(tmp_path):
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _one_rank_gatherer(deliver, num_slots: int):
+    from types import SimpleNamespace
+
+    from torchtitan_grpo.weight_sync.gather import ShardGatherer
+
+    model = torch.nn.Linear(4, 3)
+    dims = SimpleNamespace(pp=1, dp_replicate=1, dp_shard=1, cp=1, tp=1)
+    return model, ShardGatherer([model], _Identity(), dims, torch.device("cpu"), deliver, num_slots=num_slots)
+
+
+def test_snapshot_is_a_copy_and_a_busy_slot_is_waited_for(one_rank):
+    delivered = {}
+
+    def deliver(tensors, version, wait):
+        time.sleep(0.3 if version == 1 else 0.0)
+        delivered[version] = _cpu(tensors)
+        return {}
+
+    model, g = _one_rank_gatherer(deliver, num_slots=1)
+    before = _cpu(model.state_dict())
+    assert g.snapshot(1)["time/gather_slot_wait_s"] < 0.1
+    with torch.no_grad():
+        model.weight.add_(1.0)  # the trainer's next step, while version 1 is being delivered
+    m = g.snapshot(2, wait=True)
+    g.close()
+    assert m["time/gather_slot_wait_s"] > 0.1  # the one slot was busy with version 1
+    assert torch.equal(delivered[1]["weight"], before["weight"])
+    assert torch.equal(delivered[2]["weight"], before["weight"] + 1.0)
+
+
+def test_a_failed_delivery_is_raised_on_the_next_snapshot(one_rank):
+    def deliver(tensors, version, wait):
+        raise ValueError("every replica has been ejected")
+
+    _, g = _one_rank_gatherer(deliver, num_slots=2)
+    g.snapshot(1)  # async: the failure happens on the sidecar thread...
+    deadline = time.monotonic() + 30
+    while g.error is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(RuntimeError, match="weight gather failed on rank 0: every replica has been ejected"):
+        g.snapshot(2)  # ...and reaches the trainer at its next call
+    with pytest.raises(RuntimeError, match="every replica"):
+        g.close()
+
+    _, g = _one_rank_gatherer(deliver, num_slots=2)
+    with pytest.raises(RuntimeError, match="every replica"):
+        g.snapshot(1, wait=True)  # sync: at once
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--layouts", required=True)
+    ap.add_argument("--model", action="append", default=[])
+    a = ap.parse_args()
+    sys.path.insert(0, ROOT)
+    _worker(a.out, dict(m.split("=", 1) for m in a.model), a.layouts.split(","))

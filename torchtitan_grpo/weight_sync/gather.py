@@ -1,0 +1,317 @@
+"""Full HF-named tensors from a sharded trainer, off the critical path.
+
+With more than one trainer rank the weights a replica needs are spread over
+ranks: FSDP/HSDP shards, TP shards, PP stages. ``ShardGatherer`` keeps the
+trainer's cost to one device copy per step:
+
+* ``snapshot(version)`` on every rank copies the rank's *local* shards into a
+  free slot (cast to the push dtype on the way, so a bf16 push also halves
+  the gather) and returns.
+* A sidecar thread on every rank turns the slot into full tensors with
+  collectives on communicators of its own: a copy of TorchTitan's device
+  mesh built with its own process groups (``sidecar_mesh``), never the groups
+  FSDP or TP use, on its own CUDA stream. So the gather overlaps the next
+  step's forward/backward and cannot interleave with its collectives.
+* PP stages other than rank 0's send their full tensors to rank 0 (point to
+  point, on the sidecar's own world group). Rank 0 maps the whole set to HF
+  names and hands it to ``deliver`` (the Pusher, which snapshots it again into
+  its own staging buffers and sends each replica the newest version).
+
+Every rank gathers every version in the same order (a skipped version on one
+rank would desynchronise the collectives), so when all slots are still being
+gathered ``snapshot`` waits for one; that wait is bounded by one gather among
+trainer ranks and never by a replica. Replicas that are slow or dead only
+make the Pusher skip versions, on rank 0's sidecar thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+logger = logging.getLogger(__name__)
+
+# TorchTitan 0.2.2's ParallelDims: the names of the dims its meshes unflatten
+# the world into; a parameter's mesh is a sub-mesh of one of them.
+_MESHES = {
+    "dense": ("pp", "dp_replicate", "fsdp", "tp"),
+    "dataloading": ("pp", "batch", "cp", "tp"),
+}
+
+
+def _degrees(parallel_dims) -> dict[str, int]:
+    p = parallel_dims
+    return {"pp": p.pp, "dp_replicate": p.dp_replicate, "fsdp": p.dp_shard * p.cp, "tp": p.tp,
+            "batch": p.dp_replicate * p.dp_shard, "cp": p.cp}
+
+
+def sidecar_mesh(parallel_dims, device_type: str, backend: str) -> dict[str, DeviceMesh]:
+    """The trainer's meshes again, with process groups of their own.
+
+    Same rank layout as TorchTitan's, so a parameter's placements mean the
+    same thing on either; every dim of size > 1 gets a new communicator (an
+    explicit backend keeps DeviceMesh from reusing the default group for a
+    dim that spans the world). A collective: every rank calls it, once."""
+    # registers the "fake" backend that TorchTitan, and we, give size-1 dims
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401
+
+    world = dist.get_world_size()
+    root = DeviceMesh(device_type, torch.arange(world), mesh_dim_names=("world",),
+                      backend_override=((backend, None),))
+    deg = _degrees(parallel_dims)
+    meshes = {"world": root}
+    for key, names in _MESHES.items():
+        override = {n: (backend if deg[n] > 1 else "fake") for n in names}
+        meshes[key] = root._unflatten(0, tuple(deg[n] for n in names), names, backend_override=override)
+    return meshes
+
+
+def _own_mesh(meshes: dict[str, DeviceMesh], mesh: DeviceMesh) -> DeviceMesh:
+    """The sidecar's copy of ``mesh`` (a parameter's mesh), checked rank for rank."""
+    names = mesh.mesh_dim_names
+    for key in _MESHES:
+        if names and all(n in _MESHES[key] for n in names):
+            own = meshes[key][names]
+            if not torch.equal(own.mesh, mesh.mesh):
+                raise RuntimeError(f"sidecar mesh {names} has ranks {own.mesh.tolist()}, "
+                                   f"the trainer's has {mesh.mesh.tolist()}")
+            return own
+    raise NotImplementedError(f"weight push: no sidecar mesh for a parameter on mesh dims {names}")
+
+
+@dataclass
+class _Param:
+    names: list[str]  # TorchTitan FQNs (two for a tied parameter)
+    live: torch.Tensor  # the parameter (DTensor or plain)
+    mesh: DeviceMesh | None  # sidecar copy of its mesh; None for a plain tensor
+
+
+@dataclass
+class _Slot:
+    locals_: list[torch.Tensor]
+    ready: torch.cuda.Event | None = None
+    version: int = -1
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class ShardGatherer:
+    """See the module docstring. ``deliver(tensors, version, wait)`` runs on
+    rank 0's sidecar thread; its metrics come back from ``snapshot``."""
+
+    def __init__(self, model_parts: list[nn.Module], adapter, parallel_dims, device: torch.device,
+                 deliver: Callable[[dict[str, torch.Tensor], int, bool], dict[str, float]] | None,
+                 dtype: torch.dtype | None = None, num_slots: int = 2, sync: bool = False):
+        self.device = device
+        self.sync = sync  # snapshot's default for ``wait``
+        self.adapter = adapter
+        self.deliver = deliver
+        self.dtype = dtype
+        self.rank = dist.get_rank()
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        self.meshes = sidecar_mesh(parallel_dims, device.type, backend)
+        self.world_group = self.meshes["world"].get_group()
+
+        self.params: list[_Param] = []
+        seen: dict[int, _Param] = {}
+        for part in model_parts:
+            for name, t in part.state_dict(keep_vars=True).items():
+                if id(t) in seen:  # tied: one gather, both names
+                    seen[id(t)].names.append(name)
+                    continue
+                p = _Param([name], t, _own_mesh(self.meshes, t.device_mesh) if isinstance(t, DTensor) else None)
+                seen[id(t)] = p
+                self.params.append(p)
+        self._plan_stage_transfers()
+
+        self.slots = [self._new_slot() for _ in range(max(1, num_slots))]
+        self.free: queue.Queue[_Slot] = queue.Queue()
+        for s in self.slots:
+            self.free.put(s)
+        self.work: queue.Queue[tuple[_Slot, bool] | None] = queue.Queue()
+        self.results: queue.Queue[dict[str, float]] = queue.Queue()
+        self.error: BaseException | None = None
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.thread = threading.Thread(target=self._run, name="weight-gather", daemon=True)
+        self.thread.start()
+
+    # ------------------------------------------------------------ set-up
+
+    def _plan_stage_transfers(self) -> None:
+        """Which tensors rank 0 lacks (other PP stages) and who sends them.
+
+        Every rank learns every rank's parameter names, shapes and dtypes
+        once; the lowest rank holding a name rank 0 lacks sends it. Both
+        sides walk the same list in the same order."""
+        mine = [(p.names, tuple(p.live.shape), self._push_dtype(p.live)) for p in self.params]
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine, group=self.world_group)
+        have = {n for names, _, _ in everyone[0] for n in names}
+        self.incoming: list[tuple[int, list[str], tuple, torch.dtype]] = []  # rank 0: (src, names, shape, dtype)
+        sent: set[str] = set(have)
+        for src in range(1, len(everyone)):
+            for names, shape, dtype in everyone[src]:
+                if names[0] not in sent:
+                    sent.update(names)
+                    self.incoming.append((src, names, shape, dtype))
+        self.outgoing = {n for src, names, _, _ in self.incoming if src == self.rank for n in names}
+
+    def _push_dtype(self, t: torch.Tensor) -> torch.dtype:
+        return self.dtype if self.dtype is not None and t.is_floating_point() else t.dtype
+
+    def _new_slot(self) -> _Slot:
+        bufs = []
+        for p in self.params:
+            local = p.live.to_local() if isinstance(p.live, DTensor) else p.live
+            bufs.append(torch.empty(local.shape, dtype=self._push_dtype(local), device=local.device))
+        return _Slot(bufs)
+
+    # ------------------------------------------------------ trainer side
+
+    def snapshot(self, version: int, wait: bool | None = None) -> dict[str, float]:
+        """Copy this rank's shards as ``version`` and return (every rank calls
+        it after the optimizer step). With ``wait`` (default: sync mode): also
+        wait until the version is gathered and, on rank 0, delivered."""
+        wait = self.sync if wait is None else wait
+        self._raise_if_failed()
+        t0 = time.perf_counter()
+        slot = self.free.get()
+        waited = time.perf_counter() - t0
+        with torch.no_grad():
+            srcs = [p.live.to_local() if isinstance(p.live, DTensor) else p.live for p in self.params]
+            torch._foreach_copy_(slot.locals_, [s.detach() for s in srcs])
+        if self.stream is not None:
+            slot.ready = torch.cuda.Event()
+            slot.ready.record()
+        slot.version = version
+        slot.done.clear()
+        self.work.put((slot, wait))
+        m = {"time/push_stall_s": time.perf_counter() - t0, "time/gather_slot_wait_s": waited}
+        if wait:
+            slot.done.wait()
+            self._raise_if_failed()
+        while not self.results.empty():  # the newest delivery's metrics (lags, bytes, skips)
+            m = self.results.get() | m
+        return m
+
+    def close(self, abandon: bool = False) -> None:
+        """Let the queued versions finish, then stop the thread. ``abandon``
+        (the run is failing): give the thread a moment, never hang on a
+        collective whose peers are gone, and keep the original error."""
+        self.work.put(None)
+        self.thread.join(timeout=5 if abandon else 600)
+        if not abandon:
+            if self.thread.is_alive():
+                raise RuntimeError(f"weight gather on rank {self.rank} did not finish within 600 s")
+            self._raise_if_failed()
+
+    def __enter__(self) -> ShardGatherer:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(abandon=exc_type is not None)
+
+    def _raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"weight gather failed on rank {self.rank}: {self.error}") from self.error
+
+    # ------------------------------------------------------ sidecar side
+
+    def _run(self) -> None:
+        if self.stream is not None:
+            torch.cuda.set_device(self.device)
+        while (item := self.work.get()) is not None:
+            slot, wait = item
+            try:
+                if self.error is None:
+                    self._gather_one(slot, wait)
+            except BaseException as e:  # noqa: BLE001 - surfaced on the trainer's next call
+                logger.exception("weight gather of version %d failed", slot.version)
+                self.error = e
+            finally:
+                slot.done.set()
+                self.free.put(slot)
+
+    def _gather_one(self, slot: _Slot, wait: bool) -> None:
+        ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        with ctx, torch.no_grad():
+            if slot.ready is not None:
+                self.stream.wait_event(slot.ready)
+            full: dict[str, torch.Tensor] = {}
+            for p, local in zip(self.params, slot.locals_):
+                if p.mesh is None:
+                    value = local
+                else:
+                    value = DTensor.from_local(local, p.mesh, p.live.placements, run_check=False,
+                                               shape=p.live.shape, stride=p.live.stride()).full_tensor()
+                if self.rank == 0 or p.names[0] in self.outgoing:
+                    for n in p.names:
+                        full[n] = value
+            self._exchange_stages(full)
+            if self.stream is not None:
+                self.stream.synchronize()
+            if self.rank == 0 and self.deliver is not None:
+                self.results.put(self.deliver(self.adapter.to_hf(full), slot.version, wait))
+
+    def _exchange_stages(self, full: dict[str, torch.Tensor]) -> None:
+        for src, names, shape, dtype in self.incoming:
+            if self.rank == 0:
+                t = torch.empty(shape, dtype=dtype, device=self.device)
+                dist.recv(t, src=src, group=self.world_group)
+                for n in names:
+                    full[n] = t
+            elif self.rank == src:
+                dist.send(full[names[0]].contiguous(), dst=0, group=self.world_group)
+
+
+class DirectPush:
+    """One trainer rank: every parameter is whole on it, and the Pusher's own
+    snapshot is the only copy (no gather, no extra thread)."""
+
+    def __init__(self, model_parts: list[nn.Module], adapter, pusher, sync: bool):
+        self.model_parts, self.adapter, self.pusher, self.sync = model_parts, adapter, pusher, sync
+
+    def snapshot(self, version: int, wait: bool | None = None) -> dict[str, float]:
+        from torchtitan_grpo.model import hf_state_dict
+
+        tensors: dict[str, torch.Tensor] = {}
+        for part in self.model_parts:
+            tensors |= hf_state_dict(part, self.adapter)
+        return self.pusher.push(tensors, version, self.sync if wait is None else wait)
+
+    def close(self, abandon: bool = False) -> None:
+        pass
+
+    def __enter__(self) -> DirectPush:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        pass
+
+
+def push_dtype(weight_sync) -> torch.dtype | None:
+    """``weight_sync.dtype`` as a torch dtype; None keeps the trainer's."""
+    return None if weight_sync.dtype == "model" else getattr(torch, weight_sync.dtype)
+
+
+def trainer_push(model_parts: list[nn.Module], adapter, parallel_dims, device: torch.device, pusher,
+                 weight_sync) -> DirectPush | ShardGatherer:
+    """What the loop calls on every rank: ``snapshot(version, wait=None)``
+    after each optimizer step and ``close()`` at the end. ``pusher`` is rank
+    0's Pusher (None on the other ranks); ``weight_sync`` the config section."""
+    sync = weight_sync.mode == "sync"
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return DirectPush(model_parts, adapter, pusher, sync)
+    deliver = None if pusher is None else pusher.push
+    return ShardGatherer(model_parts, adapter, parallel_dims, device, deliver, push_dtype(weight_sync),
+                         weight_sync.num_staging_buffers, sync)
