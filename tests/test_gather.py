@@ -40,6 +40,13 @@ def _config(model_name: str, layout: tuple[int, int, int]):
     ])
 
 
+def _device() -> torch.device:
+    """One GPU per rank where there are GPUs (NCCL), else CPU (gloo)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
 def _cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
 
@@ -57,7 +64,7 @@ def run_case(model_dir: str, model_name: str, layout: tuple[int, int, int]) -> d
     from torchtitan_grpo import parallel
     from torchtitan_grpo.weight_sync.gather import ShardGatherer
 
-    device = torch.device("cpu")
+    device = _device()
     cfg = _config(model_name, layout)
     name = cfg.model.name
     args = hf_model.model_args_from_hf(name, hf_model.load_hf_config(model_dir), max_seq_len=64)
@@ -83,8 +90,8 @@ def run_case(model_dir: str, model_name: str, layout: tuple[int, int, int]) -> d
 
     # The trainer goes on while version 1 is gathered: forward/backward with
     # its FSDP/TP collectives, then weights change in place.
-    tokens = torch.arange(2, 2 + 2 * 16).reshape(2, 16) % 97 + 2
-    tokens = parallel.pad_to_multiple(tokens, torch.ones_like(tokens), torch.zeros(tokens.shape),
+    tokens = (torch.arange(2, 2 + 2 * 16, device=device).reshape(2, 16) % 97 + 2)
+    tokens = parallel.pad_to_multiple(tokens, torch.ones_like(tokens), torch.zeros(tokens.shape, device=device),
                                       parallel.seq_len_multiple(pdims), 0)[0]
     model(tokens).float().pow(2).mean().backward()
     with torch.no_grad():
@@ -112,7 +119,12 @@ def _worker(out_dir: str, model_dirs: dict[str, str], layouts: list[str]) -> Non
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    device = _device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
     try:
         for layout in layouts:
             for model_name in MODELS:

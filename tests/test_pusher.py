@@ -124,6 +124,8 @@ def test_sync_push_waits_for_every_replica(tmp_path, tiny_model_dir, loop):
             assert _served_markers(b.url, names) == {float(v)}
             assert m["time/push_s"] >= 0.3  # it waited for the slow one
             assert m["push/replica1_version_lag"] == 0
+            # per-replica rate of the newest transfer: the slowed one is slower
+            assert 0 < m["push/replica1_GBps"] < m["push/replica0_GBps"]
     finally:
         pusher.close()
         for s in (a, b):

@@ -382,6 +382,8 @@ class Pusher:
         m = {}
         for k, r in enumerate(self.replicas):
             m[f"push/replica{k}_version_lag"] = float(version - r.version)
+            if r.last_transfer_s > 0:  # its newest whole transfer, HTTP control plane included
+                m[f"push/replica{k}_GBps"] = self.bytes_per_version / r.last_transfer_s / 1e9
         m["push/ejected_replicas"] = float(sum(not r.admitted for r in self.replicas))
         m["push/failures"] = float(sum(r.failures for r in self.replicas))
         return m
