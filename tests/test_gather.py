@@ -243,11 +243,30 @@ def test_a_failed_delivery_is_raised_on_the_next_snapshot(one_rank):
         g.snapshot(1, wait=True)  # sync: at once
 
 
+def _check(out_dir: str) -> int:
+    """The test's assertions over a worker's results (for GPU runs): PASS/FAIL per case."""
+    from pathlib import Path
+
+    failed = 0
+    for f in sorted(Path(out_dir).glob("*.pt")):
+        model_name, layout = f.stem.rsplit("-", 1)
+        try:
+            test_gathered_versions_equal_the_trainers_export(Path(out_dir), layout, model_name)
+            print(f"PASS gather {layout} {model_name}")
+        except AssertionError as e:
+            failed += 1
+            print(f"FAIL gather {layout} {model_name}: {e}")
+    return 1 if failed else 0
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--layouts", required=True)
+    ap.add_argument("--layouts", default="")
     ap.add_argument("--model", action="append", default=[])
+    ap.add_argument("--check", action="store_true", help="check the results in --out and print PASS/FAIL")
     a = ap.parse_args()
     sys.path.insert(0, ROOT)
+    if a.check:
+        sys.exit(_check(a.out))
     _worker(a.out, dict(m.split("=", 1) for m in a.model), a.layouts.split(","))

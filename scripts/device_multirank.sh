@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The multi-rank trainer on 2 GPUs, in one command (run from the repo root
+# with the wheels of ../shared/tools/device-wheels.sh in .whl/, carried):
+#
+#   bash scripts/device_multirank.sh          # on a 2-GPU machine
+#
+#   1. tests/test_gather.py's worker under torchrun x2 with NCCL (FSDP, TP, DDP;
+#      qwen3 untied/tied, llama3): the sidecar gather delivers exactly the
+#      trainer's weights of each version, on process groups of its own, while
+#      the trainer runs its own collectives; PASS/FAIL per case.
+#   2. bench/gather_step.py under torchrun x2: step time with no export, with
+#      the trainer's collective export, and with the sidecar gather (Qwen3-0.6B
+#      shape, FSDP over both GPUs).
+# Logs go to $OUT (default outputs/device_multirank/). Ends within BUDGET_S.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+OUT=${OUT:-outputs/device_multirank}
+BUDGET=${BUDGET_S:-220}
+T0=$SECONDS
+mkdir -p "$OUT/gather"
+left() { echo $(( BUDGET - (SECONDS - T0) )); }
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 3
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
+{ nvidia-smi --query-gpu=name --format=csv,noheader; python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version())"; } 2>&1 | tee "$OUT/env.log"
+
+rc=0
+python3 -c "
+import json, sys
+from tests.test_parallel_parity import write_models
+print(json.dumps(write_models(sys.argv[1])))" "$OUT/models" > "$OUT/models.json" 2> "$OUT/models.log" || rc=1
+MODELS=$(python3 -c "import json,sys; print(' '.join(f'--model={k}={v}' for k,v in json.load(open(sys.argv[1])).items()))" "$OUT/models.json")
+timeout -k 5 "$(left)" torchrun --standalone --nproc_per_node=2 tests/test_gather.py --out "$OUT/gather" \
+  --layouts fsdp,tp,ddp $MODELS > "$OUT/gather.log" 2>&1 || { rc=1; tail -40 "$OUT/gather.log"; }
+python3 tests/test_gather.py --out "$OUT/gather" --check | tee "$OUT/gather_check.log" || rc=1
+
+timeout -k 5 "$(left)" torchrun --standalone --nproc_per_node=2 bench/gather_step.py --push-dtype bfloat16 \
+  > "$OUT/gather_step.log" 2>&1 || { rc=1; tail -40 "$OUT/gather_step.log"; }
+grep -E "^# gather_step|^\| " "$OUT/gather_step.log"
+echo "device_multirank: exit $rc after $((SECONDS - T0)) s"
+exit $rc
