@@ -111,7 +111,8 @@ def run_case(model_dir: str, model_name: str, layout: tuple[int, int, int]) -> d
     default = dist.group.WORLD.group_name
     if dist.get_rank() != 0:
         return None
-    return {"delivered": delivered, "expected": expected, "dtype": dtype, "metrics": metrics,
+    kinds = sorted({p.kind for p in gatherer.params})
+    return {"delivered": delivered, "expected": expected, "dtype": dtype, "metrics": metrics, "kinds": kinds,
             "shared_groups": sorted(own_groups & (trainer_groups | {default}))}
 
 
@@ -162,6 +163,9 @@ def test_gathered_versions_equal_the_trainers_export(gathered, layout, model_nam
     r = torch.load(gathered / f"{model_name}-{layout}.pt")
     assert sorted(r["delivered"]) == [1, 2]
     assert r["shared_groups"] == [], "the gather used the trainer's process groups"
+    # one sharded dim: the flat fast path; FSDP+TP (two) falls back to DTensor
+    assert r["kinds"] == {"fsdp": ["flat"], "hsdp": ["flat"], "tp": ["flat", "whole"], "ddp": ["whole"],
+                          "fsdp_tp": ["dtensor", "flat"]}[layout], r["kinds"]
     moved = max(float((r["expected"][2][k] - r["expected"][1][k]).abs().max()) for k in r["expected"][1])
     assert moved > 1e-3, "the two versions must differ for the check to mean anything"
     for version in (1, 2):

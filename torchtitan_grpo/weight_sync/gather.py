@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import queue
 import threading
 import time
@@ -38,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 logger = logging.getLogger(__name__)
 
@@ -94,24 +95,68 @@ def _own_mesh(meshes: dict[str, DeviceMesh], mesh: DeviceMesh) -> DeviceMesh:
 class _Param:
     names: list[str]  # TorchTitan FQNs (two for a tied parameter)
     live: torch.Tensor  # the parameter (DTensor or plain)
-    mesh: DeviceMesh | None  # sidecar copy of its mesh; None for a plain tensor
+    kind: str  # "whole": full on this rank; "flat": sharded on one mesh dim; "dtensor": anything else
+    mesh: DeviceMesh | None = None  # "dtensor": the sidecar's copy of its mesh
+    dim: int = 0  # "flat": the tensor dim it is sharded on
+    group_dim: int = 0  # "flat": the mesh dim it is sharded over
+    ways: int = 1  # "flat": the number of shards
+    offset: int = 0  # "flat": where its padded shard starts in its chunk's buffer (elements)
+
+
+@dataclass
+class _Chunk:
+    """Shards of several "flat" parameters of one process group and dtype,
+    gathered by a single all_gather_into_tensor."""
+
+    group: dist.ProcessGroup
+    ways: int
+    dtype: torch.dtype
+    device: torch.device
+    params: list[int] = field(default_factory=list)  # indices into ShardGatherer.params
+    numel: int = 0  # per rank, padding included
 
 
 @dataclass
 class _Slot:
-    locals_: list[torch.Tensor]
+    locals_: list[torch.Tensor | None]  # per parameter: its snapshot ("whole"/"dtensor") or None
+    chunks: list[torch.Tensor]  # per chunk: this rank's padded shards, back to back
+    dst: list[torch.Tensor] = field(default_factory=list)  # snapshot copies: destination views...
+    src: list[int] = field(default_factory=list)  # ...and the parameter each one copies
     ready: torch.cuda.Event | None = None
     version: int = -1
     done: threading.Event = field(default_factory=threading.Event)
 
 
+def _padded_shape(shape: torch.Size, dim: int, ways: int) -> list[int]:
+    """Shape of one shard padded to the largest (torch.chunk's split)."""
+    out = list(shape)
+    out[dim] = -(-shape[dim] // ways)
+    return out
+
+
+def _shard_size(size: int, ways: int, index: int) -> int:
+    """Rows of shard ``index`` under torch.chunk's split (FSDP2's and DTensor's)."""
+    per = -(-size // ways)
+    return max(0, min(per, size - index * per))
+
+
 class ShardGatherer:
     """See the module docstring. ``deliver(tensors, version, wait)`` runs on
-    rank 0's sidecar thread; its metrics come back from ``snapshot``."""
+    rank 0's sidecar thread; its metrics come back from ``snapshot``.
+
+    The common layouts take a fast path: a parameter sharded on one mesh dim
+    (FSDP, TP, HSDP's shard dim; replicated on the others) is copied at
+    snapshot time straight into a flat per-group buffer, and one
+    ``all_gather_into_tensor`` per ``chunk_bytes`` of output brings every
+    shard over; only the ranks at coordinate 0 of the replicated dims take
+    part (the others hold copies). Per-parameter DTensor redistribution (a
+    Python round trip per tensor, which would compete with the trainer's
+    thread for the GIL) is left to layouts with two sharded dims (FSDP+TP)."""
 
     def __init__(self, model_parts: list[nn.Module], adapter, parallel_dims, device: torch.device,
                  deliver: Callable[[dict[str, torch.Tensor], int, bool], dict[str, float]] | None,
-                 dtype: torch.dtype | None = None, num_slots: int = 2, sync: bool = False):
+                 dtype: torch.dtype | None = None, num_slots: int = 2, sync: bool = False,
+                 chunk_bytes: int = 512 << 20):
         self.device = device
         self.sync = sync  # snapshot's default for ``wait``
         self.adapter = adapter
@@ -129,9 +174,9 @@ class ShardGatherer:
                 if id(t) in seen:  # tied: one gather, both names
                     seen[id(t)].names.append(name)
                     continue
-                p = _Param([name], t, _own_mesh(self.meshes, t.device_mesh) if isinstance(t, DTensor) else None)
-                seen[id(t)] = p
-                self.params.append(p)
+                seen[id(t)] = self._classify(name, t)
+                self.params.append(seen[id(t)])
+        self.chunks = self._plan_chunks(chunk_bytes)
         self._plan_stage_transfers()
 
         self.slots = [self._new_slot() for _ in range(max(1, num_slots))]
@@ -147,12 +192,49 @@ class ShardGatherer:
 
     # ------------------------------------------------------------ set-up
 
+    def _classify(self, name: str, t: torch.Tensor) -> _Param:
+        if not isinstance(t, DTensor):
+            return _Param([name], t, "whole")
+        own = _own_mesh(self.meshes, t.device_mesh)
+        sharded = [i for i, pl in enumerate(t.placements) if not pl.is_replicate()]
+        if not sharded:
+            return _Param([name], t, "whole")
+        if len(sharded) == 1 and type(t.placements[sharded[0]]) is Shard:
+            i = sharded[0]
+            return _Param([name], t, "flat", mesh=own, dim=t.placements[i].dim, group_dim=i, ways=own.size(i))
+        return _Param([name], t, "dtensor", mesh=own)
+
+    def _takes_part(self, p: _Param) -> bool:
+        """A "flat" parameter is gathered by the ranks at coordinate 0 of its
+        replicated mesh dims (the others hold copies of the same shards)."""
+        return all(p.mesh.get_local_rank(j) == 0 for j in range(p.mesh.ndim) if j != p.group_dim)
+
+    def _plan_chunks(self, chunk_bytes: int) -> list[_Chunk]:
+        chunks: list[_Chunk] = []
+        open_: dict[tuple[str, torch.dtype], _Chunk] = {}
+        for k, p in enumerate(self.params):
+            if p.kind != "flat" or not self._takes_part(p):
+                continue
+            group = p.mesh.get_group(p.group_dim)
+            dtype = self._push_dtype(p.live)
+            padded = math.prod(_padded_shape(p.live.shape, p.dim, p.ways))
+            key = (group.group_name, dtype)
+            c = open_.get(key)
+            if c is None or (c.numel + padded) * p.ways * dtype.itemsize > chunk_bytes and c.params:
+                c = open_[key] = _Chunk(group, p.ways, dtype, p.live.to_local().device)
+                chunks.append(c)
+            p.offset = c.numel
+            c.params.append(k)
+            c.numel += padded
+        return chunks
+
     def _plan_stage_transfers(self) -> None:
         """Which tensors rank 0 lacks (other PP stages) and who sends them.
 
         Every rank learns every rank's parameter names, shapes and dtypes
-        once; the lowest rank holding a name rank 0 lacks sends it. Both
-        sides walk the same list in the same order."""
+        once; the lowest rank holding a name rank 0 lacks sends it (the
+        lowest rank of a stage takes part in all of its stage's gathers).
+        Both sides walk the same list in the same order."""
         mine = [(p.names, tuple(p.live.shape), self._push_dtype(p.live)) for p in self.params]
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine, group=self.world_group)
@@ -169,12 +251,34 @@ class ShardGatherer:
     def _push_dtype(self, t: torch.Tensor) -> torch.dtype:
         return self.dtype if self.dtype is not None and t.is_floating_point() else t.dtype
 
+    def _keeps(self, p: _Param) -> bool:
+        """Whether this rank needs the full value (rank 0 delivers, a stage's first rank sends)."""
+        return self.rank == 0 or p.names[0] in self.outgoing
+
     def _new_slot(self) -> _Slot:
-        bufs = []
+        locals_: list[torch.Tensor | None] = []
         for p in self.params:
             local = p.live.to_local() if isinstance(p.live, DTensor) else p.live
-            bufs.append(torch.empty(local.shape, dtype=self._push_dtype(local), device=local.device))
-        return _Slot(bufs)
+            if p.kind == "dtensor" or (p.kind == "whole" and self._keeps(p)):
+                locals_.append(torch.empty(local.shape, dtype=self._push_dtype(local), device=local.device))
+            else:
+                locals_.append(None)
+        chunks = [torch.empty(c.numel, dtype=c.dtype, device=c.device) for c in self.chunks]
+        slot = _Slot(locals_, chunks)
+        # where each shard goes in the chunk buffers (views, made once per slot)
+        for c, buf in zip(self.chunks, chunks):
+            for k in c.params:
+                p = self.params[k]
+                local = p.live.to_local()
+                region = buf[p.offset : p.offset + math.prod(_padded_shape(p.live.shape, p.dim, p.ways))]
+                slot.dst.append(region.view(_padded_shape(p.live.shape, p.dim, p.ways)).narrow(
+                    p.dim, 0, local.shape[p.dim]))
+                slot.src.append(k)
+        for k, t in enumerate(locals_):
+            if t is not None:
+                slot.dst.append(t)
+                slot.src.append(k)
+        return slot
 
     # ------------------------------------------------------ trainer side
 
@@ -188,8 +292,12 @@ class ShardGatherer:
         slot = self.free.get()
         waited = time.perf_counter() - t0
         with torch.no_grad():
-            srcs = [p.live.to_local() if isinstance(p.live, DTensor) else p.live for p in self.params]
-            torch._foreach_copy_(slot.locals_, [s.detach() for s in srcs])
+            srcs = []
+            for k in slot.src:
+                live = self.params[k].live
+                srcs.append((live.to_local() if isinstance(live, DTensor) else live).detach())
+            if srcs:
+                torch._foreach_copy_(slot.dst, srcs)
         if self.stream is not None:
             slot.ready = torch.cuda.Event()
             slot.ready.record()
@@ -248,15 +356,31 @@ class ShardGatherer:
             if slot.ready is not None:
                 self.stream.wait_event(slot.ready)
             full: dict[str, torch.Tensor] = {}
-            for p, local in zip(self.params, slot.locals_):
-                if p.mesh is None:
-                    value = local
-                else:
-                    value = DTensor.from_local(local, p.mesh, p.live.placements, run_check=False,
-                                               shape=p.live.shape, stride=p.live.stride()).full_tensor()
-                if self.rank == 0 or p.names[0] in self.outgoing:
+
+            def keep(p: _Param, value: torch.Tensor) -> None:
+                if self._keeps(p):
                     for n in p.names:
                         full[n] = value
+
+            for c, buf in zip(self.chunks, slot.chunks):
+                out = torch.empty(c.ways * c.numel, dtype=c.dtype, device=buf.device)
+                dist.all_gather_into_tensor(out, buf, group=c.group)
+                for k in c.params:
+                    p = self.params[k]
+                    if not self._keeps(p):
+                        continue
+                    shape = _padded_shape(p.live.shape, p.dim, p.ways)
+                    n = math.prod(shape)
+                    parts = [out[r * c.numel + p.offset : r * c.numel + p.offset + n].view(shape).narrow(
+                        p.dim, 0, _shard_size(p.live.shape[p.dim], p.ways, r)) for r in range(p.ways)]
+                    keep(p, torch.cat(parts, dim=p.dim))
+                del out
+            for p, local in zip(self.params, slot.locals_):
+                if p.kind == "whole" and local is not None:
+                    keep(p, local)
+                elif p.kind == "dtensor":
+                    keep(p, DTensor.from_local(local, p.mesh, p.live.placements, run_check=False,
+                                               shape=p.live.shape, stride=p.live.stride()).full_tensor())
             self._exchange_stages(full)
             if self.stream is not None:
                 self.stream.synchronize()
