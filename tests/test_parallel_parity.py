@@ -13,8 +13,15 @@ clipping too, so the gradients are compared directly), every parameter after
 the step, and the HF-named tensors that would be pushed to the servers.
 
 Models (tiny, fp32): qwen3 untied, qwen3 tied (``tie_word_embeddings``) and
-llama3. Layouts: FSDP dp_shard=2, TP=2 and DDP dp_replicate=2 in one
-2-rank launch; HSDP 2x2 and FSDP 2 x TP 2 in one 4-rank launch.
+llama3. Layouts: FSDP dp_shard=2, TP=2, DDP dp_replicate=2 and PP=2 (1F1B)
+in one 2-rank launch; HSDP 2x2, FSDP 2 x TP 2, PP 2 x FSDP 2 (GPipe) and
+PP 2 x TP 2 (1F1B) in one 4-rank launch.
+
+Pipeline layouts run the trainer itself (``trainer.build_policy`` and
+``trainer.train_step``: the GRPO loss goes through the pipeline schedule on
+the last stage), so besides the numbers above every rank's step metrics are
+compared with a single-process ``train_step``; stage tensors are gathered
+from all stages by their FQNs.
 
 Run as a script to print the measured table (docs/PARITY.md)::
 
@@ -50,15 +57,24 @@ PAD = 0
 MICRO_BATCH = 2
 MAX_NORM = 1.0
 MODELS = ("qwen3", "qwen3_tied", "llama3")
-# name -> (dp_replicate, dp_shard, tp); the product is the launch's world size
+MAX_NEW_TOKENS = 8
+# name -> (dp_replicate, dp_shard, tp[, pp]); the product is the launch's world size
 LAYOUTS = {
     "fsdp": (1, 2, 1),
     "tp": (1, 1, 2),
     "ddp": (2, 1, 1),
+    "pp": (1, 1, 1, 2),
     "hsdp": (2, 2, 1),
     "fsdp_tp": (1, 2, 2),
+    "pp_fsdp": (1, 2, 1, 2),
+    "pp_tp": (1, 1, 2, 2),
 }
-LAUNCHES = {2: ("fsdp", "tp", "ddp"), 4: ("hsdp", "fsdp_tp")}
+PP_SCHEDULES = {"pp": "1F1B", "pp_fsdp": "GPipe", "pp_tp": "1F1B"}
+# pp_fsdp: 3 rows per micro-batch, so the DP rank with 3 samples pads one row
+PP_MICRO_BATCH = {"pp_fsdp": 3}
+LAUNCHES = {2: ("fsdp", "tp", "ddp", "pp"), 4: ("hsdp", "fsdp_tp", "pp_fsdp", "pp_tp")}
+EMPTY_RANK_LAYOUT = "pp_fsdp"  # also steps once with a DP rank that has no samples
+CHECKPOINT_LAYOUT = "pp"  # also saves and resumes a checkpoint of the stages
 if torch.cuda.is_available():  # one GPU per rank
     LAUNCHES = {n: names for n, names in LAUNCHES.items() if n <= torch.cuda.device_count()}
 
@@ -123,15 +139,20 @@ def fixed_batch():
     return samples
 
 
-def job_config(model_name: str, layout: tuple[int, int, int]):
+def _pp_degree(layout: tuple[int, ...]) -> int:
+    return layout[3] if len(layout) > 3 else 1
+
+
+def job_config(model_name: str, layout: tuple[int, ...], extra: tuple[str, ...] = ()):
     from torchtitan.config import ConfigManager
 
-    dp_replicate, dp_shard, tp = layout
+    dp_replicate, dp_shard, tp = layout[:3]
     return ConfigManager().parse_args([
         "--model.name", "qwen3" if model_name.startswith("qwen3") else model_name,
         "--parallelism.data_parallel_replicate_degree", str(dp_replicate),
         "--parallelism.data_parallel_shard_degree", str(dp_shard),
         "--parallelism.tensor_parallel_degree", str(tp),
+        "--parallelism.pipeline_parallel_degree", str(_pp_degree(layout)),
         "--training.seq_len", "64",
         "--training.max_norm", str(MAX_NORM),
         # CPU: TorchTitan's bf16 default on purpose, parallelize must switch
@@ -147,7 +168,23 @@ def job_config(model_name: str, layout: tuple[int, int, int]):
         "--optimizer.eps", "1e-4",
         "--optimizer.implementation", "for-loop",
         "--activation_checkpoint.mode", "none",
+        *extra,
     ])
+
+
+def step_job_config(model_name: str, layout_name: str):
+    """``job_config`` plus our ``[grpo]`` section, for ``trainer.build_policy``
+    and ``trainer.train_step`` (the pipeline layouts and their reference)."""
+    extra = [
+        "--job.custom_config_module", "torchtitan_grpo.config",
+        "--grpo.micro_batch_size", str(PP_MICRO_BATCH.get(layout_name, MICRO_BATCH)),
+        "--grpo.is_correction", "none",  # the ratio against the rollout logprobs, as run_case
+        "--lr_scheduler.warmup_steps", "1",  # the full lr at the first step, as run_case
+    ]
+    if layout_name in PP_SCHEDULES:
+        extra += ["--parallelism.pipeline_parallel_schedule", PP_SCHEDULES[layout_name]]
+    layout = LAYOUTS.get(layout_name, (1, 1, 1))
+    return job_config(model_name, layout, tuple(extra))
 
 
 # ------------------------------------------------------------ one GRPO step
@@ -231,6 +268,185 @@ def run_case(model_dir: str, model_name: str, layout: tuple[int, int, int], worl
     }
 
 
+def _gathered(policy, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Full tensors (parameters, or their gradients) of every stage, by FQN.
+
+    A collective: within a stage ``full_tensor`` gathers FSDP/TP shards, then
+    the stages' dicts are exchanged over the world. The last stage's copy of
+    a tied embedding must equal the first stage's and is dropped (the single
+    process names that parameter once).
+    """
+    import torch.distributed as dist
+
+    local = {n: _full(p.grad if grads else p) for n, p in policy.model.named_parameters()
+             if not grads or p.grad is not None}
+    if policy.pipeline is None:
+        return local
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    merged = {}
+    for part in parts:
+        merged.update(part)
+    if policy.pipeline.tied:
+        mirror = merged.pop("output.weight")
+        assert torch.equal(mirror, merged["tok_embeddings.weight"]), "tied copies differ between stages"
+    return merged
+
+
+def _gathered_hf(policy) -> dict[str, torch.Tensor]:
+    """What a weight push sends: each rank's ``hf_state_dict`` of its own
+    module (under PP: its stage, whose FQNs the adapter maps as for the whole
+    model), united over the stages. A collective."""
+    import torch.distributed as dist
+
+    from torchtitan_grpo import model as hf_model
+
+    pushed = hf_model.hf_state_dict(policy.model, policy.adapter)
+    local = {k: v.detach().to("cpu", copy=True) for k, v in pushed.items()}
+    if policy.pipeline is None:
+        return local
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    merged = {}
+    for part in parts:
+        merged.update(part)
+    return merged
+
+
+def run_step_case(model_dir: str, model_name: str, layout_name: str, world_size: int) -> dict:
+    """``trainer.build_policy`` + one ``trainer.train_step`` on the fixed batch.
+
+    The pipeline layouts, and (``layout_name="single"``, one process) their
+    reference for the step metrics. Returns what ``run_case`` does plus every
+    rank's metrics (``metrics``: a list indexed by rank). A collective.
+    """
+    import torch.distributed as dist
+
+    from torchtitan_grpo import parallel, trainer
+
+    device = _device()
+    cfg = step_job_config(model_name, layout_name)
+    rank = dist.get_rank() if world_size > 1 else 0
+    d = trainer.Dist(rank, world_size, int(os.environ.get("LOCAL_RANK", "0")), device)
+    policy = trainer.build_policy(cfg, model_dir, d)
+    before = _gathered(policy)
+
+    batch = fixed_batch()
+    n_tokens = sum(len(s.completion_ids) for s in batch)
+    dp_rank, dp_degree = parallel.data_parallel_rank_and_degree(policy.parallel_dims)
+    grads: dict[str, torch.Tensor] = {}
+    clip = trainer._clip_grad_norm
+
+    def snapshot_then_clip(p):  # the gradients as clipping sees them
+        grads.update(_gathered(p, grads=True))
+        return clip(p)
+
+    trainer._clip_grad_norm = snapshot_then_clip
+    try:
+        metrics = trainer.train_step(policy, batch[dp_rank::dp_degree], cfg.grpo, 1.0, MAX_NEW_TOKENS,
+                                     len(batch), n_tokens, PAD, d)
+    finally:
+        trainer._clip_grad_norm = clip
+    after = _gathered(policy)
+    every = [metrics]
+    if world_size > 1:
+        every = [None] * world_size
+        dist.all_gather_object(every, metrics)
+    tied = policy.pipeline.tied if policy.pipeline is not None else parallel._is_tied(policy.model)
+    return {
+        "loss": metrics["loss"],
+        "grad_norm": metrics["grad_norm"],
+        "grads": grads,
+        "params": after,
+        "moved": max_diff(before, after),
+        "pushed": _gathered_hf(policy),
+        "tied": tied,
+        "metrics": every,
+    }
+
+
+def run_empty_rank_step(model_dir: str, model_name: str, layout_name: str, world_size: int) -> list[dict]:
+    """One ``train_step`` on one sample, on DP rank 0: the other DP ranks have
+    none and every rank steps padding-only micro-batches (a pipeline needs at
+    least one per stage). Returns every rank's metrics."""
+    import torch.distributed as dist
+
+    from torchtitan_grpo import parallel, trainer
+
+    cfg = step_job_config(model_name, layout_name)
+    d = trainer.Dist(dist.get_rank(), world_size, int(os.environ.get("LOCAL_RANK", "0")), _device())
+    policy = trainer.build_policy(cfg, model_dir, d)
+    batch = fixed_batch()[:1]
+    dp_rank, _ = parallel.data_parallel_rank_and_degree(policy.parallel_dims)
+    local = batch if dp_rank == 0 else []
+    metrics = trainer.train_step(policy, local, cfg.grpo, 1.0, MAX_NEW_TOKENS, len(batch),
+                                 sum(len(s.completion_ids) for s in batch), PAD, d)
+    every = [None] * world_size
+    dist.all_gather_object(every, metrics)
+    return every
+
+
+def _exported_mismatches(policy, model_dir: str, out_dir: str, d) -> dict:
+    """``export_hf`` of the policy against the stages' united HF tensors:
+    rank 0 reports how many tensors the export holds (``n_export``) and the
+    names missing, extra or unequal (``bad_export``). A collective."""
+    from safetensors.torch import load_file
+
+    from torchtitan_grpo.checkpoint import export_hf
+
+    export_hf(policy, model_dir, out_dir, d)
+    expected = _gathered_hf(policy)
+    if not d.is_main:
+        return {}
+    got = load_file(os.path.join(out_dir, "model.safetensors"))
+    bad = sorted((got.keys() ^ expected.keys()) | {k for k in got.keys() & expected.keys()
+                                                     if not torch.equal(got[k], expected[k])})
+    return {"n_export": len(got), "bad_export": bad}
+
+
+def run_checkpoint_roundtrip(model_dir: str, model_name: str, layout_name: str, world_size: int,
+                             dump: str) -> dict:
+    """Save after one ``train_step`` through our ``Checkpointer`` (TorchTitan's
+    CheckpointManager over ``policy.model_parts``), load into a fresh policy.
+    Returns, for this rank's stage tensors and optimizer tensors, how many
+    were saved (``n_*``) and the names of those that came back unequal
+    (``bad_*``). A collective."""
+    import torch.distributed as dist
+
+    from torchtitan_grpo import parallel, trainer
+    from torchtitan_grpo.checkpoint import Checkpointer
+
+    cfg = step_job_config(model_name, layout_name)
+    cfg.job.dump_folder, cfg.checkpoint.enable, cfg.checkpoint.interval = dump, True, 1
+    d = trainer.Dist(dist.get_rank(), world_size, int(os.environ.get("LOCAL_RANK", "0")), _device())
+    policy = trainer.build_policy(cfg, model_dir, d)
+    ckpt = Checkpointer(cfg, policy, d)
+    batch = fixed_batch()
+    dp_rank, dp_degree = parallel.data_parallel_rank_and_degree(policy.parallel_dims)
+    trainer.train_step(policy, batch[dp_rank::dp_degree], cfg.grpo, 1.0, MAX_NEW_TOKENS, len(batch),
+                       sum(len(s.completion_ids) for s in batch), PAD, d)
+    ckpt.save(1, weight_version=1)
+    ckpt.close()
+    exported = _exported_mismatches(policy, model_dir, os.path.join(dump, "hf"), d)
+
+    def tensors(p) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        model = {k: _full(v) for k, v in p.model.state_dict().items()}
+        optim = {k: _full(v) for k, v in p.optimizers.state_dict().items() if torch.is_tensor(v)}
+        return model, optim
+
+    saved = tensors(policy)
+    fresh = trainer.build_policy(cfg, model_dir, d)
+    ckpt = Checkpointer(cfg, fresh, d)
+    resumed = ckpt.load()
+    loaded = tensors(fresh)
+    ckpt.close()
+    out = {"step": resumed.step if resumed else None, **exported}
+    for kind, a, b in zip(("model", "optim"), saved, loaded):
+        out[f"n_{kind}"] = len(a)
+        out[f"bad_{kind}"] = sorted(k for k in a if k not in b or not torch.equal(a[k], b[k]))
+    return out
+
+
 def max_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
     for k in a:
@@ -266,10 +482,24 @@ def _worker(out_dir: str, model_dirs: dict[str, str], layouts: list[str]) -> Non
         for layout in layouts:
             for model_name in MODELS:
                 t0 = time.perf_counter()
-                result = run_case(model_dirs[model_name], model_name, LAYOUTS[layout], world)
+                if layout in PP_SCHEDULES:  # the trainer's own pipeline step
+                    result = run_step_case(model_dirs[model_name], model_name, layout, world)
+                else:
+                    result = run_case(model_dirs[model_name], model_name, LAYOUTS[layout], world)
                 result["seconds"] = time.perf_counter() - t0
                 if rank == 0:
                     torch.save(result, os.path.join(out_dir, f"{model_name}-{layout}.pt"))
+            if layout == EMPTY_RANK_LAYOUT:
+                every = run_empty_rank_step(model_dirs["qwen3"], "qwen3", layout, world)
+                if rank == 0:
+                    torch.save(every, os.path.join(out_dir, f"empty-rank-{layout}.pt"))
+            if layout == CHECKPOINT_LAYOUT:
+                dump = os.path.join(out_dir, f"dump-{layout}")
+                result = run_checkpoint_roundtrip(model_dirs["qwen3_tied"], "qwen3_tied", layout, world, dump)
+                every = [None] * world
+                dist.all_gather_object(every, result)
+                if rank == 0:
+                    torch.save(every, os.path.join(out_dir, f"checkpoint-{layout}.pt"))
         dist.barrier()  # leave together: a peer gone early can abort this rank at exit
     finally:
         dist.destroy_process_group()
@@ -309,8 +539,7 @@ def test_pad_to_multiple_only_appends_masked_positions():
     assert pad_to_multiple(t2, m2, o2, 2, PAD)[0] is t2  # already a multiple: untouched
 
 
-@pytest.mark.parametrize("key", ["pipeline_parallel_degree", "context_parallel_degree",
-                                 "expert_parallel_degree"])
+@pytest.mark.parametrize("key", ["context_parallel_degree", "expert_parallel_degree"])
 def test_unsupported_parallelisms_are_rejected(key):
     from torchtitan_grpo.parallel import build_parallel_dims
 
@@ -318,6 +547,86 @@ def test_unsupported_parallelisms_are_rejected(key):
     setattr(cfg.parallelism, key, 2)
     with pytest.raises(NotImplementedError, match=key):
         build_parallel_dims(cfg, 2, "cpu")
+
+
+@pytest.mark.parametrize("setting, error, names", [
+    ({"parallelism.pipeline_parallel_schedule": "Interleaved1F1B"}, ValueError,
+     ["parallelism.pipeline_parallel_schedule"]),
+    ({"parallelism.pipeline_parallel_schedule_csv": "schedule.csv"}, ValueError,
+     ["parallelism.pipeline_parallel_schedule_csv"]),
+    ({"grpo.kl_coef": 0.1}, NotImplementedError, ["grpo.kl_coef", "parallelism.pipeline_parallel_degree"]),
+    ({"parallelism.data_parallel_replicate_degree": 2}, NotImplementedError,
+     ["parallelism.data_parallel_replicate_degree", "parallelism.pipeline_parallel_degree"]),
+    ({"parallelism.pipeline_parallel_layers_per_stage": 1}, ValueError,
+     ["parallelism.pipeline_parallel_layers_per_stage"]),
+    ({"parallelism.module_fqns_per_model_part": [["tok_embeddings", "layers.1"], ["layers.0", "norm", "output"]]},
+     ValueError, ["parallelism.module_fqns_per_model_part"]),
+])
+def test_unsupported_pipeline_settings_are_rejected(setting, error, names):
+    """PP settings the trainer cannot run fail at start-up naming their keys."""
+    from torchtitan_grpo.pipeline import check_config, stage_module_names
+
+    cfg = step_job_config("qwen3", "pp")
+    for key, value in setting.items():
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, value)
+    with pytest.raises(error) as e:
+        check_config(cfg, 2)  # what build_parallel_dims runs first
+        stage_module_names(cfg, 2)  # checked when the stages are built
+    for name in names:
+        assert name in str(e.value), (name, str(e.value))
+
+
+def test_build_parallel_dims_checks_pipeline_settings():
+    from torchtitan_grpo.parallel import build_parallel_dims
+
+    cfg = step_job_config("qwen3", "pp")
+    cfg.parallelism.pipeline_parallel_schedule = "ZBVZeroBubble"
+    with pytest.raises(ValueError, match="parallelism.pipeline_parallel_schedule"):
+        build_parallel_dims(cfg, 2, "cpu")
+
+
+def test_parallelize_refuses_pipeline_layouts():
+    from torchtitan_grpo.parallel import parallelize
+
+    with pytest.raises(ValueError, match="pipeline_parallel_degree"):
+        parallelize(torch.nn.Linear(2, 2), job_config("qwen3", LAYOUTS["pp"]), 2, "cpu")
+
+
+def test_stage_split_keeps_fqns(tmp_path):
+    """Each stage holds its modules under the whole model's FQNs, and the
+    stages together hold every parameter once (twice for a tied embedding:
+    once per end of the pipeline)."""
+    from torchtitan_grpo import model as hf_model
+    from torchtitan_grpo.pipeline import split_stage, stage_module_names
+
+    model_dirs = write_models(str(tmp_path))
+    for model_name in MODELS:
+        cfg = step_job_config(model_name, "pp")
+        args = hf_model.model_args_from_hf(cfg.model.name, hf_model.load_hf_config(model_dirs[model_name]), 64)
+        whole = dict(hf_model.build_model(cfg.model.name, args, "cpu").named_parameters())
+        names = stage_module_names(cfg, args.n_layers)
+        assert names == [["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]
+        seen = []
+        for keep in names:
+            stage = split_stage(hf_model.build_model(cfg.model.name, args, "cpu"), keep)
+            params = dict(stage.named_parameters())
+            assert all(any(n == k or n.startswith(k + ".") for k in keep) for n in params), sorted(params)
+            seen += list(params)
+        tied = model_name == "qwen3_tied"
+        assert sorted(seen) == sorted(list(whole) + (["output.weight"] if tied else [])), model_name
+
+
+def test_bucketed_seq_len():
+    from torchtitan_grpo.pipeline import bucketed_seq_len
+
+    assert bucketed_seq_len(5, 64) == 8  # buckets of 64 / 8
+    assert bucketed_seq_len(8, 64) == 8 and bucketed_seq_len(9, 64) == 16
+    assert bucketed_seq_len(9, 64, multiple=3) == 9  # bucket 9: a multiple of the TP degree
+    assert bucketed_seq_len(63, 100) == 65  # 13-token buckets
+    assert bucketed_seq_len(57, 60, multiple=4) == 60  # capped at seq_len (64 would not fit)...
+    assert bucketed_seq_len(57, 60, multiple=7) == 70  # ...unless TP cannot split seq_len evenly
+    assert bucketed_seq_len(100, 100) == 100
 
 
 def test_cpu_sdpa_strategy_is_registered_once():
@@ -337,6 +646,7 @@ def parity(tmp_path_factory):
     root = tmp_path_factory.mktemp("parity")
     model_dirs = write_models(str(root / "models"))
     refs = {m: run_case(model_dirs[m], m, (1, 1, 1), 1) for m in MODELS}
+    ref_steps = {m: run_step_case(model_dirs[m], m, "single", 1) for m in MODELS}
     out = root / "results"
     out.mkdir()
     errors = {}
@@ -345,17 +655,21 @@ def parity(tmp_path_factory):
             launch(nproc, str(out), model_dirs)
         except RuntimeError as e:  # reported by the tests of that launch
             errors[nproc] = str(e)
-    return refs, out, errors
+    return refs, out, errors, ref_steps
 
 
-def _result(parity, model_name: str, layout: str) -> tuple[dict, dict]:
-    refs, out, errors = parity
+def _launched(parity, layout: str, name: str):
+    _, out, errors, _ = parity
     nproc = next((n for n, names in LAUNCHES.items() if layout in names), None)
     if nproc is None:
         pytest.skip(f"{layout} needs more GPUs than this machine has")
     if nproc in errors:
         pytest.fail(errors[nproc])
-    return refs[model_name], torch.load(out / f"{model_name}-{layout}.pt")
+    return torch.load(out / name, weights_only=False)
+
+
+def _result(parity, model_name: str, layout: str) -> tuple[dict, dict]:
+    return parity[0][model_name], _launched(parity, layout, f"{model_name}-{layout}.pt")
 
 
 def test_reference_step_is_not_trivial(parity):
@@ -367,6 +681,57 @@ def test_reference_step_is_not_trivial(parity):
         assert max(float(g.abs().max()) for g in ref["grads"].values()) > 1e3 * TOL, model_name
         assert ref["moved"] > 1e3 * TOL, model_name
         assert ref["tied"] == (model_name == "qwen3_tied")
+        metrics = parity[3][model_name]["metrics"][0]
+        assert 0 < metrics["clip_fraction"] < 1 and metrics["entropy"] > 1, (model_name, metrics)
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+def test_trainer_step_matches_reference_step(parity, model_name):
+    """``train_step`` in one process is the computation of ``run_case``: the
+    reference of the pipeline layouts' metrics is the reference of the rest."""
+    diffs = compare(parity[0][model_name], parity[3][model_name])
+    assert max(diffs.values()) < TOL, diffs
+
+
+_METRICS = ("loss", "grad_norm", "clip_fraction", "entropy", "trainer_vs_rollout_logprob_max_abs_diff")
+
+
+@pytest.mark.parametrize("layout", list(PP_SCHEDULES))
+@pytest.mark.parametrize("model_name", MODELS)
+def test_pipeline_metrics_on_every_rank(parity, model_name, layout):
+    """Every rank (rank 0 is on the first stage, the loss on the last) reports
+    the single process's step metrics."""
+    got = _launched(parity, layout, f"{model_name}-{layout}.pt")["metrics"]
+    ref = parity[3][model_name]["metrics"][0]
+    assert len(got) == math.prod(LAYOUTS[layout])
+    for rank, metrics in enumerate(got):
+        diffs = {k: abs(metrics[k] - ref[k]) for k in _METRICS}
+        assert max(diffs.values()) < TOL * max(1.0, ref["grad_norm"]), (rank, diffs)
+
+
+def test_pipeline_checkpoint_resumes_every_stage(parity):
+    """TorchTitan's CheckpointManager over the stages (``policy.model_parts``):
+    each rank saves and loads its own stage's tensors and optimizer state; the
+    HF export holds every stage's weights."""
+    every = _launched(parity, CHECKPOINT_LAYOUT, f"checkpoint-{CHECKPOINT_LAYOUT}.pt")
+    for rank, result in enumerate(every):
+        assert result["step"] == 1, (rank, result)
+        assert result["n_model"] > 5 and result["n_optim"] > 5, (rank, result)
+        assert not result["bad_model"] and not result["bad_optim"], (rank, result)
+    # export_hf gathers every stage: embeddings, 2 layers x 11 tensors, final
+    # norm (tied: no lm_head.weight), equal to the stages' own HF tensors
+    assert every[0]["n_export"] == 1 + 2 * 11 + 1 and not every[0]["bad_export"], every[0]
+
+
+def test_pipeline_rank_without_samples(parity):
+    """A DP rank with no samples steps padding micro-batches in step with the
+    others (no deadlock), and every rank reports the same finite metrics."""
+    every = _launched(parity, EMPTY_RANK_LAYOUT, f"empty-rank-{EMPTY_RANK_LAYOUT}.pt")
+    assert len(every) == math.prod(LAYOUTS[EMPTY_RANK_LAYOUT])
+    for metrics in every:
+        assert all(math.isfinite(metrics[k]) for k in _METRICS), metrics
+        assert {k: metrics[k] for k in _METRICS} == {k: every[0][k] for k in _METRICS}
+    assert every[0]["grad_norm"] > 0 and every[0]["loss"] != 0
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -385,33 +750,45 @@ def test_layout_matches_single_process(parity, model_name, layout):
 # ------------------------------------------------------------------ table
 
 
+def _metric_diff(ref_step: dict, got: dict) -> str:
+    """Largest difference of any rank's step metrics from the single process's."""
+    if "metrics" not in got:
+        return "-"
+    ref = ref_step["metrics"][0]
+    return f"{max(abs(m[k] - ref[k]) for m in got['metrics'] for k in _METRICS):.1e}"
+
+
 def table() -> str:
     import tempfile
 
     rows = ["| layout | model | ranks | loss | grad norm | max abs grad diff | "
-            "max abs param diff after AdamW step | max abs pushed weight diff | s/case |",
-            "|---|---|---|---|---|---|---|---|---|"]
+            "max abs param diff after AdamW step | max abs pushed weight diff | "
+            "max abs step-metric diff, every rank | s/case |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as root:
         model_dirs = write_models(os.path.join(root, "models"))
-        refs = {}
+        refs, ref_steps = {}, {}
         for m in MODELS:
             t0 = time.perf_counter()
             refs[m] = run_case(model_dirs[m], m, (1, 1, 1), 1)
+            seconds = time.perf_counter() - t0
+            ref_steps[m] = run_step_case(model_dirs[m], m, "single", 1)
             r = refs[m]
-            rows.append(f"| single | {m} | 1 | {r['loss']:.9f} | {r['grad_norm']:.7f} | - | - | - | "
-                        f"{time.perf_counter() - t0:.2f} |")
+            rows.append(f"| single | {m} | 1 | {r['loss']:.9f} | {r['grad_norm']:.7f} | - | - | - | - | "
+                        f"{seconds:.2f} |")
         out = os.path.join(root, "results")
         os.makedirs(out)
         for nproc in LAUNCHES:
             launch(nproc, out, model_dirs)
             for layout in LAUNCHES[nproc]:
                 for m in MODELS:
-                    got = torch.load(os.path.join(out, f"{m}-{layout}.pt"))
+                    got = torch.load(os.path.join(out, f"{m}-{layout}.pt"), weights_only=False)
                     d = compare(refs[m], got)
+                    name = f"{layout} {LAYOUTS[layout]} {PP_SCHEDULES.get(layout, '')}".rstrip()
                     rows.append(
-                        f"| {layout} {LAYOUTS[layout]} | {m} | {nproc} | {got['loss']:.9f} | "
+                        f"| {name} | {m} | {nproc} | {got['loss']:.9f} | "
                         f"{got['grad_norm']:.7f} | {d['grads']:.1e} | {d['params']:.1e} | "
-                        f"{d['pushed']:.1e} | {got['seconds']:.2f} |")
+                        f"{d['pushed']:.1e} | {_metric_diff(ref_steps[m], got)} | {got['seconds']:.2f} |")
     return "\n".join(rows)
 
 

@@ -149,7 +149,7 @@ class Checkpointer:
             _ensure_process_group()
         self.manager = CheckpointManager(
             dataloader=self.rollout_state,
-            model_parts=[policy.model],
+            model_parts=policy.model_parts,
             optimizers=policy.optimizers,
             lr_schedulers=policy.lr_schedulers,
             states={"train_state": self.train_state},
@@ -248,11 +248,32 @@ _WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
 _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
+def _pipeline_hf_weights(policy: Policy, d: Dist) -> dict[str, torch.Tensor]:
+    """Under PP, the whole model's HF tensors on rank 0 ({} elsewhere).
+
+    Each rank maps its stage (full tensors: a collective within the stage),
+    and the stages' dicts are gathered to rank 0 on the CPU; ranks that
+    repeat a stage (FSDP/TP peers) send nothing. A one-off for the export,
+    so it favours simplicity over memory.
+    """
+    from torchtitan_grpo.model import hf_state_dict
+
+    stage = {k: v.detach().to("cpu") for k, v in hf_state_dict(policy.model, policy.adapter).items()}
+    # "pp" is the outermost dim of TorchTitan's meshes: a stage's ranks are one block of the world
+    first_of_stage = d.rank % (d.world_size // policy.pipeline.num_stages) == 0
+    parts = [None] * d.world_size if d.is_main else None
+    dist.gather_object(stage if first_of_stage else {}, parts, dst=0)
+    merged: dict[str, torch.Tensor] = {}
+    for part in parts or []:
+        merged.update(part)
+    return merged
+
+
 def export_hf(policy: Policy, hf_dir: str, out_dir: str, d: Dist, dtype: str = "float32",
               max_shard_bytes: int = 5 << 30) -> str:
     """Write the policy as an HF checkpoint in ``out_dir`` and return it.
 
-    A collective (full tensors are gathered from FSDP/TP shards): call on
+    A collective (full tensors are gathered from FSDP/TP shards and PP stages): call on
     every rank; rank 0 writes. Weights go to ``model.safetensors`` (or
     ``model-0000k-of-0000n.safetensors`` shards of at most
     ``max_shard_bytes`` plus ``model.safetensors.index.json``) in ``dtype``;
@@ -264,7 +285,7 @@ def export_hf(policy: Policy, hf_dir: str, out_dir: str, d: Dist, dtype: str = "
     """
     from safetensors.torch import save_file
 
-    tensors = hf_weights(policy)
+    tensors = hf_weights(policy) if policy.pipeline is None else _pipeline_hf_weights(policy, d)
     if d.is_main:
         torch_dtype = _DTYPES[dtype]
         tmp = out_dir.rstrip("/") + ".tmp"

@@ -6,8 +6,11 @@ The layout comes from the job config's ``[parallelism]`` section:
 * ``data_parallel_replicate_degree``: HSDP when combined with dp_shard > 1,
   otherwise DDP (TorchTitan's ``replicate``);
 * ``tensor_parallel_degree``: TP with sequence parallelism;
+* ``pipeline_parallel_degree``: PP, one stage per PP rank, built by
+  :mod:`torchtitan_grpo.pipeline` (which applies the layout above to each
+  stage through :func:`apply_layout`);
 
-and their products (HSDP, FSDP + TP). Pipeline, context and expert
+and their products (HSDP, FSDP + TP, PP x FSDP/HSDP/TP). Context and expert
 parallelism are rejected with a message, since the GRPO step does not handle
 them yet.
 
@@ -53,6 +56,7 @@ import contextlib
 import copy
 import logging
 import sys
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -64,6 +68,7 @@ from torchtitan_grpo import _titan  # noqa: F401  (before torchtitan)
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "apply_layout",
     "build_parallel_dims",
     "data_parallel_group",
     "data_parallel_rank_and_degree",
@@ -99,7 +104,6 @@ def build_parallel_dims(job_config, world_size: int, device: torch.device | str)
 
     p = job_config.parallelism
     unsupported = {
-        "pipeline_parallel_degree": p.pipeline_parallel_degree,
         "context_parallel_degree": p.context_parallel_degree,
         "expert_parallel_degree": p.expert_parallel_degree,
         "expert_tensor_parallel_degree": p.expert_tensor_parallel_degree,
@@ -108,14 +112,18 @@ def build_parallel_dims(job_config, world_size: int, device: torch.device | str)
         if degree != 1:
             raise NotImplementedError(
                 f"parallelism.{key}={degree}: the GRPO trainer supports dp_shard, "
-                "dp_replicate and tensor parallelism only"
+                "dp_replicate, tensor and pipeline parallelism only"
             )
+    if p.pipeline_parallel_degree != 1:
+        from torchtitan_grpo import pipeline
+
+        pipeline.check_config(job_config, world_size)
     dims = ParallelDims(
         dp_replicate=p.data_parallel_replicate_degree,
         dp_shard=p.data_parallel_shard_degree,
         cp=1,
         tp=p.tensor_parallel_degree,
-        pp=1,
+        pp=p.pipeline_parallel_degree,
         ep=1,
         etp=1,
         world_size=world_size,
@@ -131,8 +139,9 @@ def build_parallel_dims(job_config, world_size: int, device: torch.device | str)
 def data_parallel_rank_and_degree(parallel_dims) -> tuple[int, int]:
     """This rank's index among the data-parallel ranks and their number.
 
-    Ranks that differ only in their TP coordinate share an index: they must
-    be given the same samples.
+    Ranks that differ only in their TP or PP coordinate share an index: they
+    must be given the same samples (the "batch" mesh spans dp_replicate x
+    dp_shard only).
     """
     if parallel_dims is None or parallel_dims.world_size == 1:
         return 0, 1
@@ -146,7 +155,8 @@ def data_parallel_group(parallel_dims) -> dist.ProcessGroup | None:
     """Process group over the data-parallel ranks (None with a single one).
 
     Sum per-rank metrics (losses, token counts) over this group, not over the
-    world: TP ranks hold copies of the same numbers.
+    world: TP ranks hold copies of the same numbers, and so do PP ranks once
+    the last stage's numbers are broadcast over the pipeline.
     """
     if parallel_dims is None or parallel_dims.world_size == 1:
         return None
@@ -490,14 +500,35 @@ def parallelize(model: nn.Module, job_config, world_size: int, device: torch.dev
 
     Returns ``(model, parallel_dims)``; ``parallel_dims`` is what TorchTitan's
     optimizer builder and :func:`data_parallel_rank_and_degree` expect. For
-    ``world_size == 1`` the model is returned unchanged.
+    ``world_size == 1`` the model is returned unchanged. With
+    ``pipeline_parallel_degree > 1`` one module cannot hold the layout: use
+    :func:`torchtitan_grpo.pipeline.build_pipeline`.
+    """
+    device = torch.device(device)
+    if job_config.parallelism.pipeline_parallel_degree != 1:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_degree={job_config.parallelism.pipeline_parallel_degree}: "
+            "parallelize() returns one module; build the stages with "
+            "torchtitan_grpo.pipeline.build_pipeline"
+        )
+    parallel_dims = build_parallel_dims(job_config, world_size, device)
+    if world_size == 1:
+        return model, parallel_dims
+    return apply_layout(model, job_config, parallel_dims, device), parallel_dims
+
+
+def apply_layout(model: nn.Module, job_config, parallel_dims, device: torch.device | str) -> nn.Module:
+    """The non-pipeline part of the layout (FSDP / HSDP / DDP / TP) on ``model``.
+
+    ``model`` is a whole model or one pipeline stage (a model whose missing
+    modules are None, see :mod:`torchtitan_grpo.pipeline`); TorchTitan's
+    ``parallelize_fn`` skips the modules a stage does not hold. Returns the
+    parallelised module (the same object for TorchTitan's in-place
+    wrappers).
     """
     from torchtitan.protocols.train_spec import get_train_spec
 
     device = torch.device(device)
-    parallel_dims = build_parallel_dims(job_config, world_size, device)
-    if world_size == 1:
-        return model, parallel_dims
     if parallel_dims.dp_replicate_enabled and parallel_dims.tp_enabled and not parallel_dims.dp_shard_enabled:
         raise NotImplementedError(
             "data_parallel_replicate_degree > 1 with tensor parallelism needs "
@@ -518,6 +549,10 @@ def parallelize(model: nn.Module, job_config, world_size: int, device: torch.dev
             home = _fsdp_home(spec.parallelize_fn)
             shard = _TiedFullyShard(model, home.fully_shard)
             stack.enter_context(_swapped(home, "fully_shard", shard))
+        if any(child is None for child in model._modules.values()):
+            # a pipeline stage: TP plan entries of the modules it does not hold are skipped, as meant
+            stack.enter_context(warnings.catch_warnings())
+            warnings.filterwarnings("ignore", message="Parallelize plan key .* could not be resolved")
         model = spec.parallelize_fn(model, parallel_dims, cfg)
     if shard is not None and not shard.grouped:
         raise RuntimeError("tied embeddings: apply_fsdp never sharded the output module")
@@ -526,4 +561,4 @@ def parallelize(model: nn.Module, job_config, world_size: int, device: torch.dev
     if parallel_dims.tp_enabled:
         _settle_grad_placements(model)
     _sum_gradients_over_data_parallel(model, parallel_dims)
-    return model, parallel_dims
+    return model

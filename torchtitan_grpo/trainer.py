@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,7 @@ from torchtitan_grpo import _titan  # noqa: F401
 from torchtitan_grpo import loss as grpo_losses
 from torchtitan_grpo import model as hf_model
 from torchtitan_grpo import parallel
+from torchtitan_grpo import pipeline as pipeline_parallel
 from torchtitan_grpo.rollout import offpolicy
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,8 @@ def broadcast_object(obj, d: Dist):
 @dataclass
 class Policy:
     model: torch.nn.Module
+    """This rank's module: the whole (parallelised) model, or under PP this
+    rank's pipeline stage."""
     model_args: object
     adapter: object
     optimizers: object
@@ -89,6 +92,15 @@ class Policy:
     max_norm: float
     reference: torch.nn.Module | None = None
     """Frozen initial weights for the KL penalty (only when grpo.kl_coef > 0)."""
+    model_parts: list[torch.nn.Module] = field(default_factory=list)
+    """This rank's modules, as TorchTitan's optimizer and checkpointer take
+    them: ``[model]`` (one stage per PP rank)."""
+    pipeline: pipeline_parallel.StagePipeline | None = None
+    """This rank's stage and schedules under PP (pipeline_parallel_degree > 1)."""
+
+    def __post_init__(self):
+        if not self.model_parts:
+            self.model_parts = [self.model]
 
 
 def build_policy(job_config, hf_dir: str, d: Dist) -> Policy:
@@ -100,21 +112,31 @@ def build_policy(job_config, hf_dir: str, d: Dist) -> Policy:
     name = job_config.model.name
     hf_config = hf_model.load_hf_config(hf_dir)
     model_args = hf_model.model_args_from_hf(name, hf_config, max_seq_len=job_config.training.seq_len)
+    pipelined = job_config.parallelism.pipeline_parallel_degree > 1
+    if pipelined:  # PP settings fail here, before any weight is loaded
+        parallel_dims = parallel.build_parallel_dims(job_config, d.world_size, d.device)
+        pipeline_parallel.stage_module_names(job_config, model_args.n_layers)
     dtype = torch.float32  # master weights; bf16 compute comes from FSDP mixed precision on GPUs
     model = hf_model.build_model(name, model_args, d.device, dtype)
     adapter = hf_model.state_dict_adapter(name, model_args, hf_dir)
     hf_model.load_hf_weights(model, adapter, hf_dir)
 
-    # [parallelism] layout (FSDP / HSDP / DDP / TP); gradients are summed over
-    # data-parallel ranks in every layout, see torchtitan_grpo.parallel.
-    model, parallel_dims = parallel.parallelize(model, job_config, d.world_size, d.device)
+    # [parallelism] layout (FSDP / HSDP / DDP / TP / PP); gradients are summed
+    # over data-parallel ranks in every layout, see torchtitan_grpo.parallel.
+    pipe = None
+    if pipelined:
+        # the whole model was loaded; each rank keeps its stage only
+        pipe = pipeline_parallel.build_pipeline(model, job_config, parallel_dims, d.device, _PipelineLoss())
+        model = pipe.module
+    else:
+        model, parallel_dims = parallel.parallelize(model, job_config, d.world_size, d.device)
     model.train()
 
     optimizers = build_optimizers([model], job_config.optimizer, parallel_dims)
     lr_schedulers = build_lr_schedulers(optimizers, job_config.lr_scheduler, job_config.training.steps)
     reference = offpolicy.build_reference(job_config, hf_dir, d) if job_config.grpo.kl_coef > 0 else None
     return Policy(model, model_args, adapter, optimizers, lr_schedulers, parallel_dims,
-                  float(job_config.training.max_norm), reference)
+                  float(job_config.training.max_norm), reference, [model], pipe)
 
 
 def hf_weights(policy: Policy) -> dict[str, torch.Tensor]:
@@ -138,12 +160,16 @@ class Sample:
     weight_versions: list[str]
 
 
-def _pack(samples: list[Sample], pad_id: int, device: torch.device):
+def _pack(samples: list[Sample], pad_id: int, device: torch.device, rows: int = 0, length: int = 0):
     """Right-padded tokens plus, at the positions that *predict* completion
-    tokens, the mask, rollout logprobs and advantages."""
+    tokens, the mask, rollout logprobs and advantages.
+
+    ``rows`` / ``length``: pad to at least that many rows (pad tokens, zero
+    mask: they add nothing to the loss or its gradient) and tokens per row.
+    """
     lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
-    T = max(lengths)
-    B = len(samples)
+    T = max([*lengths, length, 2])
+    B = max(len(samples), rows)
     tokens = torch.full((B, T), pad_id, dtype=torch.long)
     mask = torch.zeros(B, T - 1)
     old = torch.zeros(B, T - 1)
@@ -154,20 +180,106 @@ def _pack(samples: list[Sample], pad_id: int, device: torch.device):
         n = len(s.completion_ids)
         mask[i, start : start + n] = 1.0
         old[i, start : start + n] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
-    adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+    adv = torch.zeros(B)
+    adv[: len(samples)] = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
     return tokens.to(device), mask.to(device), old.to(device), adv.to(device)
+
+
+@dataclass
+class _LossContext:
+    """What every micro-batch's loss needs besides its own tensors (one per step)."""
+
+    grpo_cfg: object
+    temperature: float
+    max_new_tokens: int
+    num_samples: int
+    """Samples of the whole step, all ranks: the loss normaliser."""
+    num_tokens: int
+    """Completion tokens of the whole step, all ranks: the loss normaliser."""
+
+
+def _micro_batch_loss(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, old: torch.Tensor,
+                      adv: torch.Tensor, ctx: _LossContext, ref: torch.Tensor | None = None):
+    """GRPO loss of one micro-batch from its ``[B, T - 1, V]`` float logits, and
+    a record of what the step's metrics need from it (see :func:`_add_record`)."""
+    g = ctx.grpo_cfg
+    logprobs = grpo_losses.token_logprobs(logits, targets, ctx.temperature)
+    # "old" of the ratio and the IS weights: see grpo.is_correction
+    ratio_old, is_w, is_m = offpolicy.importance_weights(logprobs, old, mask, g.is_correction, g.is_cap)
+    loss, m = grpo_losses.grpo_loss(
+        logprobs, ratio_old, adv, mask, clip_low=g.clip_low, clip_high=g.clip_high,
+        loss_agg=g.loss_agg, max_completion_len=ctx.max_new_tokens,
+        num_sequences=ctx.num_samples, num_tokens=ctx.num_tokens,
+        ref_logprobs=ref, kl_coef=g.kl_coef, kl_estimator=g.kl_estimator, is_weights=is_w)
+    with torch.no_grad():
+        ntok = float(mask.sum())
+        record = {"loss": float(loss), "clip_fraction": float(m["clip_fraction"]) * ntok, "tokens": ntok,
+                  "lp_diff_max": 0.0, "entropy": 0.0, "mask": mask, "is_metrics": is_m, "loss_metrics": m}
+        if ntok:
+            record["lp_diff_max"] = float(((logprobs - old).abs() * mask).max())
+            record["entropy"] = float(grpo_losses.entropy_from_logits(logits, mask, temperature=ctx.temperature)) * ntok
+    return loss, record
+
+
+def _add_record(sums: dict[str, float], off_stats: offpolicy.OffPolicyStats, record: dict) -> None:
+    """Add one micro-batch's record to the step's sums."""
+    for key in ("loss", "clip_fraction", "entropy", "tokens"):
+        sums[key] += record[key]
+    sums["lp_diff_max"] = max(sums["lp_diff_max"], record["lp_diff_max"])
+    off_stats.add(record["mask"], record["is_metrics"], record["loss_metrics"])
 
 
 def train_step(policy: Policy, local: list[Sample], grpo_cfg, temperature: float, max_new_tokens: int,
                global_num_samples: int, global_num_tokens: int, pad_id: int, d: Dist) -> dict[str, float]:
     """Forward/backward over micro-batches of this rank's samples, then one
     optimizer step. Losses are normalised by global counts so gradients do not
-    depend on how samples are split over ranks and micro-batches."""
-    model = policy.model
+    depend on how samples are split over ranks and micro-batches.
+
+    Under PP the micro-batches go through the pipeline schedule and the loss
+    runs on the last stage (:func:`_pipeline_forward_backward`); the returned
+    metrics are the same on every rank."""
     t0 = time.perf_counter()
+    ctx = _LossContext(grpo_cfg, temperature, max_new_tokens, global_num_samples, global_num_tokens)
     sums = {"loss": 0.0, "clip_fraction": 0.0, "lp_diff_max": 0.0, "entropy": 0.0, "tokens": 0.0}
     off_stats = offpolicy.OffPolicyStats(grpo_cfg.is_correction, policy.reference is not None)
-    mbs = grpo_cfg.micro_batch_size
+    if policy.pipeline is None:
+        _forward_backward(policy, local, ctx, pad_id, d, sums, off_stats)
+    else:
+        _pipeline_forward_backward(policy, local, ctx, pad_id, d, sums, off_stats)
+
+    grad_norm = _clip_grad_norm(policy)
+    policy.optimizers.step()
+    policy.lr_schedulers.step()
+    policy.optimizers.zero_grad()
+
+    stats = torch.tensor([sums["loss"], sums["clip_fraction"], sums["entropy"], sums["tokens"]], dtype=torch.float64)
+    lp_max = torch.tensor([sums["lp_diff_max"]], dtype=torch.float64)
+    if d.world_size > 1:
+        stats, lp_max = stats.to(d.device), lp_max.to(d.device)
+        # sums over data-parallel ranks only: TP ranks (and, after the broadcast
+        # from the last stage, PP ranks) hold copies of the same numbers
+        dp_group = parallel.data_parallel_group(policy.parallel_dims)
+        if dp_group is not None:
+            dist.all_reduce(stats, group=dp_group)
+        dist.all_reduce(lp_max, op=dist.ReduceOp.MAX)
+    off_metrics = off_stats.reduce(d.world_size, parallel.data_parallel_group(policy.parallel_dims), d.device)
+    loss_sum, clip_sum, ent_sum, ntok = stats.tolist()
+    return {
+        "loss": loss_sum,  # local losses are already globally normalised: their sum is the batch loss
+        "clip_fraction": clip_sum / max(ntok, 1.0),
+        "entropy": ent_sum / max(ntok, 1.0),
+        "grad_norm": grad_norm,
+        "lr": policy.lr_schedulers.schedulers[0].get_last_lr()[0],
+        "trainer_vs_rollout_logprob_max_abs_diff": float(lp_max.item()),
+        "time/train_s": time.perf_counter() - t0,
+    } | off_metrics
+
+
+def _forward_backward(policy: Policy, local: list[Sample], ctx: _LossContext, pad_id: int, d: Dist,
+                      sums: dict[str, float], off_stats: offpolicy.OffPolicyStats) -> None:
+    """Micro-batched forward/backward through the whole model (no PP)."""
+    model = policy.model
+    mbs = ctx.grpo_cfg.micro_batch_size
     # Ranks with fewer local samples still run the same number of forward/backward
     # passes (on an empty micro-batch), or FSDP's collectives would deadlock.
     n_micro = max(1, -(-len(local) // mbs))
@@ -187,63 +299,134 @@ def train_step(policy: Policy, local: list[Sample], grpo_cfg, temperature: float
         tokens, mask, old = parallel.pad_to_multiple(
             tokens, mask, old, parallel.seq_len_multiple(policy.parallel_dims), pad_id)
         logits = model(tokens)[:, :-1].float()
-        logprobs = grpo_losses.token_logprobs(logits, tokens[:, 1:], temperature)
         ref = None
         if policy.reference is not None:
-            ref = offpolicy.reference_logprobs(policy.reference, tokens, temperature)
-        # "old" of the ratio and the IS weights: see grpo.is_correction
-        ratio_old, is_w, is_m = offpolicy.importance_weights(logprobs, old, mask, grpo_cfg.is_correction,
-                                                             grpo_cfg.is_cap)
-        loss, m = grpo_losses.grpo_loss(
-            logprobs, ratio_old, adv, mask, clip_low=grpo_cfg.clip_low, clip_high=grpo_cfg.clip_high,
-            loss_agg=grpo_cfg.loss_agg, max_completion_len=max_new_tokens,
-            num_sequences=global_num_samples, num_tokens=global_num_tokens,
-            ref_logprobs=ref, kl_coef=grpo_cfg.kl_coef, kl_estimator=grpo_cfg.kl_estimator, is_weights=is_w)
+            ref = offpolicy.reference_logprobs(policy.reference, tokens, ctx.temperature)
+        loss, record = _micro_batch_loss(logits, tokens[:, 1:], mask, old, adv, ctx, ref)
         loss.backward()
-        off_stats.add(mask, is_m, m)
-        with torch.no_grad():
-            ntok = float(mask.sum())
-            sums["loss"] += float(loss)
-            sums["clip_fraction"] += float(m["clip_fraction"]) * ntok
-            sums["tokens"] += ntok
-            if ntok:
-                sums["lp_diff_max"] = max(sums["lp_diff_max"], float(((logprobs - old).abs() * mask).max()))
-                sums["entropy"] += float(grpo_losses.entropy_from_logits(logits, mask, temperature=temperature)) * ntok
-        del logits, logprobs, loss, ref
+        _add_record(sums, off_stats, record)
+        del logits, loss, ref
 
-    grad_norm = _clip_grad_norm(policy)
-    policy.optimizers.step()
-    policy.lr_schedulers.step()
-    policy.optimizers.zero_grad()
 
-    stats = torch.tensor([sums["loss"], sums["clip_fraction"], sums["entropy"], sums["tokens"]], dtype=torch.float64)
-    lp_max = torch.tensor([sums["lp_diff_max"]], dtype=torch.float64)
-    if d.world_size > 1:
-        stats, lp_max = stats.to(d.device), lp_max.to(d.device)
-        # sums over data-parallel ranks only: TP ranks hold copies of the same numbers
-        dp_group = parallel.data_parallel_group(policy.parallel_dims)
-        if dp_group is not None:
-            dist.all_reduce(stats, group=dp_group)
-        dist.all_reduce(lp_max, op=dist.ReduceOp.MAX)
-    off_metrics = off_stats.reduce(d.world_size, parallel.data_parallel_group(policy.parallel_dims), d.device)
-    loss_sum, clip_sum, ent_sum, ntok = stats.tolist()
-    return {
-        "loss": loss_sum,  # local losses are already globally normalised: their sum is the batch loss
-        "clip_fraction": clip_sum / max(ntok, 1.0),
-        "entropy": ent_sum / max(ntok, 1.0),
-        "grad_norm": grad_norm,
-        "lr": policy.lr_schedulers.schedulers[0].get_last_lr()[0],
-        "trainer_vs_rollout_logprob_max_abs_diff": float(lp_max.item()),
-        "time/train_s": time.perf_counter() - t0,
-    } | off_metrics
+# ------------------------------------------------------------ pipeline step
+#
+# Under PP the GRPO loss runs inside the schedule, on the last stage, once per
+# micro-batch: the schedule calls ``loss_fn(stage_output, target_chunk)``. What
+# the loss needs besides the logits travels in ``target``, one float64
+# ``[rows, T - 1, 4]`` tensor that the schedule splits into micro-batches
+# along rows like the tokens: per position, the next token id, the completion
+# mask, the rollout logprob and the row's advantage (float64 holds token ids
+# and float32 values exactly). The per-step constants (normalisers, clip
+# range, IS mode, temperature) sit in the loss function's context.
+
+
+def _pack_target(next_tokens: torch.Tensor, mask: torch.Tensor, old: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
+    """``[B, T - 1, 4]`` float64: next token, mask, rollout logprob, advantage."""
+    channels = (next_tokens, mask, old, adv.unsqueeze(-1).expand_as(mask))
+    return torch.stack([c.to(torch.float64) for c in channels], dim=-1)
+
+
+def _unpack_target(target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`_pack_target`: ``(next tokens, mask, rollout logprobs, advantages)``."""
+    return (target[..., 0].long(), target[..., 1].float(), target[..., 2].float(), target[:, 0, 3].float())
+
+
+class _PipelineLoss:
+    """The pipeline schedule's ``loss_fn``: GRPO loss of one micro-batch on the last stage.
+
+    Keeps one record per call. A schedule's first step may also call it
+    once to infer gradient shapes (torch >= 2.13, on placeholder
+    activations), before the real micro-batches: a step's records are the
+    last ``n_microbatches`` ones.
+    """
+
+    def __init__(self) -> None:
+        self.ctx: _LossContext | None = None
+        self.records: list[dict] = []
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        next_tokens, mask, old, adv = _unpack_target(target)
+        loss, record = _micro_batch_loss(output[:, :-1].float(), next_tokens, mask, old, adv, self.ctx)
+        self.records.append(record)
+        return loss
+
+
+def _pipeline_batch_shape(policy: Policy, local: list[Sample], ctx: _LossContext, d: Dist) -> tuple[int, int, int]:
+    """``(micro-batches, rows per micro-batch, sequence length)`` of this step, the
+    same on every rank (a new shape builds new schedules on all ranks at once,
+    see :meth:`torchtitan_grpo.pipeline.StagePipeline.schedule_for`)."""
+    longest = max((len(s.prompt_ids) + len(s.completion_ids) for s in local), default=2)
+    t = torch.tensor([len(local), longest], device=d.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    most, longest = (int(x) for x in t.tolist())
+    # grpo.micro_batch_size bounds the rows; at least one micro-batch per
+    # stage, so that the stages overlap (1F1B requires it; with fewer samples
+    # some micro-batches are padding only)
+    n_micro = max(-(-most // ctx.grpo_cfg.micro_batch_size), policy.pipeline.num_stages)
+    rows = max(1, -(-most // n_micro))
+    length = pipeline_parallel.bucketed_seq_len(longest, policy.model_args.max_seq_len,
+                                                parallel.seq_len_multiple(policy.parallel_dims))
+    return n_micro, rows, length
+
+
+def _pipeline_forward_backward(policy: Policy, local: list[Sample], ctx: _LossContext, pad_id: int, d: Dist,
+                               sums: dict[str, float], off_stats: offpolicy.OffPolicyStats) -> None:
+    """Forward/backward of this rank's samples through the pipeline schedule.
+
+    Every rank steps ``n_micro`` micro-batches of ``rows`` rows (missing rows
+    are padding with a zero mask, so ranks with fewer samples, or none, keep
+    the collectives in step); the last stage's metrics are broadcast over the
+    pipeline, so every rank returns them.
+    """
+    pipe = policy.pipeline
+    n_micro, rows, length = _pipeline_batch_shape(policy, local, ctx, d)
+    tokens, mask, old, adv = _pack(local, pad_id, d.device, rows=n_micro * rows, length=length)
+    target = _pack_target(tokens[:, 1:], mask, old, adv)
+    loss_fn = pipe.loss_fn
+    loss_fn.ctx, loss_fn.records = ctx, []
+    pipe.step(tokens, target, n_micro)
+    if pipe.is_last:
+        records = loss_fn.records[-n_micro:]
+        if len(records) != n_micro:
+            raise RuntimeError(f"pipeline loss ran {len(loss_fn.records)} times for {n_micro} micro-batches")
+        for record in records:
+            _add_record(sums, off_stats, record)
+    loss_fn.records = []
+    pipe.sync_tied_gradients()
+    _share_last_stage_metrics(pipe, sums, off_stats)
+
+
+def _share_last_stage_metrics(pipe: pipeline_parallel.StagePipeline, sums: dict[str, float],
+                              off_stats: offpolicy.OffPolicyStats) -> None:
+    """Replace every stage's sums by the last stage's (the only one with a loss)."""
+    keys = ("loss", "clip_fraction", "entropy", "tokens", "lp_diff_max")
+    n_off = off_stats.sums.numel()
+    values = torch.tensor([sums[k] for k in keys] + off_stats.sums.tolist() + [off_stats.is_max],
+                          dtype=torch.float64, device=pipe.device)
+    values = pipe.broadcast_from_last_stage(values).cpu()
+    sums.update(zip(keys, values[: len(keys)].tolist()))
+    off_stats.sums = values[len(keys) : len(keys) + n_off].clone()
+    off_stats.is_max = float(values[-1])
 
 
 def _clip_grad_norm(policy: Policy) -> float:
+    """Clip by the norm of the whole model's gradient; returns that norm.
+
+    Under PP TorchTitan's ``clip_grad_norm_`` sums the stages' squared norms
+    over the pipeline mesh; a tied weight's second copy (last stage) is
+    clipped by that norm but not counted in it.
+    """
     from torchtitan.distributed.utils import clip_grad_norm_
 
-    params = [p for p in policy.model.parameters() if p.grad is not None]
-    if not params:
-        return 0.0
-    norm = clip_grad_norm_(params, policy.max_norm, foreach=True,
-                           pp_mesh=None, ep_enabled=False)
+    params = [p for part in policy.model_parts for p in part.parameters() if p.grad is not None]
+    pipe = policy.pipeline
+    if pipe is None:
+        if not params:
+            return 0.0
+        norm = clip_grad_norm_(params, policy.max_norm, foreach=True, pp_mesh=None, ep_enabled=False)
+    else:  # every stage joins the all-reduce over the pipeline
+        counted, mirrors = pipe.split_mirrored(params)
+        norm = clip_grad_norm_(counted, policy.max_norm, foreach=True, pp_mesh=pipe.pp_mesh, ep_enabled=False)
+        if mirrors:
+            torch.nn.utils.clip_grads_with_norm_(mirrors, policy.max_norm, norm, foreach=True)
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
