@@ -67,7 +67,7 @@ def main(argv: list[str]) -> dict:
             # goes on; a sidecar thread gathers full HF-named tensors over
             # communicators of its own and rank 0's Pusher sends them to each
             # replica (one trainer rank: the Pusher's snapshot is the only copy).
-            push = stack.enter_context(trainer_push([policy.model], policy.adapter, policy.parallel_dims,
+            push = stack.enter_context(trainer_push(policy.model_parts, policy.adapter, policy.parallel_dims,
                                                     d.device, side.pusher if side else None, cfg.weight_sync))
         if resumed and pushing:
             # The servers loaded the initial weights from disk: they get the
