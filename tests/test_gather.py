@@ -1,10 +1,12 @@
 """The sidecar's gather of full HF-named weights from a sharded trainer.
 
-Under torchrun (gloo, 2 and 4 ranks) for FSDP, TP, DDP, HSDP and FSDP+TP:
-what rank 0 delivers equals the trainer's own collective export of the same
-version, bit for bit, even though the trainer runs forward/backward (its own
-FSDP/TP collectives) and changes the weights while the gather is in flight;
-and the gather's process groups are none of the trainer's.
+Under torchrun (gloo, 2 and 4 ranks) for FSDP, TP, DDP, PP, HSDP, FSDP+TP and
+PP+FSDP, with the trainer built as grpo_train builds it: version 1 equals the
+HF checkpoint (so every layout loads it exactly), and what rank 0 delivers
+equals the trainer's own export of the same version, bit for bit, even though
+the trainer takes a GRPO step (its own FSDP/TP/PP collectives, weights changed
+in place) while the gather is in flight; the gather's process groups are none
+of the trainer's.
 """
 
 from __future__ import annotations
@@ -18,25 +20,29 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# (dp_replicate, dp_shard, tp) per layout, launched with as many ranks as they need
-LAYOUTS = {"fsdp": (1, 2, 1), "tp": (1, 1, 2), "ddp": (2, 1, 1), "hsdp": (2, 2, 1), "fsdp_tp": (1, 2, 2)}
-LAUNCHES = {2: ("fsdp", "tp", "ddp"), 4: ("hsdp", "fsdp_tp")}
+# (dp_replicate, dp_shard, tp, pp) per layout, launched with as many ranks as they need
+LAYOUTS = {"fsdp": (1, 2, 1, 1), "tp": (1, 1, 2, 1), "ddp": (2, 1, 1, 1), "pp": (1, 1, 1, 2),
+           "hsdp": (2, 2, 1, 1), "fsdp_tp": (1, 2, 2, 1), "pp_fsdp": (1, 2, 1, 2)}
+LAUNCHES = {2: ("fsdp", "tp", "ddp", "pp"), 4: ("hsdp", "fsdp_tp", "pp_fsdp")}
 MODELS = ("qwen3", "qwen3_tied", "llama3")
 
 
-def _config(model_name: str, layout: tuple[int, int, int]):
-    from torchtitan.config import ConfigManager
+def _config(model_dir: str, model_name: str, layout: tuple[int, int, int, int], dump: str):
+    from torchtitan_grpo.config import parse_config
 
-    dp_replicate, dp_shard, tp = layout
-    return ConfigManager().parse_args([
+    dp_replicate, dp_shard, tp, pp = layout
+    return parse_config([
         "--model.name", "qwen3" if model_name.startswith("qwen3") else model_name,
+        "--model.hf_assets_path", model_dir, "--job.dump_folder", dump,
         "--parallelism.data_parallel_replicate_degree", str(dp_replicate),
         "--parallelism.data_parallel_shard_degree", str(dp_shard),
         "--parallelism.tensor_parallel_degree", str(tp),
-        "--training.seq_len", "64",
-        "--training.mixed_precision_param", "float32",
+        "--parallelism.pipeline_parallel_degree", str(pp),
+        "--training.seq_len", "64", "--training.mixed_precision_param", "float32",
+        "--optimizer.lr", "1e-2", "--lr_scheduler.warmup_steps", "1", "--optimizer.implementation", "for-loop",
     ])
 
 
@@ -55,23 +61,38 @@ def _groups(mesh) -> set[str]:
     return {mesh.get_group(i).group_name for i in range(mesh.ndim) if mesh.size(i) > 1}
 
 
-def run_case(model_dir: str, model_name: str, layout: tuple[int, int, int]) -> dict | None:
-    """Two versions through a ShardGatherer; rank 0 returns what it saw."""
+def _whole_export(policy) -> dict[str, torch.Tensor]:
+    """The trainer's own export of all its weights (collectives on its own
+    groups; PP stages merged through rank 0's object gather)."""
+    import torch.distributed as dist
+
+    from torchtitan_grpo.model import hf_state_dict
+
+    mine: dict[str, torch.Tensor] = {}
+    for part in policy.model_parts:
+        mine |= _cpu(hf_state_dict(part, policy.adapter))
+    if policy.pipeline is None:
+        return mine
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {k: v for part in everyone for k, v in part.items()}
+
+
+def run_case(model_dir: str, model_name: str, layout: tuple[int, int, int, int], dump: str) -> dict | None:
+    """The trainer as grpo_train builds it (meta, layout, then the checkpoint),
+    two versions through a ShardGatherer; rank 0 returns what it saw."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from torchtitan_grpo import model as hf_model
+    from tests.test_parallel_parity import fixed_batch
     from torchtitan_grpo import parallel
+    from torchtitan_grpo.trainer import Dist, build_policy, train_step
     from torchtitan_grpo.weight_sync.gather import ShardGatherer
 
     device = _device()
-    cfg = _config(model_name, layout)
-    name = cfg.model.name
-    args = hf_model.model_args_from_hf(name, hf_model.load_hf_config(model_dir), max_seq_len=64)
-    model = hf_model.build_model(name, args, device)
-    adapter = hf_model.state_dict_adapter(name, args, model_dir)
-    hf_model.load_hf_weights(model, adapter, model_dir)
-    model, pdims = parallel.parallelize(model, cfg, dist.get_world_size(), device)
+    d = Dist(dist.get_rank(), dist.get_world_size(), device.index or 0, device)
+    cfg = _config(model_dir, model_name, layout, dump)
+    policy = build_policy(cfg, model_dir, d)
 
     delivered: dict[int, dict] = {}
     overlapped = threading.Event()
@@ -83,37 +104,36 @@ def run_case(model_dir: str, model_name: str, layout: tuple[int, int, int]) -> d
         return {"push/bytes": float(sum(t.nbytes for t in tensors.values()))}
 
     dtype = torch.bfloat16 if model_name == "llama3" else None  # the cast happens in the snapshot
-    gatherer = ShardGatherer([model], adapter, pdims, device, deliver if dist.get_rank() == 0 else None,
-                             dtype=dtype, num_slots=2)
-    expected = {1: _cpu(hf_model.hf_state_dict(model, adapter))}  # the trainer's own collective export
+    gatherer = ShardGatherer(policy.model_parts, policy.adapter, policy.parallel_dims, device,
+                             deliver if d.is_main else None, dtype=dtype, num_slots=2)
+    expected = {1: _whole_export(policy)}
     gatherer.snapshot(1)
 
-    # The trainer goes on while version 1 is gathered: forward/backward with
-    # its FSDP/TP collectives, then weights change in place.
-    tokens = (torch.arange(2, 2 + 2 * 16, device=device).reshape(2, 16) % 97 + 2)
-    tokens = parallel.pad_to_multiple(tokens, torch.ones_like(tokens), torch.zeros(tokens.shape, device=device),
-                                      parallel.seq_len_multiple(pdims), 0)[0]
-    model(tokens).float().pow(2).mean().backward()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(p.grad, alpha=-0.5)
+    # The trainer goes on while version 1 is gathered: a GRPO step with its
+    # own FSDP/TP/PP collectives, which changes the weights in place.
+    batch = fixed_batch()
+    dp_rank, dp_degree = parallel.data_parallel_rank_and_degree(policy.parallel_dims)
+    train_step(policy, batch[dp_rank::dp_degree], cfg.grpo, 1.0, 8, global_num_samples=len(batch),
+               global_num_tokens=sum(len(s.completion_ids) for s in batch), pad_id=0, d=d)
     overlapped.set()
-    expected[2] = _cpu(hf_model.hf_state_dict(model, adapter))
+    expected[2] = _whole_export(policy)
     metrics = gatherer.snapshot(2, wait=True)
     gatherer.close()
 
     trainer_groups, own_groups = set(), set()
-    for p in model.state_dict(keep_vars=True).values():
-        if isinstance(p, DTensor):
-            trainer_groups |= _groups(p.device_mesh)
+    for part in policy.model_parts:
+        for p in part.state_dict(keep_vars=True).values():
+            if isinstance(p, DTensor):
+                trainer_groups |= _groups(p.device_mesh)
     for key in ("dense", "dataloading", "world"):
         own_groups |= _groups(gatherer.meshes[key])
     default = dist.group.WORLD.group_name
-    if dist.get_rank() != 0:
+    if not d.is_main:
         return None
     kinds = sorted({p.kind for p in gatherer.params})
     return {"delivered": delivered, "expected": expected, "dtype": dtype, "metrics": metrics, "kinds": kinds,
-            "shared_groups": sorted(own_groups & (trainer_groups | {default}))}
+            "shared_groups": sorted(own_groups & (trainer_groups | {default})),
+            "checkpoint": load_file(os.path.join(model_dir, "model.safetensors"))}
 
 
 def _worker(out_dir: str, model_dirs: dict[str, str], layouts: list[str]) -> None:
@@ -129,7 +149,8 @@ def _worker(out_dir: str, model_dirs: dict[str, str], layouts: list[str]) -> Non
     try:
         for layout in layouts:
             for model_name in MODELS:
-                result = run_case(model_dirs[model_name], model_name, LAYOUTS[layout])
+                result = run_case(model_dirs[model_name], model_name, LAYOUTS[layout],
+                                  os.path.join(out_dir, f"dump-{model_name}-{layout}"))
                 if result is not None:
                     torch.save(result, os.path.join(out_dir, f"{model_name}-{layout}.pt"))
         dist.barrier()
@@ -165,7 +186,11 @@ def test_gathered_versions_equal_the_trainers_export(gathered, layout, model_nam
     assert r["shared_groups"] == [], "the gather used the trainer's process groups"
     # one sharded dim: the flat fast path; FSDP+TP (two) falls back to DTensor
     assert r["kinds"] == {"fsdp": ["flat"], "hsdp": ["flat"], "tp": ["flat", "whole"], "ddp": ["whole"],
-                          "fsdp_tp": ["dtensor", "flat"]}[layout], r["kinds"]
+                          "pp": ["whole"], "pp_fsdp": ["flat"], "fsdp_tp": ["dtensor", "flat"]}[layout], r["kinds"]
+    # version 1 is the checkpoint itself: the trainer loaded it exactly under this layout
+    ckpt = {k: v for k, v in r["checkpoint"].items() if not (model_name == "qwen3_tied" and k == "lm_head.weight")}
+    assert r["expected"][1].keys() == ckpt.keys()
+    assert all(torch.equal(r["expected"][1][k], ckpt[k]) for k in ckpt), "the checkpoint was not loaded exactly"
     moved = max(float((r["expected"][2][k] - r["expected"][1][k]).abs().max()) for k in r["expected"][1])
     assert moved > 1e-3, "the two versions must differ for the check to mean anything"
     for version in (1, 2):

@@ -35,6 +35,7 @@ __all__ = [
     "load_hf_config",
     "model_args_from_hf",
     "build_model",
+    "materialize",
     "state_dict_adapter",
     "load_hf_weights",
     "hf_state_dict",
@@ -377,6 +378,18 @@ def build_model(
         # Assigning .data keeps Parameter identity, so tied weights stay tied.
         for param in model.parameters():
             param.data = param.data.to(dtype)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights(buffer_device=device)
+    return model
+
+
+def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """Allocate a model built on meta (and possibly sharded since) on
+    ``device``: each rank allocates only its own shards. Parameters get
+    TorchTitan's random init, to be overwritten by :func:`load_hf_weights`;
+    the non-persistent RoPE buffer is computed here."""
+    device = torch.device(device)
     model.to_empty(device=device)
     with torch.no_grad():
         model.init_weights(buffer_device=device)

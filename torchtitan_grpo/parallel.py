@@ -494,8 +494,9 @@ def _job_config_for(job_config, parallel_dims, device: torch.device):
 def parallelize(model: nn.Module, job_config, world_size: int, device: torch.device | str):
     """Apply the ``[parallelism]`` layout to ``model`` in place.
 
-    ``model`` must be materialised on ``device`` (weights loaded or not: FSDP
-    and TP keep the values). Call it on every rank, after the default process
+    ``model`` is on ``device`` (FSDP and TP keep its values) or on meta
+    (then allocate it with :func:`torchtitan_grpo.model.materialize` and load
+    the weights afterwards: each rank then allocates only its shards). Call it on every rank, after the default process
     group is initialised (gloo on CPU, NCCL on GPUs).
 
     Returns ``(model, parallel_dims)``; ``parallel_dims`` is what TorchTitan's

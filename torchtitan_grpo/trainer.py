@@ -117,19 +117,23 @@ def build_policy(job_config, hf_dir: str, d: Dist) -> Policy:
         parallel_dims = parallel.build_parallel_dims(job_config, d.world_size, d.device)
         pipeline_parallel.stage_module_names(job_config, model_args.n_layers)
     dtype = torch.float32  # master weights; bf16 compute comes from FSDP mixed precision on GPUs
-    model = hf_model.build_model(name, model_args, d.device, dtype)
     adapter = hf_model.state_dict_adapter(name, model_args, hf_dir)
-    hf_model.load_hf_weights(model, adapter, hf_dir)
 
     # [parallelism] layout (FSDP / HSDP / DDP / TP / PP); gradients are summed
     # over data-parallel ranks in every layout, see torchtitan_grpo.parallel.
     pipe = None
     if pipelined:
-        # the whole model was loaded; each rank keeps its stage only
+        # the whole model is loaded, then each rank keeps its stage only
+        model = hf_model.build_model(name, model_args, d.device, dtype)
+        hf_model.load_hf_weights(model, adapter, hf_dir)
         pipe = pipeline_parallel.build_pipeline(model, job_config, parallel_dims, d.device, _PipelineLoss())
         model = pipe.module
     else:
+        # shard on meta, then allocate: a rank's memory holds its shards only
+        model = hf_model.build_model(name, model_args, "meta", dtype)
         model, parallel_dims = parallel.parallelize(model, job_config, d.world_size, d.device)
+        hf_model.materialize(model, d.device)
+        hf_model.load_hf_weights(model, adapter, hf_dir)
     model.train()
 
     optimizers = build_optimizers([model], job_config.optimizer, parallel_dims)
