@@ -47,7 +47,7 @@ def test_two_ranks_fsdp_sync_push_on_policy(tmp_path, tiny_model_dir):
     dump = str(tmp_path / "run")
     r = _torchrun(2, "--training.steps", "3", "--job.dump_folder", dump, "--model.hf_assets_path", tiny_model_dir,
                   "--inference.num_servers", "2", "--grpo.prompts_per_step", "4", "--grpo.group_size", "4",
-                  "--weight_sync.mode", "sync")
+                  "--weight_sync.mode", "sync", "--grpo.kl_coef", "0.01")  # + an FSDP-sharded reference
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = _metrics(dump)
     assert [m["step"] for m in rows] == [1, 2, 3]
@@ -56,6 +56,8 @@ def test_two_ranks_fsdp_sync_push_on_policy(tmp_path, tiny_model_dir):
         assert m["weight_version"] == m["step"]
         assert m["push/replica0_version_lag"] == 0 and m["push/replica1_version_lag"] == 0
         assert "time/gather_slot_wait_s" in m  # the shards went through the sidecar's own gather
+        assert 0 <= m["kl"] < 0.5, m  # a reference that failed to load would be far off
+    assert rows[0]["kl"] <= 1e-6  # step 1: the policy still equals the reference
     assert "step    3 | reward" in r.stdout
     assert "mean reward: first 3 steps" in r.stdout
     assert os.path.isdir(os.path.join(dump, "tb")) and os.listdir(os.path.join(dump, "tb"))

@@ -236,11 +236,12 @@ def build_reference(job_config, hf_dir: str, d) -> nn.Module:
     name = job_config.model.name
     hf_config = hf_model.load_hf_config(hf_dir)
     args = hf_model.model_args_from_hf(name, hf_config, max_seq_len=job_config.training.seq_len)
-    ref = hf_model.build_model(name, args, d.device, torch.float32)
-    hf_model.load_hf_weights(ref, hf_model.state_dict_adapter(name, args, hf_dir), hf_dir)
+    ref = hf_model.build_model(name, args, "meta", torch.float32)  # sharded before it is allocated
     ref.requires_grad_(False)
     if d.world_size > 1 and not _data_parallel_only_replicated(job_config, d.world_size):
         ref, _ = parallel.parallelize(ref, job_config, d.world_size, d.device)
+    hf_model.materialize(ref, d.device)
+    hf_model.load_hf_weights(ref, hf_model.state_dict_adapter(name, args, hf_dir), hf_dir)
     ref.eval()
     logger.info("KL reference: frozen copy of %s (kl_coef %g, %s)", hf_dir,
                 job_config.grpo.kl_coef, job_config.grpo.kl_estimator)
