@@ -243,6 +243,8 @@ class ShardGatherer:
         sent: set[str] = set(have)
         for src in range(1, len(everyone)):
             for names, shape, dtype in everyone[src]:
+                if not self.adapter.to_hf({names[0]: torch.empty(shape, dtype=dtype, device="meta")}):
+                    continue  # no HF name (the last stage's copy of tied embeddings): nothing to send
                 if names[0] not in sent:
                     sent.update(names)
                     self.incoming.append((src, names, shape, dtype))
