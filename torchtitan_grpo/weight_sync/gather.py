@@ -185,6 +185,7 @@ class ShardGatherer:
             self.free.put(s)
         self.work: queue.Queue[tuple[_Slot, bool] | None] = queue.Queue()
         self.results: queue.Queue[dict[str, float]] = queue.Queue()
+        self._delivered: dict[str, float] = {}  # metrics of the newest delivery, repeated until the next
         self.error: BaseException | None = None
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.thread = threading.Thread(target=self._run, name="weight-gather", daemon=True)
@@ -311,8 +312,8 @@ class ShardGatherer:
             slot.done.wait()
             self._raise_if_failed()
         while not self.results.empty():  # the newest delivery's metrics (lags, bytes, skips)
-            m = self.results.get() | m
-        return m
+            self._delivered = self.results.get()
+        return self._delivered | m
 
     def close(self, abandon: bool = False) -> None:
         """Let the queued versions finish, then stop the thread. ``abandon``
