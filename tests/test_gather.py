@@ -1,7 +1,7 @@
 """The sidecar's gather of full HF-named weights from a sharded trainer.
 
-Under torchrun (gloo, 2 and 4 ranks) for FSDP, TP, DDP, PP, HSDP, FSDP+TP and
-PP+FSDP, with the trainer built as grpo_train builds it: version 1 equals the
+Under torchrun (gloo, 2 and 4 ranks) for FSDP, TP, DDP, PP, HSDP, FSDP+TP,
+PP+FSDP and PP+TP, with the trainer built as grpo_train builds it: version 1 equals the
 HF checkpoint (so every layout loads it exactly), and what rank 0 delivers
 equals the trainer's own export of the same version, bit for bit, even though
 the trainer takes a GRPO step (its own FSDP/TP/PP collectives, weights changed
@@ -25,8 +25,8 @@ from safetensors.torch import load_file
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (dp_replicate, dp_shard, tp, pp) per layout, launched with as many ranks as they need
 LAYOUTS = {"fsdp": (1, 2, 1, 1), "tp": (1, 1, 2, 1), "ddp": (2, 1, 1, 1), "pp": (1, 1, 1, 2),
-           "hsdp": (2, 2, 1, 1), "fsdp_tp": (1, 2, 2, 1), "pp_fsdp": (1, 2, 1, 2)}
-LAUNCHES = {2: ("fsdp", "tp", "ddp", "pp"), 4: ("hsdp", "fsdp_tp", "pp_fsdp")}
+           "hsdp": (2, 2, 1, 1), "fsdp_tp": (1, 2, 2, 1), "pp_fsdp": (1, 2, 1, 2), "pp_tp": (1, 1, 2, 2)}
+LAUNCHES = {2: ("fsdp", "tp", "ddp", "pp"), 4: ("hsdp", "fsdp_tp", "pp_fsdp", "pp_tp")}
 MODELS = ("qwen3", "qwen3_tied", "llama3")
 
 
@@ -186,7 +186,8 @@ def test_gathered_versions_equal_the_trainers_export(gathered, layout, model_nam
     assert r["shared_groups"] == [], "the gather used the trainer's process groups"
     # one sharded dim: the flat fast path; FSDP+TP (two) falls back to DTensor
     assert r["kinds"] == {"fsdp": ["flat"], "hsdp": ["flat"], "tp": ["flat", "whole"], "ddp": ["whole"],
-                          "pp": ["whole"], "pp_fsdp": ["flat"], "fsdp_tp": ["dtensor", "flat"]}[layout], r["kinds"]
+                          "pp": ["whole"], "pp_fsdp": ["flat"], "pp_tp": ["flat", "whole"],
+                          "fsdp_tp": ["dtensor", "flat"]}[layout], r["kinds"]
     # version 1 is the checkpoint itself: the trainer loaded it exactly under this layout
     ckpt = {k: v for k, v in r["checkpoint"].items() if not (model_name == "qwen3_tied" and k == "lm_head.weight")}
     assert r["expected"][1].keys() == ckpt.keys()

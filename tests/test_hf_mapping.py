@@ -361,6 +361,35 @@ def test_checkpoint_name_mismatch_is_listed(tmp_path):
     assert "model.norm.weight (32,) != (64,)" in message
 
 
+def test_a_pipeline_stage_loads_its_own_tensors_and_checks_the_whole(tmp_path):
+    from torchtitan_grpo.model import checkpoint_names, materialize
+    from torchtitan_grpo.pipeline import split_stage
+
+    hf_dir, _ = _save_hf(tmp_path, "llama3-strong-rope")
+    args = model_args_from_hf("llama3", load_hf_config(hf_dir), max_seq_len=64)
+    adapter = state_dict_adapter("llama3", args, hf_dir)
+    reference = build_model("llama3", args, "cpu")
+    load_hf_weights(reference, adapter, hf_dir)
+
+    stage = build_model("llama3", args, "meta")
+    whole = checkpoint_names(stage, adapter)
+    stage = materialize(split_stage(stage, ["tok_embeddings", "layers.0"]), "cpu")
+    load_hf_weights(stage, adapter, hf_dir, whole)
+    own = dict(stage.named_parameters())
+    assert sorted(own) == sorted(n for n in dict(reference.named_parameters()) if n.startswith(("tok_", "layers.0.")))
+    for name, p in reference.named_parameters():
+        if name in own:
+            assert torch.equal(own[name], p), name  # llama's wq/wk permutation included
+
+    # a tensor only the other stage needs is still required
+    path = os.path.join(hf_dir, "model.safetensors")
+    tensors = load_file(path)
+    del tensors["model.norm.weight"]
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="missing: model.norm.weight"):
+        load_hf_weights(stage, adapter, hf_dir, whole)
+
+
 # --------------------------------------------------------------------------- #
 # DTensor parameters (FSDP2 over gloo, 2 ranks)
 # --------------------------------------------------------------------------- #

@@ -38,6 +38,7 @@ __all__ = [
     "materialize",
     "state_dict_adapter",
     "load_hf_weights",
+    "checkpoint_names",
     "hf_state_dict",
 ]
 
@@ -485,7 +486,18 @@ def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
         param.copy_(full)
 
 
-def load_hf_weights(model: nn.Module, adapter: BaseStateDictAdapter, hf_dir: str) -> None:
+def checkpoint_names(model: nn.Module, adapter: BaseStateDictAdapter) -> dict[str, torch.Tensor]:
+    """The HF names and shapes ``model`` needs, as shape-only meta tensors.
+
+    The adapter converts meta tensors: no data moves, and the permutations
+    and the tied-weight rule are exactly the ones used for real tensors."""
+    meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta")
+            for k, v in model.state_dict(keep_vars=True).items()}
+    return adapter.to_hf(meta)
+
+
+def load_hf_weights(model: nn.Module, adapter: BaseStateDictAdapter, hf_dir: str,
+                    whole: dict[str, torch.Tensor] | None = None) -> None:
     """Load an HF checkpoint into ``model`` in place, strictly.
 
     Every parameter must be filled and every checkpoint tensor used; names
@@ -493,24 +505,24 @@ def load_hf_weights(model: nn.Module, adapter: BaseStateDictAdapter, hf_dir: str
     listing them. Parameters may be plain tensors or DTensors (FSDP/TP); they
     are written in place, so optimizers and FSDP keep their references.
 
+    ``whole``: ``model`` is one pipeline stage of an untied model whose
+    :func:`checkpoint_names` these are; the checkpoint is checked against the
+    whole model and only the stage's parameters are filled.
+
     With tied embeddings an ``lm_head.weight`` in the checkpoint is ignored,
     as transformers does: the output projection is the embedding.
     """
     hf_tensors = _read_safetensors(hf_dir)
     params = model.state_dict(keep_vars=True)
-    # Let the adapter say which HF names and shapes the model needs by
-    # converting shape-only meta tensors: no data moves, and the permutations
-    # and the tied-weight rule are exactly the ones used for real tensors.
-    meta = {
-        k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in params.items()
-    }
-    expected = adapter.to_hf(meta)
+    expected = checkpoint_names(model, adapter) if whole is None else whole
     if _is_tied(model):
         hf_tensors.pop("lm_head.weight", None)
     _check_hf_names(hf_tensors, expected, hf_dir)
 
     titan = adapter.from_hf(hf_tensors)
     missing, unexpected = params.keys() - titan.keys(), titan.keys() - params.keys()
+    if whole is not None:
+        unexpected = set()  # the other stages' parameters
     if missing or unexpected:  # an adapter bug, not a checkpoint problem
         raise ValueError(
             f"adapter {type(adapter).__name__} produced a state dict that does not "

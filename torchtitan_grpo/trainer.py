@@ -122,12 +122,21 @@ def build_policy(job_config, hf_dir: str, d: Dist) -> Policy:
     # [parallelism] layout (FSDP / HSDP / DDP / TP / PP); gradients are summed
     # over data-parallel ranks in every layout, see torchtitan_grpo.parallel.
     pipe = None
-    if pipelined:
-        # the whole model is loaded, then each rank keeps its stage only
+    if pipelined and getattr(model_args, "enable_weight_tying", False):
+        # Tied checkpoints (Qwen3 <= 4B) load whole, then each rank keeps its
+        # stage: the first and the last stage both start from the embedding.
         model = hf_model.build_model(name, model_args, d.device, dtype)
         hf_model.load_hf_weights(model, adapter, hf_dir)
         pipe = pipeline_parallel.build_pipeline(model, job_config, parallel_dims, d.device, _PipelineLoss())
         model = pipe.module
+    elif pipelined:
+        # cut to this rank's stage and shard on meta, then allocate and load
+        # the stage's tensors only: a rank never holds more than its shards
+        model = hf_model.build_model(name, model_args, "meta", dtype)
+        whole = hf_model.checkpoint_names(model, adapter)  # the checkpoint must fit the whole model
+        pipe = pipeline_parallel.build_pipeline(model, job_config, parallel_dims, d.device, _PipelineLoss())
+        model = hf_model.materialize(pipe.module, d.device)
+        hf_model.load_hf_weights(model, adapter, hf_dir, whole)
     else:
         # shard on meta, then allocate: a rank's memory holds its shards only
         model = hf_model.build_model(name, model_args, "meta", dtype)
