@@ -3,10 +3,9 @@ parsing of responses. The built-in server speaks the same protocol."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from torchtitan_grpo.inference.types import Completion, MalformedResponse, SamplingParams
+from torchtitan_grpo.inference.types import Completion, SamplingParams, is_logprob, need
 
 
 def generate_request(prompt_ids: list[int], n: int, p: SamplingParams) -> dict[str, Any]:
@@ -30,46 +29,41 @@ def generate_request(prompt_ids: list[int], n: int, p: SamplingParams) -> dict[s
     }
 
 
-def _need(cond: bool, replica: str, field_name: str, detail: str) -> None:
-    if not cond:
-        raise MalformedResponse(replica, field_name, detail)
-
-
 def parse_generate(body: Any, n: int, replica: str) -> list[Completion]:
     """Validate and convert a /generate reply for one prompt with n samples."""
     items = body if isinstance(body, list) else [body]
-    _need(len(items) == n, replica, "(top level)", f"expected {n} results, got {len(items)}")
+    need(len(items) == n, replica, "(top level)", f"expected {n} results, got {len(items)}")
     out = []
     for k, it in enumerate(items):
         where = f"[{k}]" if isinstance(body, list) else ""
-        _need(isinstance(it, dict), replica, f"{where}", "not an object")
+        need(isinstance(it, dict), replica, f"{where}", "not an object")
         ids = it.get("output_ids")
-        _need(isinstance(ids, list) and all(isinstance(t, int) for t in ids), replica, f"{where}output_ids", "not a list of ints")
+        need(isinstance(ids, list) and all(isinstance(t, int) for t in ids), replica, f"{where}output_ids", "not a list of ints")
         meta = it.get("meta_info")
-        _need(isinstance(meta, dict), replica, f"{where}meta_info", "missing or not an object")
+        need(isinstance(meta, dict), replica, f"{where}meta_info", "missing or not an object")
         lps = meta.get("output_token_logprobs")
-        _need(isinstance(lps, list), replica, f"{where}meta_info.output_token_logprobs", "missing (was return_logprob sent?)")
-        _need(len(lps) == len(ids), replica, f"{where}meta_info.output_token_logprobs",
+        need(isinstance(lps, list), replica, f"{where}meta_info.output_token_logprobs", "missing (was return_logprob sent?)")
+        need(len(lps) == len(ids), replica, f"{where}meta_info.output_token_logprobs",
               f"{len(lps)} entries for {len(ids)} output_ids")
         logprobs = []
         for j, e in enumerate(lps):
-            _need(isinstance(e, (list, tuple)) and len(e) >= 2, replica,
+            need(isinstance(e, (list, tuple)) and len(e) >= 2, replica,
                   f"{where}meta_info.output_token_logprobs[{j}]", "not [logprob, token_id, text]")
             lp, tid = e[0], e[1]
-            _need(isinstance(lp, (int, float)) and not isinstance(lp, bool) and math.isfinite(lp) and lp <= 1e-6,
-                  replica, f"{where}meta_info.output_token_logprobs[{j}][0]", f"not a finite logprob: {lp!r}")
-            _need(tid == ids[j], replica, f"{where}meta_info.output_token_logprobs[{j}][1]",
+            need(is_logprob(lp), replica, f"{where}meta_info.output_token_logprobs[{j}][0]",
+                 f"not a finite logprob: {lp!r}")
+            need(tid == ids[j], replica, f"{where}meta_info.output_token_logprobs[{j}][1]",
                   f"token id {tid!r} != output_ids[{j}] {ids[j]!r}")
             logprobs.append(float(lp))
         fr = meta.get("finish_reason")
-        _need(isinstance(fr, dict) and fr.get("type") in ("stop", "length", "abort"), replica,
+        need(isinstance(fr, dict) and fr.get("type") in ("stop", "length", "abort"), replica,
               f"{where}meta_info.finish_reason", f"unexpected value {fr!r}")
         version = meta.get("weight_version", "default")
-        _need(isinstance(version, str), replica, f"{where}meta_info.weight_version", f"not a string: {version!r}")
+        need(isinstance(version, str), replica, f"{where}meta_info.weight_version", f"not a string: {version!r}")
         versions = [version]
         wvs = meta.get("weight_versions")
         if wvs:
-            _need(isinstance(wvs, list) and all(isinstance(v, dict) and "version" in v for v in wvs), replica,
+            need(isinstance(wvs, list) and all(isinstance(v, dict) and "version" in v for v in wvs), replica,
                   f"{where}meta_info.weight_versions", "not a list of {version,start,end}")
             versions = [str(v["version"]) for v in wvs]
         out.append(Completion(ids, logprobs, fr["type"], version, versions, replica))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -40,3 +42,14 @@ class MalformedResponse(ValueError):
     def __init__(self, replica: str, field_name: str, detail: str):
         super().__init__(f"malformed response from {replica}: field {field_name}: {detail}")
         self.replica, self.field_name = replica, field_name
+
+
+def need(cond: bool, replica: str, field_name: str, detail: str) -> None:
+    """Raise MalformedResponse naming ``field_name`` unless ``cond``."""
+    if not cond:
+        raise MalformedResponse(replica, field_name, detail)
+
+
+def is_logprob(x: Any) -> bool:
+    """A finite number <= 0 (a little slack for rounding), not a bool."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x <= 1e-6

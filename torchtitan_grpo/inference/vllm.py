@@ -17,10 +17,9 @@ truncation, which is what a trainer that trusts rollout logprobs should use
 
 from __future__ import annotations
 
-import math
 from typing import Any, Sequence
 
-from torchtitan_grpo.inference.types import Completion, MalformedResponse, SamplingParams
+from torchtitan_grpo.inference.types import Completion, MalformedResponse, SamplingParams, is_logprob, need
 
 FINISH_REASONS = ("stop", "length", "abort")
 PAUSE_MODES = ("abort", "wait", "keep")
@@ -85,54 +84,48 @@ def completions_request(prompt_ids: Sequence[int], n: int, params: SamplingParam
     return body
 
 
-def _need(cond: bool, replica: str, field_name: str, detail: str) -> None:
-    if not cond:
-        raise MalformedResponse(replica, field_name, detail)
-
-
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _parse_spans(spans: Any, n_tokens: int, replica: str, where: str) -> list[str]:
     """Versions of contiguous ``[start, end)`` spans that cover ``[0, n_tokens)``."""
-    _need(isinstance(spans, list), replica, where,
+    need(isinstance(spans, list), replica, where,
           f"missing or not a list (was return_weight_versions sent?): {spans!r}")
     versions: list[str] = []
     pos = 0
     for k, s in enumerate(spans):
         at = f"{where}[{k}]"
-        _need(isinstance(s, dict), replica, at, "not an object {version,start,end}")
+        need(isinstance(s, dict), replica, at, "not an object {version,start,end}")
         v, start, end = s.get("version"), s.get("start"), s.get("end")
-        _need(isinstance(v, str), replica, f"{at}.version", f"not a string: {v!r}")
-        _need(_is_int(start) and start == pos, replica, f"{at}.start", f"expected {pos}, got {start!r}")
-        _need(_is_int(end) and end > start, replica, f"{at}.end", f"must be an integer > start {start}, got {end!r}")
+        need(isinstance(v, str), replica, f"{at}.version", f"not a string: {v!r}")
+        need(_is_int(start) and start == pos, replica, f"{at}.start", f"expected {pos}, got {start!r}")
+        need(_is_int(end) and end > start, replica, f"{at}.end", f"must be an integer > start {start}, got {end!r}")
         versions.append(v)
         pos = end
-    _need(pos == n_tokens, replica, where, f"spans cover {pos} tokens, the choice has {n_tokens}")
+    need(pos == n_tokens, replica, where, f"spans cover {pos} tokens, the choice has {n_tokens}")
     return versions
 
 
 def _parse_logprobs(lp: Any, token_ids: list[int], replica: str, where: str) -> list[float]:
-    _need(isinstance(lp, dict), replica, where, "missing or not an object (was logprobs=0 sent?)")
+    need(isinstance(lp, dict), replica, where, "missing or not an object (was logprobs=0 sent?)")
     values = lp.get("token_logprobs")
-    _need(isinstance(values, list), replica, f"{where}.token_logprobs", "missing or not a list")
-    _need(len(values) == len(token_ids), replica, f"{where}.token_logprobs",
+    need(isinstance(values, list), replica, f"{where}.token_logprobs", "missing or not a list")
+    need(len(values) == len(token_ids), replica, f"{where}.token_logprobs",
           f"{len(values)} entries for {len(token_ids)} token_ids")
     out = []
     for j, x in enumerate(values):
-        ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x <= 1e-6
-        _need(ok, replica, f"{where}.token_logprobs[{j}]", f"not a finite logprob: {x!r}")
+        need(is_logprob(x), replica, f"{where}.token_logprobs[{j}]", f"not a finite logprob: {x!r}")
         out.append(float(x))
     tokens = lp.get("tokens")
     if tokens is not None:
-        _need(isinstance(tokens, list) and len(tokens) == len(token_ids), replica, f"{where}.tokens",
+        need(isinstance(tokens, list) and len(tokens) == len(token_ids), replica, f"{where}.tokens",
               f"not a list of {len(token_ids)} strings")
         for j, t in enumerate(tokens):
             # With return_tokens_as_token_ids each entry names its id: it must
             # be the id at the same position, or the logprobs are misaligned.
             if isinstance(t, str) and t.startswith(TOKEN_ID_PREFIX):
-                _need(t == f"{TOKEN_ID_PREFIX}{token_ids[j]}", replica, f"{where}.tokens[{j}]",
+                need(t == f"{TOKEN_ID_PREFIX}{token_ids[j]}", replica, f"{where}.tokens[{j}]",
                       f"{t!r} does not match token_ids[{j}] = {token_ids[j]}")
     return out
 
@@ -140,25 +133,25 @@ def _parse_logprobs(lp: Any, token_ids: list[int], replica: str, where: str) -> 
 def parse_completions(body: Any, n: int, replica: str, num_prompts: int = 1) -> list[Completion]:
     """Validate and convert a /v1/completions reply for ``num_prompts`` prompts
     with n samples each (prompt-major: choice k is prompt k // n, sample k % n)."""
-    _need(isinstance(body, dict), replica, "(top level)", "not a JSON object")
+    need(isinstance(body, dict), replica, "(top level)", "not a JSON object")
     if "error" in body and "choices" not in body:
         raise MalformedResponse(replica, "error", f"error reply in a 200 response: {str(body['error'])[:200]}")
     choices = body.get("choices")
     expected = n * num_prompts
-    _need(isinstance(choices, list), replica, "choices", "missing or not a list")
-    _need(len(choices) == expected, replica, "choices", f"expected {expected} choices, got {len(choices)}")
+    need(isinstance(choices, list), replica, "choices", "missing or not a list")
+    need(len(choices) == expected, replica, "choices", f"expected {expected} choices, got {len(choices)}")
     out = []
     for k, c in enumerate(choices):
         where = f"choices[{k}]"
-        _need(isinstance(c, dict), replica, where, "not an object")
-        _need(c.get("index") == k, replica, f"{where}.index",
+        need(isinstance(c, dict), replica, where, "not an object")
+        need(c.get("index") == k, replica, f"{where}.index",
               f"expected {k} (prompt-major order), got {c.get('index')!r}")
         ids = c.get("token_ids")
-        _need(isinstance(ids, list) and all(_is_int(t) and t >= 0 for t in ids), replica, f"{where}.token_ids",
+        need(isinstance(ids, list) and all(_is_int(t) and t >= 0 for t in ids), replica, f"{where}.token_ids",
               "missing or not a list of token ids (was return_token_ids sent?)")
         logprobs = _parse_logprobs(c.get("logprobs"), ids, replica, f"{where}.logprobs")
         fr = c.get("finish_reason")
-        _need(fr in FINISH_REASONS, replica, f"{where}.finish_reason", f"expected one of {FINISH_REASONS}, got {fr!r}")
+        need(fr in FINISH_REASONS, replica, f"{where}.finish_reason", f"expected one of {FINISH_REASONS}, got {fr!r}")
         versions = _parse_spans(c.get("weight_versions"), len(ids), replica, f"{where}.weight_versions")
         # A choice without tokens (aborted before its first one) has no span,
         # hence no version: "" says so rather than inventing one.
@@ -235,7 +228,7 @@ def finish_weight_update_request(weight_version: str | None) -> dict[str, Any]:
 
 def parse_weight_info(body: Any, replica: str) -> str:
     """The version a replica serves, from GET /weight_info."""
-    _need(isinstance(body, dict) and isinstance(body.get("weight_version"), str), replica, "weight_version",
+    need(isinstance(body, dict) and isinstance(body.get("weight_version"), str), replica, "weight_version",
           f"expected {{'weight_version': str}}, got {str(body)[:200]}")
     return body["weight_version"]
 
@@ -244,5 +237,5 @@ def parse_world_size(body: Any, replica: str) -> int:
     """Inference ranks behind a replica (TP*PP*DP), from GET /get_world_size:
     the trainer's group has world_size = 1 + the sum over replicas."""
     ws = body.get("world_size") if isinstance(body, dict) else None
-    _need(_is_int(ws) and ws >= 1, replica, "world_size", f"expected a positive integer, got {ws!r}")
+    need(_is_int(ws) and ws >= 1, replica, "world_size", f"expected a positive integer, got {ws!r}")
     return ws
