@@ -1,12 +1,15 @@
 """Start and stop a built-in server subprocess for tests (shared by the
 SGLang- and vLLM-route test files)."""
 
+import json
 import os
 import select
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,3 +52,14 @@ def stop_server(proc: subprocess.Popen, log: Path) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
     assert proc.returncode == 0, log.read_text()[-3000:]
+
+
+def http_json(url: str, data: bytes | None, method: str, timeout: float) -> tuple[int, object]:
+    """One JSON request: (status, parsed body or None), HTTP errors included."""
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, payload = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, payload = e.code, e.read()
+    return status, (json.loads(payload) if payload else None)

@@ -16,14 +16,12 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.server_procs import free_port, server_env, start_server
+from tests.server_procs import free_port, http_json, server_env, start_server
 from torchtitan_grpo.weight_sync.buckets import TensorSpec, dtype_name, pack, plan_buckets
 from torchtitan_grpo.weight_sync.group import init_weight_group
 
@@ -115,14 +113,7 @@ def http(url: str, path: str, body: dict | None = None, timeout: float = 60, raw
     if body is not None and path in _VALIDATORS and raw is None and valid:
         _VALIDATORS[path].validate(body)  # what we send is a valid SGLang request
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    req = urllib.request.Request(url + path, data=data, method="POST" if data is not None else "GET",
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            status, payload = r.status, r.read()
-    except urllib.error.HTTPError as e:
-        status, payload = e.code, e.read()
-    return status, (json.loads(payload) if payload else None)
+    return http_json(url + path, data, "POST" if data is not None else "GET", timeout)
 
 
 def generate(url: str, body: dict, timeout: float = 60):

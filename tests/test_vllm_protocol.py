@@ -27,16 +27,14 @@ import sys
 import threading
 import time
 import types
-import urllib.error
 import urllib.parse
-import urllib.request
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.server_procs import free_port, start_server, stop_server
+from tests.server_procs import free_port, http_json, start_server, stop_server
 from torchtitan_grpo.inference import vllm
 from torchtitan_grpo.inference.server_vllm import GROUP_NAME
 from torchtitan_grpo.inference.types import MalformedResponse, SamplingParams
@@ -76,13 +74,7 @@ def http(url: str, path: str, body: dict | None = None, query: dict | None = Non
     data = json.dumps(body).encode() if body is not None else None
     method = method or ("POST" if data is not None else "GET")
     full = url + path + ("?" + urllib.parse.urlencode(query) if query else "")
-    req = urllib.request.Request(full, data=data, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            status, payload = r.status, r.read()
-    except urllib.error.HTTPError as e:
-        status, payload = e.code, e.read()
-    return status, (json.loads(payload) if payload else None)
+    return http_json(full, data, method, timeout)
 
 
 def post(url: str, path: str, body: dict | None = None, **kw) -> tuple[int, dict]:
