@@ -61,30 +61,13 @@ def _groups(mesh) -> set[str]:
     return {mesh.get_group(i).group_name for i in range(mesh.ndim) if mesh.size(i) > 1}
 
 
-def _whole_export(policy) -> dict[str, torch.Tensor]:
-    """The trainer's own export of all its weights (collectives on its own
-    groups; PP stages merged through rank 0's object gather)."""
-    import torch.distributed as dist
-
-    from torchtitan_grpo.model import hf_state_dict
-
-    mine: dict[str, torch.Tensor] = {}
-    for part in policy.model_parts:
-        mine |= _cpu(hf_state_dict(part, policy.adapter))
-    if policy.pipeline is None:
-        return mine
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return {k: v for part in everyone for k, v in part.items()}
-
-
 def run_case(model_dir: str, model_name: str, layout: tuple[int, int, int, int], dump: str) -> dict | None:
     """The trainer as grpo_train builds it (meta, layout, then the checkpoint),
     two versions through a ShardGatherer; rank 0 returns what it saw."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from tests.test_parallel_parity import fixed_batch
+    from tests.test_parallel_parity import _gathered_hf, fixed_batch
     from torchtitan_grpo import parallel
     from torchtitan_grpo.trainer import Dist, build_policy, train_step
     from torchtitan_grpo.weight_sync.gather import ShardGatherer
@@ -106,7 +89,7 @@ def run_case(model_dir: str, model_name: str, layout: tuple[int, int, int, int],
     dtype = torch.bfloat16 if model_name == "llama3" else None  # the cast happens in the snapshot
     gatherer = ShardGatherer(policy.model_parts, policy.adapter, policy.parallel_dims, device,
                              deliver if d.is_main else None, dtype=dtype, num_slots=2)
-    expected = {1: _whole_export(policy)}
+    expected = {1: _gathered_hf(policy)}  # the trainer's own export, stages united
     gatherer.snapshot(1)
 
     # The trainer goes on while version 1 is gathered: a GRPO step with its
@@ -116,7 +99,7 @@ def run_case(model_dir: str, model_name: str, layout: tuple[int, int, int, int],
     train_step(policy, batch[dp_rank::dp_degree], cfg.grpo, 1.0, 8, global_num_samples=len(batch),
                global_num_tokens=sum(len(s.completion_ids) for s in batch), pad_id=0, d=d)
     overlapped.set()
-    expected[2] = _whole_export(policy)
+    expected[2] = _gathered_hf(policy)
     metrics = gatherer.snapshot(2, wait=True)
     gatherer.close()
 

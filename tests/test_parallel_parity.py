@@ -276,17 +276,11 @@ def _gathered(policy, grads: bool = False) -> dict[str, torch.Tensor]:
     a tied embedding must equal the first stage's and is dropped (the single
     process names that parameter once).
     """
-    import torch.distributed as dist
-
     local = {n: _full(p.grad if grads else p) for n, p in policy.model.named_parameters()
              if not grads or p.grad is not None}
     if policy.pipeline is None:
         return local
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, local)
-    merged = {}
-    for part in parts:
-        merged.update(part)
+    merged = _over_stages(local)
     if policy.pipeline.tied:
         mirror = merged.pop("output.weight")
         assert torch.equal(mirror, merged["tok_embeddings.weight"]), "tied copies differ between stages"
@@ -297,20 +291,20 @@ def _gathered_hf(policy) -> dict[str, torch.Tensor]:
     """What a weight push sends: each rank's ``hf_state_dict`` of its own
     module (under PP: its stage, whose FQNs the adapter maps as for the whole
     model), united over the stages. A collective."""
-    import torch.distributed as dist
-
     from torchtitan_grpo import model as hf_model
 
     pushed = hf_model.hf_state_dict(policy.model, policy.adapter)
     local = {k: v.detach().to("cpu", copy=True) for k, v in pushed.items()}
-    if policy.pipeline is None:
-        return local
+    return local if policy.pipeline is None else _over_stages(local)
+
+
+def _over_stages(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every rank's ``local`` dict united (under PP: all stages' tensors)."""
+    import torch.distributed as dist
+
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, local)
-    merged = {}
-    for part in parts:
-        merged.update(part)
-    return merged
+    return {k: v for part in parts for k, v in part.items()}
 
 
 def run_step_case(model_dir: str, model_name: str, layout_name: str, world_size: int) -> dict:
