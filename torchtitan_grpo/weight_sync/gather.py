@@ -102,6 +102,13 @@ class _Param:
     ways: int = 1  # "flat": the number of shards
     offset: int = 0  # "flat": where its padded shard starts in its chunk's buffer (elements)
 
+    @property
+    def padded(self) -> list[int]:
+        """"flat": the shape of one shard padded to the largest (torch.chunk's split)."""
+        out = list(self.live.shape)
+        out[self.dim] = -(-out[self.dim] // self.ways)
+        return out
+
 
 @dataclass
 class _Chunk:
@@ -125,13 +132,6 @@ class _Slot:
     ready: torch.cuda.Event | None = None
     version: int = -1
     done: threading.Event = field(default_factory=threading.Event)
-
-
-def _padded_shape(shape: torch.Size, dim: int, ways: int) -> list[int]:
-    """Shape of one shard padded to the largest (torch.chunk's split)."""
-    out = list(shape)
-    out[dim] = -(-shape[dim] // ways)
-    return out
 
 
 def _shard_size(size: int, ways: int, index: int) -> int:
@@ -218,7 +218,7 @@ class ShardGatherer:
                 continue
             group = p.mesh.get_group(p.group_dim)
             dtype = self._push_dtype(p.live)
-            padded = math.prod(_padded_shape(p.live.shape, p.dim, p.ways))
+            padded = math.prod(p.padded)
             key = (group.group_name, dtype)
             c = open_.get(key)
             if c is None or (c.numel + padded) * p.ways * dtype.itemsize > chunk_bytes and c.params:
@@ -273,9 +273,9 @@ class ShardGatherer:
             for k in c.params:
                 p = self.params[k]
                 local = p.live.to_local()
-                region = buf[p.offset : p.offset + math.prod(_padded_shape(p.live.shape, p.dim, p.ways))]
-                slot.dst.append(region.view(_padded_shape(p.live.shape, p.dim, p.ways)).narrow(
-                    p.dim, 0, local.shape[p.dim]))
+                shape = p.padded
+                region = buf[p.offset : p.offset + math.prod(shape)]
+                slot.dst.append(region.view(shape).narrow(p.dim, 0, local.shape[p.dim]))
                 slot.src.append(k)
         for k, t in enumerate(locals_):
             if t is not None:
@@ -372,7 +372,7 @@ class ShardGatherer:
                     p = self.params[k]
                     if not self._keeps(p):
                         continue
-                    shape = _padded_shape(p.live.shape, p.dim, p.ways)
+                    shape = p.padded
                     n = math.prod(shape)
                     parts = [out[r * c.numel + p.offset : r * c.numel + p.offset + n].view(shape).narrow(
                         p.dim, 0, _shard_size(p.live.shape[p.dim], p.ways, r)) for r in range(p.ways)]
