@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The parallel-layout parity checks on the GPUs of one host (run from the repo
+# root with the wheels of ../shared/tools/device-wheels.sh in .whl/, carried):
+#
+#   bash scripts/device_parity.sh        # 4 GPUs: every layout; 2 GPUs: the 2-rank ones
+#
+#   1. python -m pytest tests/test_parallel_parity.py: every layout (FSDP, TP,
+#      DDP, PP, HSDP, FSDP+TP, PP+FSDP, PP+TP) against the single process, fp32
+#      over NCCL with one GPU per rank, at the CPU test's tolerance (1e-5);
+#   2. python tests/test_parallel_parity.py: the same as a table (docs/PARITY.md).
+# Logs go to $OUT (default outputs/device_parity/). Ends within BUDGET_S.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+OUT=${OUT:-outputs/device_parity}
+BUDGET=${BUDGET_S:-300}
+T0=$SECONDS
+mkdir -p "$OUT"
+left() { echo $(( BUDGET - (SECONDS - T0) )); }
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 3
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
+{ date -u +%FT%TZ; nvidia-smi --query-gpu=name --format=csv,noheader;
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), 'transformers', transformers.__version__)"; } 2>&1 | tee "$OUT/env.log"
+
+rc=0
+timeout -k 5 "$(left)" python3 -m pytest -q -ra -p no:cacheprovider tests/test_parallel_parity.py \
+  > "$OUT/pytest.log" 2>&1 || rc=1
+tail -15 "$OUT/pytest.log"
+timeout -k 5 "$(left)" python3 tests/test_parallel_parity.py > "$OUT/table.log" 2>&1 || rc=1
+cat "$OUT/table.log" | tail -40
+echo "device_parity: exit $rc after $((SECONDS - T0)) s"
+exit $rc
