@@ -135,13 +135,13 @@ def build_policy(job_config, hf_dir: str, d: Dist) -> Policy:
         model = hf_model.build_model(name, model_args, "meta", dtype)
         whole = hf_model.checkpoint_names(model, adapter)  # the checkpoint must fit the whole model
         pipe = pipeline_parallel.build_pipeline(model, job_config, parallel_dims, d.device, _PipelineLoss())
-        model = hf_model.materialize(pipe.module, d.device)
+        model = parallel.materialize(pipe.module, d.device)
         hf_model.load_hf_weights(model, adapter, hf_dir, whole)
     else:
         # shard on meta, then allocate: a rank's memory holds its shards only
         model = hf_model.build_model(name, model_args, "meta", dtype)
         model, parallel_dims = parallel.parallelize(model, job_config, d.world_size, d.device)
-        hf_model.materialize(model, d.device)
+        parallel.materialize(model, d.device)
         hf_model.load_hf_weights(model, adapter, hf_dir)
     model.train()
 

@@ -240,7 +240,7 @@ def build_reference(job_config, hf_dir: str, d) -> nn.Module:
     ref.requires_grad_(False)
     if d.world_size > 1 and not _data_parallel_only_replicated(job_config, d.world_size):
         ref, _ = parallel.parallelize(ref, job_config, d.world_size, d.device)
-    hf_model.materialize(ref, d.device)
+    parallel.materialize(ref, d.device)
     hf_model.load_hf_weights(ref, hf_model.state_dict_adapter(name, args, hf_dir), hf_dir)
     ref.eval()
     logger.info("KL reference: frozen copy of %s (kl_coef %g, %s)", hf_dir,
