@@ -17,7 +17,8 @@ cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-outputs/device_multirank}
 BUDGET=${BUDGET_S:-220}
 T0=$SECONDS
-mkdir -p "$OUT/gather"
+WORK=${WORK:-/tmp/device_multirank}  # models and gathered tensors: not brought back
+mkdir -p "$OUT" "$WORK/gather"
 left() { echo $(( BUDGET - (SECONDS - T0) )); }
 
 if compgen -G ".whl/*.whl" > /dev/null; then
@@ -34,11 +35,11 @@ rc=0
 python3 -c "
 import json, sys
 from tests.test_parallel_parity import write_models
-print(json.dumps(write_models(sys.argv[1])))" "$OUT/models" > "$OUT/models.json" 2> "$OUT/models.log" || rc=1
-MODELS=$(python3 -c "import json,sys; print(' '.join(f'--model={k}={v}' for k,v in json.load(open(sys.argv[1])).items()))" "$OUT/models.json")
-timeout -k 5 "$(left)" torchrun --standalone --nproc_per_node=2 tests/test_gather.py --out "$OUT/gather" \
+print(json.dumps(write_models(sys.argv[1])))" "$WORK/models" > "$WORK/models.json" 2> "$OUT/models.log" || rc=1
+MODELS=$(python3 -c "import json,sys; print(' '.join(f'--model={k}={v}' for k,v in json.load(open(sys.argv[1])).items()))" "$WORK/models.json")
+timeout -k 5 "$(left)" torchrun --standalone --nproc_per_node=2 tests/test_gather.py --out "$WORK/gather" \
   --layouts fsdp,tp,ddp $MODELS > "$OUT/gather.log" 2>&1 || { rc=1; tail -40 "$OUT/gather.log"; }
-python3 tests/test_gather.py --out "$OUT/gather" --check | tee "$OUT/gather_check.log" || rc=1
+python3 tests/test_gather.py --out "$WORK/gather" --check | tee "$OUT/gather_check.log" || rc=1
 
 timeout -k 5 "$(left)" torchrun --standalone --nproc_per_node=2 bench/gather_step.py --push-dtype bfloat16 \
   > "$OUT/gather_step.log" 2>&1 || { rc=1; tail -40 "$OUT/gather_step.log"; }

@@ -25,12 +25,19 @@ from all stages by their FQNs.
 
 Run as a script to print the measured table (docs/PARITY.md)::
 
-    python tests/test_parallel_parity.py
+    python tests/test_parallel_parity.py                      # fp32, as the tests
+    python tests/test_parallel_parity.py --dtype bfloat16     # bf16 compute
+
+``--dtype bfloat16`` measures the same table with every layout and the single
+process computing in bf16 (fp32 master weights, gradients, optimizer and
+loss; see :func:`_bf16_compute`). It reports, it asserts nothing: bf16 is far
+from the tests' 1e-5, which stay fp32.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import subprocess
@@ -53,6 +60,7 @@ torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 
 TOL = 1e-5
+DTYPES = ("float32", "bfloat16")  # compute dtype of the table; the tests run float32
 PAD = 0
 MICRO_BATCH = 2
 MAX_NORM = 1.0
@@ -143,10 +151,16 @@ def _pp_degree(layout: tuple[int, ...]) -> int:
     return layout[3] if len(layout) > 3 else 1
 
 
-def job_config(model_name: str, layout: tuple[int, ...], extra: tuple[str, ...] = ()):
+def job_config(model_name: str, layout: tuple[int, ...], extra: tuple[str, ...] = (), dtype: str = "float32"):
     from torchtitan.config import ConfigManager
 
     dp_replicate, dp_shard, tp = layout[:3]
+    if dtype == "bfloat16":  # the table's bf16 mode: FSDP computes in bf16 (see _bf16_compute)
+        mixed_precision = "bfloat16"
+    else:
+        # CPU: TorchTitan's bf16 default on purpose, parallelize must switch
+        # FSDP to fp32 there (bf16 compute would miss TOL by orders of magnitude)
+        mixed_precision = "float32" if torch.cuda.is_available() else "bfloat16"
     return ConfigManager().parse_args([
         "--model.name", "qwen3" if model_name.startswith("qwen3") else model_name,
         "--parallelism.data_parallel_replicate_degree", str(dp_replicate),
@@ -155,9 +169,7 @@ def job_config(model_name: str, layout: tuple[int, ...], extra: tuple[str, ...] 
         "--parallelism.pipeline_parallel_degree", str(_pp_degree(layout)),
         "--training.seq_len", "64",
         "--training.max_norm", str(MAX_NORM),
-        # CPU: TorchTitan's bf16 default on purpose, parallelize must switch
-        # FSDP to fp32 there (bf16 compute would miss TOL by orders of magnitude)
-        "--training.mixed_precision_param", "float32" if torch.cuda.is_available() else "bfloat16",
+        "--training.mixed_precision_param", mixed_precision,
         "--optimizer.name", "AdamW",
         "--optimizer.lr", "1e-2",
         "--optimizer.weight_decay", "0.1",
@@ -172,7 +184,7 @@ def job_config(model_name: str, layout: tuple[int, ...], extra: tuple[str, ...] 
     ])
 
 
-def step_job_config(model_name: str, layout_name: str):
+def step_job_config(model_name: str, layout_name: str, dtype: str = "float32"):
     """``job_config`` plus our ``[grpo]`` section, for ``trainer.build_policy``
     and ``trainer.train_step`` (the pipeline layouts and their reference)."""
     extra = [
@@ -184,7 +196,97 @@ def step_job_config(model_name: str, layout_name: str):
     if layout_name in PP_SCHEDULES:
         extra += ["--parallelism.pipeline_parallel_schedule", PP_SCHEDULES[layout_name]]
     layout = LAYOUTS.get(layout_name, (1, 1, 1))
-    return job_config(model_name, layout, tuple(extra))
+    return job_config(model_name, layout, tuple(extra), dtype)
+
+
+# ------------------------------------------------------------- bf16 compute
+#
+# How TorchTitan 0.2.2 gets bf16 compute from training.mixed_precision_param
+# depends on the layout: layouts with FSDP (FSDP, HSDP, FSDP x TP, PP x FSDP)
+# through fully_shard's MixedPrecisionPolicy (bf16 copies of the parameters
+# for forward and backward, gradients reduced and kept in fp32), DDP and a
+# single device through torch.autocast (its train loop's maybe_enable_amp),
+# TP or PP without FSDP not at all (fp32, with a warning). Our trainer calls
+# no maybe_enable_amp, so outside FSDP it computes in fp32.
+#
+# A table that mixed those schemes would measure the schemes, not the
+# layouts: autocast keeps norms, softmax and the residual stream in fp32
+# where FSDP's bf16 parameters make them bf16, a difference of the size of
+# the layouts' own bf16 noise. So in bf16 mode every layout without FSDP,
+# and the single process, computes as FSDP's mixed precision does: each
+# forward runs on bf16 copies of the fp32 parameters (a tied weight cast
+# once, as FSDP unshards it once), whose gradients flow back into the fp32
+# parameters' .grad (:func:`_cast_parameters_in_forward`). The master
+# weights, the gradient reductions, clipping, AdamW and the loss (on
+# ``logits.float()``) stay fp32 everywhere.
+
+
+@contextlib.contextmanager
+def _bf16_fsdp_kept(dtype: str, device: torch.device):
+    """bf16 mode on CPU: keep FSDP's ``mixed_precision_param`` as configured.
+
+    ``parallel.apply_layout`` turns it to fp32 on CPU (for the fp32 tests,
+    and since bf16 is slow there); the bf16 table runs on CPU too (gloo) and
+    needs FSDP in bf16 as on GPUs. A no-op in fp32 mode and on GPUs.
+    """
+    if dtype == "float32" or device.type != "cpu":
+        yield
+        return
+    from torchtitan_grpo import parallel
+
+    original = parallel._job_config_for
+
+    def keep_param_dtype(job_config, parallel_dims, device):
+        cfg = original(job_config, parallel_dims, device)
+        cfg.training.mixed_precision_param = job_config.training.mixed_precision_param
+        return cfg
+
+    parallel._job_config_for = keep_param_dtype
+    try:
+        yield
+    finally:
+        parallel._job_config_for = original
+
+
+def _cast_parameters_in_forward(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Every forward of ``module`` runs on ``dtype`` copies of its parameters.
+
+    A forward pre-hook puts a cast of each parameter in its modules' slots
+    (one cast per parameter object, so a tied weight stays one tensor); the
+    forward hook puts the parameters back. The casts are differentiable: the
+    gradient reaches each parameter's AccumulateGrad as fp32, where DDP's
+    reducer and TP's gradient hooks wait. The slots are replaced in place, so
+    the parameters keep their order (clipping and pushes iterate it).
+    Registered after the layout's own hooks: DDP's pre-hook, which collects
+    the parameters on first use, runs before the swap.
+    """
+    slots = [(m, name) for m in module.modules() for name, p in m._parameters.items() if p is not None]
+    swapped: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
+
+    def cast(_module, _args):
+        copies: dict[int, torch.Tensor] = {}
+        for m, name in slots:
+            p = m._parameters[name]
+            if id(p) not in copies:
+                copies[id(p)] = p.to(dtype)
+            swapped.append((m, name, p))
+            m._parameters[name] = copies[id(p)]
+
+    def restore(_module, _args, _output):
+        while swapped:
+            m, name, p = swapped.pop()
+            m._parameters[name] = p
+
+    module.register_forward_pre_hook(cast)
+    module.register_forward_hook(restore)
+
+
+def _bf16_compute(module: torch.nn.Module, dtype: str, parallel_dims) -> None:
+    """In bf16 mode, give a layout without FSDP FSDP's mixed-precision compute
+    (section comment above); FSDP layouts have it from mixed_precision_param."""
+    if dtype == "float32" or (parallel_dims is not None and parallel_dims.fsdp_enabled):
+        return
+    _cast_parameters_in_forward(module, getattr(torch, dtype))
 
 
 # ------------------------------------------------------------ one GRPO step
@@ -197,11 +299,12 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
 
 
-def run_case(model_dir: str, model_name: str, layout: tuple[int, int, int], world_size: int) -> dict:
+def run_case(model_dir: str, model_name: str, layout: tuple[int, int, int], world_size: int,
+             dtype: str = "float32") -> dict:
     """Build, parallelise, run one GRPO step; full tensors of what matters.
 
     A collective under a layout: every rank calls it; all ranks return the
-    same dict.
+    same dict. ``dtype``: the compute dtype (the table's bf16 mode).
     """
     import torch.distributed as dist
 
@@ -213,13 +316,15 @@ def run_case(model_dir: str, model_name: str, layout: tuple[int, int, int], worl
     from torchtitan_grpo.trainer import _pack
 
     device = _device()
-    cfg = job_config(model_name, layout)
+    cfg = job_config(model_name, layout, dtype=dtype)
     name = cfg.model.name
     args = hf_model.model_args_from_hf(name, hf_model.load_hf_config(model_dir), max_seq_len=64)
     model = hf_model.build_model(name, args, device)
     adapter = hf_model.state_dict_adapter(name, args, model_dir)
     hf_model.load_hf_weights(model, adapter, model_dir)
-    model, pdims = parallel.parallelize(model, cfg, world_size, device)
+    with _bf16_fsdp_kept(dtype, device):
+        model, pdims = parallel.parallelize(model, cfg, world_size, device)
+    _bf16_compute(model, dtype, pdims)
     model.train()
     optimizers = build_optimizers([model], cfg.optimizer, pdims)
     before = {n: _full(p) for n, p in model.named_parameters()}
@@ -307,7 +412,8 @@ def _over_stages(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v for part in parts for k, v in part.items()}
 
 
-def run_step_case(model_dir: str, model_name: str, layout_name: str, world_size: int) -> dict:
+def run_step_case(model_dir: str, model_name: str, layout_name: str, world_size: int,
+                  dtype: str = "float32") -> dict:
     """``trainer.build_policy`` + one ``trainer.train_step`` on the fixed batch.
 
     The pipeline layouts, and (``layout_name="single"``, one process) their
@@ -319,10 +425,12 @@ def run_step_case(model_dir: str, model_name: str, layout_name: str, world_size:
     from torchtitan_grpo import parallel, trainer
 
     device = _device()
-    cfg = step_job_config(model_name, layout_name)
+    cfg = step_job_config(model_name, layout_name, dtype)
     rank = dist.get_rank() if world_size > 1 else 0
     d = trainer.Dist(rank, world_size, int(os.environ.get("LOCAL_RANK", "0")), device)
-    policy = trainer.build_policy(cfg, model_dir, d)
+    with _bf16_fsdp_kept(dtype, device):
+        policy = trainer.build_policy(cfg, model_dir, d)
+    _bf16_compute(policy.model, dtype, policy.parallel_dims)  # under PP: this rank's stage
     before = _gathered(policy)
 
     batch = fixed_batch()
@@ -461,8 +569,12 @@ def compare(ref: dict, got: dict) -> dict[str, float]:
 # ---------------------------------------------------------------- workers
 
 
-def _worker(out_dir: str, model_dirs: dict[str, str], layouts: list[str]) -> None:
-    """Under torchrun: every (model, layout) of this launch, results to out_dir."""
+def _worker(out_dir: str, model_dirs: dict[str, str], layouts: list[str], dtype: str = "float32") -> None:
+    """Under torchrun: every (model, layout) of this launch, results to out_dir.
+
+    In bf16 mode (the table only) the checks that no table column reads (a
+    rank without samples, the checkpoint round trip) are left out.
+    """
     import torch.distributed as dist
     from datetime import timedelta
 
@@ -477,12 +589,14 @@ def _worker(out_dir: str, model_dirs: dict[str, str], layouts: list[str]) -> Non
             for model_name in MODELS:
                 t0 = time.perf_counter()
                 if layout in PP_SCHEDULES:  # the trainer's own pipeline step
-                    result = run_step_case(model_dirs[model_name], model_name, layout, world)
+                    result = run_step_case(model_dirs[model_name], model_name, layout, world, dtype)
                 else:
-                    result = run_case(model_dirs[model_name], model_name, LAYOUTS[layout], world)
+                    result = run_case(model_dirs[model_name], model_name, LAYOUTS[layout], world, dtype)
                 result["seconds"] = time.perf_counter() - t0
                 if rank == 0:
                     torch.save(result, os.path.join(out_dir, f"{model_name}-{layout}.pt"))
+            if dtype != "float32":
+                continue
             if layout == EMPTY_RANK_LAYOUT:
                 every = run_empty_rank_step(model_dirs["qwen3"], "qwen3", layout, world)
                 if rank == 0:
@@ -499,12 +613,13 @@ def _worker(out_dir: str, model_dirs: dict[str, str], layouts: list[str]) -> Non
         dist.destroy_process_group()
 
 
-def launch(nproc: int, out_dir: str, model_dirs: dict[str, str], timeout: float = 600) -> str:
+def launch(nproc: int, out_dir: str, model_dirs: dict[str, str], timeout: float = 600,
+           dtype: str = "float32") -> str:
     """torchrun ``nproc`` ranks over this file's worker; returns the log."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
         os.path.abspath(__file__), "worker", "--out", out_dir,
-        "--layouts", ",".join(LAUNCHES[nproc]),
+        "--layouts", ",".join(LAUNCHES[nproc]), "--dtype", dtype,
         *[f"--model={k}={v}" for k, v in model_dirs.items()],
     ]
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
@@ -752,10 +867,15 @@ def _metric_diff(ref_step: dict, got: dict) -> str:
     return f"{max(abs(m[k] - ref[k]) for m in got['metrics'] for k in _METRICS):.1e}"
 
 
-def table() -> str:
+def table(dtype: str = "float32") -> str:
+    """The parity table (docs/PARITY.md), its first line naming the compute dtype."""
     import tempfile
 
-    rows = ["| layout | model | ranks | loss | grad norm | max abs grad diff | "
+    where = f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}, nccl" if torch.cuda.is_available() \
+        else "cpu, gloo"
+    master = "" if dtype == "float32" else "; master weights, gradients, clipping, AdamW and loss in float32"
+    rows = [f"compute dtype: {dtype}{master} ({where}; every layout and the single process)", "",
+            "| layout | model | ranks | loss | grad norm | max abs grad diff | "
             "max abs param diff after AdamW step | max abs pushed weight diff | "
             "max abs step-metric diff, every rank | s/case |",
             "|---|---|---|---|---|---|---|---|---|---|"]
@@ -764,16 +884,16 @@ def table() -> str:
         refs, ref_steps = {}, {}
         for m in MODELS:
             t0 = time.perf_counter()
-            refs[m] = run_case(model_dirs[m], m, (1, 1, 1), 1)
+            refs[m] = run_case(model_dirs[m], m, (1, 1, 1), 1, dtype)
             seconds = time.perf_counter() - t0
-            ref_steps[m] = run_step_case(model_dirs[m], m, "single", 1)
+            ref_steps[m] = run_step_case(model_dirs[m], m, "single", 1, dtype)
             r = refs[m]
             rows.append(f"| single | {m} | 1 | {r['loss']:.9f} | {r['grad_norm']:.7f} | - | - | - | - | "
                         f"{seconds:.2f} |")
         out = os.path.join(root, "results")
         os.makedirs(out)
         for nproc in LAUNCHES:
-            launch(nproc, out, model_dirs)
+            launch(nproc, out, model_dirs, dtype=dtype)
             for layout in LAUNCHES[nproc]:
                 for m in MODELS:
                     got = torch.load(os.path.join(out, f"{m}-{layout}.pt"), weights_only=False)
@@ -792,12 +912,14 @@ def _main(argv: list[str]) -> None:
     p.add_argument("--out")
     p.add_argument("--layouts", default="")
     p.add_argument("--model", action="append", default=[])
+    p.add_argument("--dtype", default="float32", choices=DTYPES,
+                   help="compute dtype of every layout and the single process (master weights stay fp32)")
     a = p.parse_args(argv)
     if a.mode == "worker":
         dirs = dict(m.split("=", 1) for m in a.model)
-        _worker(a.out, dirs, [x for x in a.layouts.split(",") if x])
+        _worker(a.out, dirs, [x for x in a.layouts.split(",") if x], a.dtype)
     else:
-        print(table())
+        print(table(a.dtype))
 
 
 if __name__ == "__main__":
