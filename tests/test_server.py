@@ -614,3 +614,34 @@ def test_nccl_weight_push_two_gpus(model_dir, tmp_path, pool):
             proc.kill()
             proc.wait()
     assert proc.returncode == 0, (tmp_path / "gpu-server.log").read_text()[-3000:]
+
+
+def test_install_weights_adopts_fresh_buffers_and_copies_the_rest(tmp_path):
+    """A received tensor of the parameter's dtype/shape/device becomes its
+    storage (no copy; a tied alias follows); a cast or a strided view is
+    copied; tensors read from disk never stay backed by the file."""
+    from safetensors.torch import save_file
+
+    from torchtitan_grpo.inference.engine import install_weights, read_safetensors_dir
+
+    emb = torch.nn.Parameter(torch.zeros(4, 3), requires_grad=False)
+    norm = torch.nn.Parameter(torch.zeros(3), requires_grad=False)
+    params = {"embed.weight": emb, "lm_head.weight": emb, "norm.weight": norm}
+    fresh = torch.arange(12.0).reshape(4, 3)
+    install_weights(params, [("embed.weight", fresh)])
+    assert params["lm_head.weight"].data_ptr() == fresh.data_ptr() and params["lm_head.weight"] is emb
+    ptr = norm.data_ptr()
+    install_weights(params, [("norm.weight", torch.tensor([1.5, 2.5, 3.5], dtype=torch.bfloat16))])
+    assert norm.data_ptr() == ptr and norm.dtype == torch.float32 and norm.tolist() == [1.5, 2.5, 3.5]
+    strided = torch.arange(6.0)[::2]
+    install_weights(params, [("norm.weight", strided)])
+    assert norm.data_ptr() == ptr and norm.tolist() == [0.0, 2.0, 4.0]
+
+    path = tmp_path / "v1"
+    path.mkdir()
+    save_file({"norm.weight": torch.ones(1000)}, str(path / "model.safetensors"))
+    (name, t), = read_safetensors_dir(str(path))
+    with open(path / "model.safetensors", "r+b") as f:  # rewritten in place after the read
+        f.seek(-4000, os.SEEK_END)
+        f.write(b"\0" * 4000)
+    assert name == "norm.weight" and float(t.sum()) == 1000.0

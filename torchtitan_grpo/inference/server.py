@@ -506,7 +506,7 @@ class SGLangRoutes:
             if abort_all:
                 await asyncio.to_thread(self.engine.abort_all, "aborted for a weight update")
             try:
-                named = await self._run(read_safetensors_dir, path)
+                named = await self._run(read_safetensors_dir, path, self.engine.device)
             except WeightUpdateError as e:
                 return _result(False, str(e))
             except Exception as e:

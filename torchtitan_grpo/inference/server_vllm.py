@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import logging
 import os
@@ -49,7 +50,7 @@ from torchtitan_grpo.inference.engine import (
     WeightUpdateError,
     receive_weights,
 )
-from torchtitan_grpo.weight_sync.buckets import TensorSpec, dtype_from_name, plan_packed_chunks, unpack
+from torchtitan_grpo.weight_sync.buckets import TensorSpec, dtype_from_name, plan_packed_chunks
 
 logger = logging.getLogger("torchtitan_grpo.inference.server")
 
@@ -317,15 +318,45 @@ def _parse_update_info(info: Any, previous: list[TensorSpec] | None) -> list[Ten
     return specs
 
 
-def receive_packed(group: Any, specs: list[TensorSpec], buffer_bytes: int) -> list[tuple[str, torch.Tensor]]:
+def receive_packed(group: Any, specs: list[TensorSpec], buffer_bytes: int,
+                   num_buffers: int = proto.DEFAULT_PACKED_NUM_BUFFERS) -> list[tuple[str, torch.Tensor]]:
     """Receive vLLM packed-mode chunks: one uint8 broadcast per chunk, cut
-    exactly as the sender cuts (``plan_packed_chunks``). Offsets inside a chunk
-    are not itemsize-aligned, so tensors are copied out."""
-    out = []
-    for chunk in plan_packed_chunks(specs, buffer_bytes):
-        buf = torch.empty(sum(s.nbytes for s in chunk), dtype=torch.uint8, device=group.device)
-        group.broadcast(buf, src=0)
-        out.extend(zip([s.name for s in chunk], unpack(buf, chunk, copy=True)))
+    exactly as the sender cuts (``plan_packed_chunks``).
+
+    Chunk k lands in receive buffer k % ``num_buffers``; on GPUs the tensors of
+    a chunk are copied out of it on a second CUDA stream while the next chunk
+    is being received, and a buffer is reused only once its copies are done,
+    so the copies hide behind the transfer (vLLM's receiver overlaps the same
+    way). Offsets inside a chunk are not itemsize-aligned, so tensors are
+    copied out byte for byte into tensors of their own.
+    """
+    device = group.device
+    out = [(s.name, torch.empty(s.shape, dtype=s.dtype, device=device)) for s in specs]
+    chunks = plan_packed_chunks(specs, buffer_bytes)
+    sizes = [sum(s.nbytes for s in chunk) for chunk in chunks]
+    if not chunks:
+        return out
+    bufs = [torch.empty(max(sizes), dtype=torch.uint8, device=device)
+            for _ in range(min(max(num_buffers, 1), len(chunks)))]
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+    free_again: list[Any] = [None] * len(bufs)  # per buffer: its last copies are done
+    dests = iter(t for _, t in out)
+    for k, chunk in enumerate(chunks):
+        i = k % len(bufs)
+        if free_again[i] is not None:
+            torch.cuda.current_stream(device).wait_event(free_again[i])
+        buf = bufs[i][: sizes[k]]
+        group.broadcast(buf, src=0)  # returns once the chunk is here
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            pos = 0
+            for s in chunk:
+                next(dests).view(-1).view(torch.uint8).copy_(buf[pos: pos + s.nbytes])
+                pos += s.nbytes
+            if side is not None:
+                free_again[i] = torch.cuda.Event()
+                free_again[i].record(side)
+    if side is not None:
+        side.synchronize()
     return out
 
 
@@ -599,7 +630,8 @@ class VLLMRoutes:
         async with self._lock:
             try:
                 if info.packed:
-                    named = await self._run(receive_packed, group, specs, info.packed_buffer_size_bytes)
+                    named = await self._run(receive_packed, group, specs, info.packed_buffer_size_bytes,
+                                             info.packed_num_buffers)
                 else:
                     named = await self._run(receive_weights, group, specs, False)
             except WeightUpdateError as e:
