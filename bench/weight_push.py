@@ -1,6 +1,7 @@
 """Weight-push bandwidth against the raw broadcast bandwidth, measured in one run.
 
     python bench/weight_push.py [--sets 0.6B,4B,8B] [--bucket-mb 256,1024] [--reps 3]
+                                [--protocols sglang,vllm] [--disk-sets 0.6B,4B]
     python bench/weight_push.py --cpu        # gloo, a tiny set (what the tests run)
 
 Two processes: rank 0 on cuda:0 is the trainer side, rank 1 on cuda:1 is one
@@ -8,7 +9,7 @@ inference replica (with ``--cpu`` both run on CPU and talk gloo). A weight set
 is random bf16 tensors with the HF names and shapes of a TorchTitan qwen3
 flavor (the model is built on the meta device and its state-dict adapter
 names the tensors, so tied embeddings and every norm are included). For each
-set the same bytes go over four paths:
+set the same bytes go over these paths:
 
 * ``raw``: one flat buffer of the set's size, ``torch.distributed.broadcast``
   on a process group of its own (the baseline: what the fabric gives).
@@ -17,16 +18,26 @@ set the same bytes go over four paths:
   ``buckets.plan_buckets``) with ``WeightGroup.broadcast`` on a side stream,
   as each replica's sender does; rank 1 runs the built-in server's
   ``receive_weights`` for each bucket (flattened: one uint8 broadcast, views
-  sliced out) and copies the tensors into its parameters, as
-  ``Engine.load_weights`` does.
-* ``push``: the whole path a trainer uses, ``Pusher.push(wait=True)``:
-  snapshot into staging buffers, then begin / update x buckets / end over
-  HTTP and the same broadcasts, to the built-in server's real SGLang routes
-  (``SGLangRoutes``) served by rank 1. Only the model behind those routes is
-  a stand-in (a dict of parameters of the real names, shapes and dtype, with
-  ``Engine.load_weights``' checks and copies): an 8B HF checkpoint would have
-  to be written to disk and loaded first, which costs more than the whole
-  benchmark. Generation is idle during the push.
+  sliced out) and installs them as ``Engine.load_weights`` does
+  (``install_weights``: a fresh buffer becomes the parameter's storage).
+* ``push``, per path: the whole path a trainer uses, ``Pusher.push(wait=True)``
+  to the built-in server's real app (``server.build_app``: its SGLang and
+  vLLM routes) served by rank 1:
+
+  - ``sglang``: snapshot into flattened buckets, then begin / one
+    ``/update_weights_from_distributed`` per bucket / end over HTTP while the
+    same broadcasts run;
+  - ``vllm``: pause / start / one ``/update_weights`` while every packed
+    chunk (of 'bucket MiB') is broadcast / finish / resume; the server
+    receives into two rotating buffers and copies out on a side stream;
+  - ``disk`` (the sets of ``--disk-sets``, once per set): safetensors of the
+    version written to a local folder, ``/update_weights_from_disk``.
+
+  Only the model behind the routes is a stand-in (a dict of parameters of
+  the real names, shapes and dtype, with ``Engine.load_weights``' checks and
+  ``install_weights``): an 8B HF checkpoint would have to be written to disk
+  and loaded first, which costs more than the whole benchmark. Generation is
+  idle during the push.
 * ``snapshot``: the device copy of the weights into the staging buffers
   (``buckets.pack``, as ``Pusher.push`` does): the only cost of an async push
   on the trainer's critical path.
@@ -35,11 +46,14 @@ Timing: ``raw``, ``bucketed`` and ``snapshot`` start both ranks from a
 barrier and take, per repetition, the slower rank's time to its own
 completion (device synchronised); the first repetition is a warm-up and the
 median of the others is reported. ``push`` is the wall time of
-``push(wait=True)`` on rank 0 (it returns once the replica has loaded the
-version), median after one warm-up push. GiB/s = set bytes / time. After
-``bucketed`` and ``push`` the replica's parameters are compared with the
-trainer's (integer checksums of three tensors and the served version): the
-``check`` column says ``ok`` only if the bytes arrived.
+``push(wait=True)`` on rank 0 (it returns once the replica serves the
+version); ``xfer`` is the same less the snapshot (the push's own
+``time/push_stall_s``): from staged bytes to the replica serving them, the
+part comparable with ``raw``. Medians after one warm-up push. GiB/s = set
+bytes / time. After ``bucketed`` and each push the replica's parameters are
+compared with the trainer's (an integer checksum of every tensor and the
+served version): the ``check`` column says ``ok`` only if every path
+delivered.
 
 Prints one markdown table; rows are printed as they complete (``row:``) so a
 run cut short still leaves its numbers.
@@ -53,6 +67,7 @@ import gc
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -69,6 +84,7 @@ from torchtitan_grpo.weight_sync import buckets as bk  # noqa: E402
 GPU_SETS = "0.6B,4B,8B"
 CPU_SETS = "debugmodel"
 GPU_BUCKETS_MB = "256,1024"
+GPU_DISK_SETS = "0.6B,4B"  # 16 GB x 4 versions of 8B through a disk would outlast a device call
 CPU_BUCKETS_MB = "4,16"
 
 
@@ -97,7 +113,7 @@ def qwen3_hf_specs(flavor: str) -> list[bk.TensorSpec]:
 
 
 def checksum(tensors: dict[str, torch.Tensor], names: list[str]) -> list[int]:
-    """Exact integer checksums of a few bf16 tensors (no large temporaries)."""
+    """Exact integer checksums of bf16 tensors (no large temporaries)."""
     return [int(tensors[n].view(torch.int16).sum(dtype=torch.int64)) for n in names]
 
 
@@ -105,32 +121,44 @@ def checksum(tensors: dict[str, torch.Tensor], names: list[str]) -> list[int]:
 
 
 class TensorEngine:
-    """What the built-in server's weight-update routes need of an ``Engine``:
-    named parameters (real names, shapes, dtype), the same all-or-nothing
-    checks and copies as ``Engine.load_weights``, and a served version."""
+    """What the built-in server's weight-update routes (SGLang and vLLM) need
+    of an ``Engine``: named parameters (real names, shapes, dtype), the same
+    all-or-nothing checks and ``install_weights`` as ``Engine.load_weights``,
+    pause/resume, and a served version. Generation never runs."""
+
+    tokenizer = None
 
     def __init__(self, params: dict[str, torch.Tensor], device: torch.device):
+        from types import SimpleNamespace
+
         self.device = device
         self._tensors = params
         self.weight_version = "default"
         self.paused = None
         self.alive = True
+        self.model = SimpleNamespace(config=SimpleNamespace(model_type="qwen3"),
+                                     parameters=lambda: iter(params.values()))
 
     def load_weights(self, named, weight_version: str | None = None) -> None:
-        from torchtitan_grpo.inference.engine import WeightUpdateError
+        from torchtitan_grpo.inference.engine import WeightUpdateError, install_weights
 
         for name, t in named:
             target = self._tensors.get(name)
             if target is None or tuple(target.shape) != tuple(t.shape):
                 raise WeightUpdateError(f"tensor {name!r} does not fit the model")
-        with torch.no_grad():
-            for name, t in named:
-                self._tensors[name].copy_(t)
+        install_weights(self._tensors, named)
         if weight_version is not None:
             self.weight_version = weight_version
 
     def set_weight_version(self, version: str) -> None:
         self.weight_version = version
+
+    def pause(self, mode: str = "abort") -> int:
+        self.paused = mode
+        return 0
+
+    def resume(self) -> None:
+        self.paused = None
 
     def abort_all(self, message: str = "") -> int:
         return 0
@@ -140,20 +168,18 @@ class TensorEngine:
 
 
 async def _serve_routes(engine: TensorEngine, device: torch.device):
-    """The built-in server's SGLang routes over ``engine`` on a free port."""
+    """The built-in server's app (SGLang and vLLM routes) over ``engine`` on a free port."""
     from aiohttp import web
 
-    from torchtitan_grpo.inference.server import SGLangRoutes, ServerConfig
+    from torchtitan_grpo.inference.server import ServerConfig, build_app
 
-    app = web.Application(client_max_size=512 * 1024 * 1024)
-    routes = SGLangRoutes(engine, ServerConfig(model="bench-stand-in", device=str(device), port=0,
-                                               weight_group_timeout_s=120))
-    routes.register(app)
+    app, _ = build_app(engine, ServerConfig(model="bench-stand-in", device=str(device), port=0,
+                                            weight_group_timeout_s=120))
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    return runner, routes, runner.addresses[0][1]
+    return runner, runner.addresses[0][1]
 
 
 # ----------------------------------------------------------------- measurement
@@ -192,14 +218,14 @@ class Ranks:
 
 
 def _measure_set(r: Ranks, flavor: str, bucket_mbs: list[int], reps: int, backend: str, raw_group,
-                 loop: LoopThread | None) -> list[dict]:
-    from torchtitan_grpo.inference.engine import receive_weights
+                 loop: LoopThread | None, protocols: list[str], disk_sets: list[str]) -> list[dict]:
+    from torchtitan_grpo.inference.engine import install_weights, receive_weights
     from torchtitan_grpo.weight_sync.group import init_weight_group
 
     specs = qwen3_hf_specs(flavor)
     nbytes = sum(s.nbytes for s in specs)
     dev = r.device
-    names = [specs[0].name, specs[len(specs) // 2].name, specs[-1].name]
+    names = [s.name for s in specs]  # every tensor is checked after each path
     torch.manual_seed(0)
     if r.rank == 0:
         tensors = {s.name: torch.randn(s.shape, dtype=s.dtype, device=dev) for s in specs}
@@ -241,8 +267,7 @@ def _measure_set(r: Ranks, flavor: str, bucket_mbs: list[int], reps: int, backen
             def receive():
                 with torch.no_grad():
                     for b in plan:
-                        for name, t in receive_weights(group, b, flattened=True):
-                            tensors[name].copy_(t)
+                        install_weights(tensors, receive_weights(group, b, flattened=True))
 
             t_snap = r.timed(lambda: None, reps)
             t_bucketed = r.timed(receive, reps)
@@ -253,46 +278,23 @@ def _measure_set(r: Ranks, flavor: str, bucket_mbs: list[int], reps: int, backen
                 t.zero_()
         row |= {"bucketed": nbytes / t_bucketed / 2**30, "snapshot_ms": t_snap * 1e3}
 
-        # push: Pusher (trainer side) -> HTTP + broadcasts -> the server's SGLang routes
-        push_times: list[float] = []
-        if r.rank == 0:
-            from torchtitan_grpo.weight_sync.pusher import Pusher, PushConfig
+        # push: Pusher (trainer side) -> HTTP + broadcasts -> the server's routes, per protocol
+        from torchtitan_grpo.weight_sync.pusher import PushConfig
 
-            url = r.share(None, src=1)
-            pusher = Pusher(loop, [url], PushConfig(mode="sync", backend=backend, bucket_bytes=mb << 20,
-                                                    num_staging_buffers=1, deadline_s=300, init_timeout_s=120),
-                            device=dev)
-            try:
-                pusher.connect(initial_version=0)
-                for v in range(1, reps + 2):
-                    t0 = time.perf_counter()
-                    pusher.push(tensors, version=v, wait=True)
-                    push_times.append(time.perf_counter() - t0)
-            finally:
-                pusher.close()
-                del pusher
-                gc.collect()  # its staging buffers (cyclic references through its tasks)
-            dist.barrier(group=r.ctrl)
-            ok_push = True  # judged by the replica
-        else:
-            holder = LoopThread("bench-replica")
-            engine = TensorEngine(tensors, dev)
-            runner, routes, http_port = holder.run(_serve_routes(engine, dev))
-            r.share(f"http://127.0.0.1:{http_port}", src=1)
-            dist.barrier(group=r.ctrl)  # rank 0 pushes meanwhile
-            r.sync()
-            ok_push = checksum(tensors, names) == expected and engine.weight_version == str(reps + 1)
-            routes.close()
-            holder.run(runner.cleanup())
-            holder.close()
-            for t in tensors.values():
-                t.zero_()
-        ok_bucketed, ok_push = _all_ok(r, ok_bucketed), _all_ok(r, ok_push)
-        ok = ok_bucketed and ok_push
+        pushes = {proto: _push(r, tensors, names, expected, loop, reps, PushConfig(
+            mode="sync", backend=backend, protocol=proto, bucket_bytes=mb << 20, packed_buffer_bytes=mb << 20,
+            num_staging_buffers=1, deadline_s=300, init_timeout_s=120)) for proto in protocols}
+        if k == 0 and flavor in disk_sets:
+            with tempfile.TemporaryDirectory(prefix="weight_push_disk_") as folder:
+                pushes["disk"] = _push(r, tensors, names, expected, loop, reps, PushConfig(
+                    mode="sync", backend="disk", disk_folder=r.share(folder), deadline_s=600))
+        ok_push = all(ok for _, _, ok in pushes.values())
+        ok = _all_ok(r, ok_bucketed) and ok_push
         if r.rank == 0:
-            t_push = statistics.median(push_times[1:])
-            row |= {"push": nbytes / t_push / 2**30, "check": "ok" if ok else "MISMATCH"}
-            row["ratio"] = row["push"] / row["raw"]
+            for proto, (t_push, t_transfer, _) in pushes.items():
+                row[proto] = nbytes / t_push / 2**30
+                row[proto + "_transfer"] = nbytes / t_transfer / 2**30
+            row["check"] = "ok" if ok else "MISMATCH"
             print("row: " + _format_row(row), flush=True)
         rows.append(row)
     del tensors
@@ -300,6 +302,52 @@ def _measure_set(r: Ranks, flavor: str, bucket_mbs: list[int], reps: int, backen
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+def _push(r: Ranks, tensors: dict[str, torch.Tensor], names: list[str], expected: list[int], loop,
+          reps: int, cfg) -> tuple[float, float, bool]:
+    """``reps`` + 1 versions through ``Pusher.push(wait=True)`` from rank 0 to a
+    built-in server app on rank 1 (``cfg`` picks protocol and transport).
+    Returns the medians after the first of the whole push and of its transfer
+    (the push less the snapshot copy, i.e. from staged bytes to the replica
+    serving the version), and whether the replica ended with the trainer's
+    bytes and the last version."""
+    push_times: list[float] = []
+    transfer_times: list[float] = []
+    if r.rank == 0:
+        from torchtitan_grpo.weight_sync.pusher import Pusher
+
+        url = r.share(None, src=1)
+        pusher = Pusher(loop, [url], cfg, device=r.device)
+        try:
+            pusher.connect(initial_version=0)
+            for v in range(1, reps + 2):
+                t0 = time.perf_counter()
+                m = pusher.push(tensors, version=v, wait=True)
+                push_times.append(time.perf_counter() - t0)
+                transfer_times.append(push_times[-1] - m["time/push_stall_s"])
+        finally:
+            pusher.close()
+            del pusher
+            gc.collect()  # its staging buffers (cyclic references through its tasks)
+        dist.barrier(group=r.ctrl)
+        ok = True  # judged by the replica
+    else:
+        holder = LoopThread("bench-replica")
+        engine = TensorEngine(tensors, r.device)
+        runner, http_port = holder.run(_serve_routes(engine, r.device))
+        r.share(f"http://127.0.0.1:{http_port}", src=1)
+        dist.barrier(group=r.ctrl)  # rank 0 pushes meanwhile
+        r.sync()
+        ok = checksum(tensors, names) == expected and engine.weight_version == str(reps + 1)
+        holder.run(runner.cleanup())
+        holder.close()
+        for t in tensors.values():
+            t.zero_()
+    ok = _all_ok(r, ok)
+    if r.rank != 0:
+        return 0.0, 0.0, ok
+    return statistics.median(push_times[1:]), statistics.median(transfer_times[1:]), ok
 
 
 def _all_ok(r: Ranks, ok: bool) -> bool:
@@ -311,24 +359,36 @@ def _all_ok(r: Ranks, ok: bool) -> bool:
 # ----------------------------------------------------------------------- output
 
 
-HEADER = ("| set | GB | tensors | bucket MB | buckets | raw GiB/s | bucketed GiB/s | push GiB/s | push / raw "
-          "| snapshot ms | check |")
+PATHS = ("sglang", "vllm", "disk")
 
 
 def _format_row(row: dict) -> str:
-    return (f"| {row['set']} | {row['GB']:.2f} | {row['tensors']} | {row['bucket_mb']} | {row['buckets']} "
-            f"| {row['raw']:.1f} | {row['bucketed']:.1f} | {row['push']:.1f} | {row['ratio']:.2f} "
-            f"| {row['snapshot_ms']:.1f} | {row['check']} |")
+    cells = [row["set"], f"{row['GB']:.2f}", str(row["bucket_mb"]), str(row["buckets"]), f"{row['raw']:.1f}",
+             f"{row['bucketed']:.1f}"]
+    for path in PATHS:
+        if path in row:
+            cells += [f"{row[path]:.1f}", f"{row[path + '_transfer']:.1f}",
+                      f"{row[path + '_transfer'] / row['raw']:.2f}"]
+        else:
+            cells += ["-", "-", "-"]
+    cells += [f"{row['snapshot_ms']:.1f}", row["check"]]
+    return "| " + " | ".join(cells) + " |"
 
 
 def print_table(rows: list[dict], backend: str, devices: str, reps: int) -> None:
     print(f"# weight push: {backend}, {devices}; bf16 qwen3 weight sets (HF names/shapes from TorchTitan's "
           f"flavors); median of {reps} after 1 warm-up; GB = 1e9 bytes, GiB/s = 2^30 bytes/s")
     print("# raw = one flat broadcast (baseline); bucketed = WeightGroup broadcasts of the staging buckets + "
-          "receive_weights + load copy; push = Pusher.push(wait=True) over HTTP to the server's routes "
-          "(snapshot included); snapshot = staging copy alone")
-    print(HEADER)
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+          "receive_weights + install; <path> push = Pusher.push(wait=True) over HTTP to the built-in server's "
+          "routes, snapshot included; <path> xfer = the same less the snapshot (staged bytes -> replica serving "
+          "the version); sglang: one update request per bucket; vllm: one request, packed chunks of 'bucket MiB'; "
+          "disk: safetensors in a local folder + update_weights_from_disk; snapshot = staging copy alone")
+    heads = ["set", "GB", "bucket MiB", "buckets", "raw GiB/s", "bucketed GiB/s"]
+    for path in PATHS:
+        heads += [f"{path} push GiB/s", f"{path} xfer GiB/s", f"{path} xfer / raw"]
+    heads += ["snapshot ms", "check"]
+    print("| " + " | ".join(heads) + " |")
+    print("| --- | " + " | ".join(["---:"] * (len(heads) - 2)) + " | --- |")
     for row in rows:
         print(_format_row(row))
 
@@ -355,7 +415,8 @@ def _worker(rank: int, args: argparse.Namespace) -> None:
     rows = []
     try:
         for flavor in args.sets:
-            rows += _measure_set(r, flavor, args.bucket_mb, args.reps, backend, raw_group, loop)
+            rows += _measure_set(r, flavor, args.bucket_mb, args.reps, backend, raw_group, loop, args.protocols,
+                                 args.disk_sets)
         if rank == 0:
             if args.cpu:
                 devices = f"cpu -> cpu (2 processes), torch {torch.__version__}"
@@ -382,8 +443,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bucket-mb", default=None, help=f"bucket sizes in MiB (GPU: {GPU_BUCKETS_MB}; "
                                                       f"--cpu: {CPU_BUCKETS_MB})")
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions per path (after one warm-up)")
+    ap.add_argument("--protocols", default="sglang,vllm", help="push protocols to measure, comma-separated")
+    ap.add_argument("--disk-sets", default=None, help="sets also pushed through the disk transport (GPU: "
+                                                       f"{GPU_DISK_SETS}; --cpu: {CPU_SETS}); 'none' for none")
     args = ap.parse_args(argv)
     args.sets = (args.sets or (CPU_SETS if args.cpu else GPU_SETS)).split(",")
+    args.protocols = [p for p in args.protocols.split(",") if p]
+    if set(args.protocols) - {"sglang", "vllm"}:
+        sys.exit(f"--protocols: sglang and/or vllm, got {args.protocols}")
+    disk = args.disk_sets or (CPU_SETS if args.cpu else GPU_DISK_SETS)
+    args.disk_sets = [] if disk == "none" else disk.split(",")
     args.bucket_mb = [int(x) for x in (args.bucket_mb or (CPU_BUCKETS_MB if args.cpu else GPU_BUCKETS_MB)).split(",")]
     if not args.cpu and torch.cuda.device_count() < 2:
         sys.exit(f"needs 2 GPUs (found {torch.cuda.device_count()}); use --cpu for the gloo version")

@@ -11,7 +11,7 @@
 # each log tee'd to $OUT/<step>.log (default outputs/device_issue4/):
 #   0. install .whl/*.whl into /tmp/site (GPU only) and report the environment
 #      (nvidia-smi topo -m, versions, imports);
-#   1. bench/weight_push.py   raw NCCL broadcast vs our push path, qwen3 0.6B/4B/8B-sized sets (~40 s)
+#   1. bench/weight_push.py   raw NCCL broadcast vs our push path, qwen3 0.6B/4B/8B-sized sets, SGLang and vLLM protocols, disk (~2 min)
 #   2. scripts/verify_grpo_2gpu.sh   grpo_train async NCCL, server weights == trainer weights, logprobs (~40 s)
 #   3. bench/step_time.py     step time off/sync/async, slow replica, killed replica (~150 s)
 # then prints a summary: each step's exit code and time, its final table and
@@ -104,7 +104,7 @@ run_step() {  # name, budget_s, command...
   if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then RC[$name]="$rc (timed out after ${limit}s)"; else RC[$name]=$rc; fi
 }
 
-run_step weight_push 110 "$PYTHON" bench/weight_push.py ${MODE_ARGS[@]+"${MODE_ARGS[@]}"}
+run_step weight_push 200 "$PYTHON" bench/weight_push.py ${MODE_ARGS[@]+"${MODE_ARGS[@]}"}
 run_step verify 100 bash scripts/verify_grpo_2gpu.sh ${MODE_ARGS[@]+"${MODE_ARGS[@]}"}
 run_step step_time 250 "$PYTHON" bench/step_time.py ${MODE_ARGS[@]+"${MODE_ARGS[@]}"} --log-dir "$OUT/step_time_servers"
 # The GPU-only tests (they skip without CUDA): recorded in docs/ from this log.

@@ -27,11 +27,17 @@ def test_weight_push_cpu():
     lines = r.stdout.splitlines()
     header = lines.index(next(line for line in lines if line.startswith("| set | GB |")))
     rows = [line for line in lines[header + 2:] if line.startswith("| ")]
-    assert [row.split("|")[4].strip() for row in rows] == ["4", "16"]  # one row per bucket size
-    for row in rows:
-        cells = [c.strip() for c in row.strip("|").split("|")]
-        assert cells[0] == "debugmodel" and cells[-1] == "ok", row  # the replica got the bytes
-        assert all(float(c) > 0 for c in cells[5:10]), row  # raw, bucketed, push GiB/s, ratio, snapshot ms
+    heads = [c.strip() for c in lines[header].strip("|").split("|")]
+    assert [row.split("|")[3].strip() for row in rows] == ["4", "16"]  # one row per bucket size
+    for i, row in enumerate(rows):
+        cells = dict(zip(heads, (c.strip() for c in row.strip("|").split("|"))))
+        assert cells["set"] == "debugmodel" and cells["check"] == "ok", row  # the replica got every version
+        # raw, bucketed, both protocols (and the disk transport, measured once per set)
+        paths = ("sglang", "vllm", "disk") if i == 0 else ("sglang", "vllm")
+        measured = ["raw GiB/s", "bucketed GiB/s", "snapshot ms"] + [
+            f"{p} {c}" for p in paths for c in ("push GiB/s", "xfer GiB/s", "xfer / raw")]
+        assert all(float(cells[c]) > 0 for c in measured), row
+    assert rows[1].count("| - ") == 3  # the disk push of the second row was not run
 
 
 def test_step_time_cpu(tiny_model_dir, tmp_path):
