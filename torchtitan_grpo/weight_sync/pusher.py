@@ -493,13 +493,11 @@ class Pusher:
     async def _with_broadcasts(self, r: _Replica, http: asyncio.Task, staged: _Staged, bufs) -> None:
         """Run the replica's update request and our broadcasts of ``bufs``
         together; if the replica refuses (so it posts no receive), stop at once."""
-        loop = asyncio.get_running_loop()
-
-        async def send_all():
-            for buf in bufs:
-                await loop.run_in_executor(r.executor, self._broadcast, r, staged, buf)
-
-        send = asyncio.ensure_future(send_all())
+        stop = threading.Event()
+        # One hop to the replica's thread for all of them: a hop per buffer
+        # left the link idle between broadcasts (measured on 2 H200s: the 16
+        # chunks of an 8B set took ~0.3 ms each to get going again).
+        send = asyncio.get_running_loop().run_in_executor(r.executor, self._broadcast_all, r, staged, bufs, stop)
         try:
             done, _ = await asyncio.wait({http, send}, return_when=asyncio.FIRST_EXCEPTION)
             for t in done:
@@ -507,6 +505,7 @@ class Pusher:
                     raise t.exception()
             await asyncio.gather(http, send)
         except BaseException:
+            stop.set()  # no further buffer is sent to a replica that refused or failed
             http.cancel()
             send.cancel()
             raise
@@ -611,10 +610,14 @@ class Pusher:
                 logger.warning("resume on %s failed: %s", r.url, e)
 
     @staticmethod
-    def _broadcast(r: _Replica, staged: _Staged, buf: torch.Tensor) -> None:
-        if r.stream is not None and staged.ready is not None:
-            r.stream.wait_event(staged.ready)
-        r.group.broadcast(buf, src=0, stream=r.stream)
+    def _broadcast_all(r: _Replica, staged: _Staged, bufs: list[torch.Tensor], stop: threading.Event) -> None:
+        group, stream = r.group, r.stream  # an ejection clears them while this thread may still run
+        if stream is not None and staged.ready is not None:
+            stream.wait_event(staged.ready)
+        for buf in bufs:
+            if stop.is_set():
+                return
+            group.broadcast(buf, src=0, stream=stream)
 
     # ------------------------------------------------------------ close
 
