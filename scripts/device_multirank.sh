@@ -16,20 +16,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-outputs/device_multirank}
 BUDGET=${BUDGET_S:-220}
-T0=$SECONDS
 WORK=${WORK:-/tmp/device_multirank}  # models and gathered tensors: not brought back
 mkdir -p "$OUT" "$WORK/gather"
-left() { echo $(( BUDGET - (SECONDS - T0) )); }
-
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 3
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
-{ nvidia-smi --query-gpu=name --format=csv,noheader; python3 -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version())"; } 2>&1 | tee "$OUT/env.log"
+source scripts/device_env.sh
 
 rc=0
 python3 -c "
@@ -37,12 +26,12 @@ import json, sys
 from tests.test_parallel_parity import write_models
 print(json.dumps(write_models(sys.argv[1])))" "$WORK/models" > "$WORK/models.json" 2> "$OUT/models.log" || rc=1
 MODELS=$(python3 -c "import json,sys; print(' '.join(f'--model={k}={v}' for k,v in json.load(open(sys.argv[1])).items()))" "$WORK/models.json")
-timeout -k 5 "$(left)" torchrun --standalone --nproc_per_node=2 tests/test_gather.py --out "$WORK/gather" \
-  --layouts fsdp,tp,ddp $MODELS > "$OUT/gather.log" 2>&1 || { rc=1; tail -40 "$OUT/gather.log"; }
+budgeted gather.log torchrun --standalone --nproc_per_node=2 tests/test_gather.py --out "$WORK/gather" \
+  --layouts fsdp,tp,ddp $MODELS || { rc=1; tail -40 "$OUT/gather.log"; }
 python3 tests/test_gather.py --out "$WORK/gather" --check | tee "$OUT/gather_check.log" || rc=1
 
-timeout -k 5 "$(left)" torchrun --standalone --nproc_per_node=2 bench/gather_step.py --push-dtype bfloat16 \
-  > "$OUT/gather_step.log" 2>&1 || { rc=1; tail -40 "$OUT/gather_step.log"; }
+budgeted gather_step.log torchrun --standalone --nproc_per_node=2 bench/gather_step.py --push-dtype bfloat16 \
+  || { rc=1; tail -40 "$OUT/gather_step.log"; }
 grep -E "^# gather_step|^\| " "$OUT/gather_step.log"
 echo "device_multirank: exit $rc after $((SECONDS - T0)) s"
 exit $rc

@@ -19,26 +19,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-outputs/device_parity}
 BUDGET=${BUDGET_S:-420}
-T0=$SECONDS
 mkdir -p "$OUT"
-left() { echo $(( BUDGET - (SECONDS - T0) )); }
-# budgeted LOG CMD...: CMD under the time left, output to $OUT/LOG (timeout 0 would mean no limit)
-budgeted() {
-  local log=$1; shift
-  if (( $(left) <= 0 )); then echo "skipped: no time left in BUDGET_S=$BUDGET" > "$OUT/$log"; return 1; fi
-  timeout -k 5 "$(left)" "$@" > "$OUT/$log" 2>&1
-}
-
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 3
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
-{ date -u +%FT%TZ; nvidia-smi --query-gpu=name --format=csv,noheader;
-  python3 -c "import torch, transformers; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), 'transformers', transformers.__version__)"; } 2>&1 | tee "$OUT/env.log"
+source scripts/device_env.sh
 
 rc=0
 budgeted pytest.log python3 -m pytest -q -ra -p no:cacheprovider tests/test_parallel_parity.py || rc=1
