@@ -494,9 +494,9 @@ class Pusher:
         """Run the replica's update request and our broadcasts of ``bufs``
         together; if the replica refuses (so it posts no receive), stop at once."""
         stop = threading.Event()
-        # One hop to the replica's thread for all of them: a hop per buffer
-        # left the link idle between broadcasts (measured on 2 H200s: the 16
-        # chunks of an 8B set took ~0.3 ms each to get going again).
+        # One hop to the replica's thread for all of them, not one per buffer
+        # through the event loop (on 2 H200s this made no measurable
+        # difference to push bandwidth: docs/PERFORMANCE.md, runs 4 and 5).
         send = asyncio.get_running_loop().run_in_executor(r.executor, self._broadcast_all, r, staged, bufs, stop)
         try:
             done, _ = await asyncio.wait({http, send}, return_when=asyncio.FIRST_EXCEPTION)
