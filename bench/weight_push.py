@@ -309,9 +309,10 @@ def _push(r: Ranks, tensors: dict[str, torch.Tensor], names: list[str], expected
     """``reps`` + 1 versions through ``Pusher.push(wait=True)`` from rank 0 to a
     built-in server app on rank 1 (``cfg`` picks protocol and transport).
     Returns the medians after the first of the whole push and of its transfer
-    (the push less the snapshot copy, i.e. from staged bytes to the replica
-    serving the version), and whether the replica ended with the trainer's
-    bytes and the last version."""
+    (the push less the trainer's snapshot stall, ``time/push_stall_s``: from
+    staged bytes to the replica serving the version; on GPUs the tail of the
+    snapshot's device copy is still inside), and whether the replica ended with
+    the trainer's bytes and the last version."""
     push_times: list[float] = []
     transfer_times: list[float] = []
     if r.rank == 0:
