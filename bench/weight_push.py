@@ -57,6 +57,13 @@ delivered.
 
 Prints one markdown table; rows are printed as they complete (``row:``) so a
 run cut short still leaves its numbers.
+
+``--trace`` also prints, for the last version of each push, a timeline of
+both processes (``time.perf_counter``, one clock on one host): every HTTP
+request of the pusher, every broadcast call of its sender, and on the replica
+every route's handling, receive and install, in ms from the start of
+``push``. It is where the push loses time against ``raw``. The wrappers are
+installed by the bench only; the product code has no tracing in it.
 """
 
 from __future__ import annotations
@@ -175,11 +182,100 @@ async def _serve_routes(engine: TensorEngine, device: torch.device):
 
     app, _ = build_app(engine, ServerConfig(model="bench-stand-in", device=str(device), port=0,
                                             weight_group_timeout_s=120))
+    if TRACE is not None:
+        _trace_replica(app, engine)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     return runner, runner.addresses[0][1]
+
+
+# ---------------------------------------------------------------------- tracing
+
+
+class Trace:
+    """(label, start, end) of wrapped calls, in ``time.perf_counter`` seconds."""
+
+    def __init__(self):
+        self.events: list[tuple[str, float, float]] = []
+
+    def add(self, label: str, t0: float) -> None:
+        self.events.append((label, t0, time.perf_counter()))
+
+    def wrap(self, owner, attr: str, label) -> None:
+        """Replace ``owner.attr`` (a function, sync or async) with a timed
+        wrapper; ``label(*args)`` names each call."""
+        import functools
+        import inspect
+
+        fn = inspect.getattr_static(owner, attr)
+        static = isinstance(fn, staticmethod)
+        if static:
+            fn = fn.__func__
+        elif not inspect.isclass(owner) and not inspect.ismodule(owner):
+            fn = getattr(owner, attr)  # an instance: its bound method
+        if inspect.iscoroutinefunction(fn):
+            @functools.wraps(fn)
+            async def timed(*a, **k):
+                t0 = time.perf_counter()
+                try:
+                    return await fn(*a, **k)
+                finally:
+                    self.add(label(*a), t0)
+        else:
+            @functools.wraps(fn)
+            def timed(*a, **k):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    self.add(label(*a), t0)
+        setattr(owner, attr, staticmethod(timed) if static else timed)
+
+    def since(self, t0: float) -> list[tuple[str, float, float]]:
+        return [e for e in self.events if e[2] >= t0]
+
+
+TRACE: Trace | None = None
+
+
+def _trace_trainer() -> None:
+    from torchtitan_grpo.weight_sync import pusher
+
+    TRACE.wrap(pusher, "_post", lambda session, url, *a: "trainer POST " + url.split("/", 3)[-1])
+    TRACE.wrap(pusher.Pusher, "_broadcast_all",
+               lambda r, staged, bufs, stop: f"trainer broadcast x{len(bufs)} ({sum(b.numel() for b in bufs) >> 20} MiB)")
+
+
+def _trace_replica_receives() -> None:
+    from torchtitan_grpo.inference import server, server_vllm
+
+    TRACE.wrap(server, "receive_weights", lambda group, specs, flattened: f"replica receive ({len(specs)} tensors)")
+    TRACE.wrap(server_vllm, "receive_packed", lambda group, specs, *a: f"replica receive packed ({len(specs)} tensors)")
+
+
+def _trace_replica(app, engine: "TensorEngine") -> None:
+    """The routes and the install of one app (the receives are wrapped once per process)."""
+    from aiohttp import web
+
+    TRACE.wrap(engine, "load_weights", lambda named, *a: f"replica install ({len(named)} tensors)")
+
+    @web.middleware
+    async def timed(request, handler):
+        t0 = time.perf_counter()
+        try:
+            return await handler(request)
+        finally:
+            TRACE.add("replica route " + request.path.lstrip("/"), t0)
+
+    app.middlewares.insert(0, timed)
+
+
+def print_trace(title: str, t0: float, events: list[tuple[str, float, float]]) -> None:
+    print(f"trace: {title}: ms from the start of push()")
+    for label, a, b in sorted(events, key=lambda e: e[1]):
+        print(f"trace:   {(a - t0) * 1e3:8.2f} {(b - t0) * 1e3:8.2f} {(b - a) * 1e3:7.2f}  {label}")
 
 
 # ----------------------------------------------------------------- measurement
@@ -327,12 +423,19 @@ def _push(r: Ranks, tensors: dict[str, torch.Tensor], names: list[str], expected
                 m = pusher.push(tensors, version=v, wait=True)
                 push_times.append(time.perf_counter() - t0)
                 transfer_times.append(push_times[-1] - m["time/push_stall_s"])
+                if TRACE is not None:
+                    TRACE.events.append((f"trainer snapshot (host stall) v{v}", t0, t0 + m["time/push_stall_s"]))
         finally:
             pusher.close()
             del pusher
             gc.collect()  # its staging buffers (cyclic references through its tasks)
         dist.barrier(group=r.ctrl)
         ok = True  # judged by the replica
+        if TRACE is not None:
+            theirs = r.share(None, src=1)
+            name = f"{cfg.protocol if cfg.backend != 'disk' else 'disk'} push of version {reps + 1}"
+            print_trace(name, t0, TRACE.since(t0) + [e for e in theirs if e[2] >= t0])
+            TRACE.events.clear()
     else:
         holder = LoopThread("bench-replica")
         engine = TensorEngine(tensors, r.device)
@@ -343,6 +446,9 @@ def _push(r: Ranks, tensors: dict[str, torch.Tensor], names: list[str], expected
         ok = checksum(tensors, names) == expected and engine.weight_version == str(reps + 1)
         holder.run(runner.cleanup())
         holder.close()
+        if TRACE is not None:
+            r.share(list(TRACE.events), src=1)
+            TRACE.events.clear()
         for t in tensors.values():
             t.zero_()
     ok = _all_ok(r, ok)
@@ -413,6 +519,13 @@ def _worker(rank: int, args: argparse.Namespace) -> None:
     raw_group = dist.new_group([0, 1])  # a communicator of its own, like a weight-sync group
     loop = LoopThread() if rank == 0 else None
     r = Ranks(rank, device, ctrl)
+    if args.trace:
+        global TRACE
+        TRACE = Trace()
+        if rank == 0:
+            _trace_trainer()
+        else:
+            _trace_replica_receives()
     rows = []
     try:
         for flavor in args.sets:
@@ -447,6 +560,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--protocols", default="sglang,vllm", help="push protocols to measure, comma-separated")
     ap.add_argument("--disk-sets", default=None, help="sets also pushed through the disk transport (GPU: "
                                                        f"{GPU_DISK_SETS}; --cpu: {CPU_SETS}); 'none' for none")
+    ap.add_argument("--trace", action="store_true", help="print a timeline of the last version of each push")
     args = ap.parse_args(argv)
     args.sets = (args.sets or (CPU_SETS if args.cpu else GPU_SETS)).split(",")
     args.protocols = [p for p in args.protocols.split(",") if p]
