@@ -146,13 +146,18 @@ class TensorEngine:
         self.model = SimpleNamespace(config=SimpleNamespace(model_type="qwen3"),
                                      parameters=lambda: iter(params.values()))
 
-    def load_weights(self, named, weight_version: str | None = None) -> None:
-        from torchtitan_grpo.inference.engine import WeightUpdateError, install_weights
+    def check_weights(self, specs) -> None:
+        from torchtitan_grpo.inference.engine import WeightUpdateError
 
-        for name, t in named:
-            target = self._tensors.get(name)
-            if target is None or tuple(target.shape) != tuple(t.shape):
-                raise WeightUpdateError(f"tensor {name!r} does not fit the model")
+        for s in specs:
+            target = self._tensors.get(s.name)
+            if target is None or tuple(target.shape) != tuple(s.shape):
+                raise WeightUpdateError(f"tensor {s.name!r} does not fit the model")
+
+    def load_weights(self, named, weight_version: str | None = None) -> None:
+        from torchtitan_grpo.inference.engine import install_weights
+
+        self.check_weights([bk.TensorSpec.of(n, t) for n, t in named])
         install_weights(self._tensors, named)
         if weight_version is not None:
             self.weight_version = weight_version

@@ -402,9 +402,14 @@ def test_gloo_weight_push(server, model_dir, pool, hf_model):
     status, body = http(server, "/begin_weight_update", {})
     assert status == 400 and "already open" in body["message"]
 
-    # per tensor: one broadcast per name, in order
+    # per tensor: one broadcast per name, in order. Nothing is loaded before
+    # /end_weight_update: the session's buckets become one version at once.
     status, body = _push(pool, server, group, upd, [new[n] for n in names], probe=True)
     assert status == 200 and body["success"], body
+    assert torch.equal(_weights(server, "model.norm.weight"), original["model.norm.weight"])
+    assert http(server, "/model_info")[1]["weight_version"] != "v1"
+    status, body = http(server, "/end_weight_update", {})
+    assert status == 200 and "loaded 2 tensor(s)" in body["message"], body
     for n in names:
         assert torch.equal(_weights(server, n), new[n])
     assert http(server, "/model_info")[1]["weight_version"] == "v1"
@@ -424,8 +429,10 @@ def test_gloo_weight_push(server, model_dir, pool, hf_model):
     flat = {"names": [s.name for s in bucket], "dtypes": [dtype_name(s.dtype) for s in bucket],
             "shapes": [list(s.shape) for s in bucket], "group_name": "wg", "weight_version": "v2",
             "load_format": "flattened_bucket", "flush_cache": True}
+    assert http(server, "/begin_weight_update", {})[1]["success"]
     status, body = _push(pool, server, group, flat, [pack([bucket_tensors[s.name] for s in bucket])])
     assert status == 200 and body["success"], body
+    assert http(server, "/end_weight_update", {})[1]["success"]
     for n, t in bucket_tensors.items():
         assert torch.equal(_weights(server, n), t.float())
 
@@ -443,7 +450,12 @@ def test_gloo_weight_push(server, model_dir, pool, hf_model):
     finally:
         hf_model.load_state_dict(original, strict=False)
 
-    # refused after receiving: unknown name / wrong shape; nothing applied, group still in step
+    # refused after receiving: unknown name / wrong shape. The group stays in
+    # step, and the session, whatever else it received, loads nothing.
+    assert http(server, "/begin_weight_update", {})[1]["success"]
+    fine = {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[128, 64]], "group_name": "wg"}
+    status, body = _push(pool, server, group, fine, [torch.zeros(128, 64)])
+    assert status == 200 and body["success"], body
     bad = [("model.norm.weight", torch.zeros(64)), ("model.no_such.weight", torch.zeros(3))]
     body_bad = {"names": [n for n, _ in bad], "dtypes": ["float32"] * 2, "shapes": [[64], [3]],
                 "group_name": "wg", "weight_version": "bad"}
@@ -454,12 +466,21 @@ def test_gloo_weight_push(server, model_dir, pool, hf_model):
     assert status == 400 and "model.norm.weight" in body["message"] and "shape" in body["message"]
     status, body = http(server, "/update_weights_from_distributed", {**upd, "dtypes": ["torch.float32"] * 2})
     assert status == 400 and "dtypes[0]" in body["message"]  # refused before any receive
+    status, body = http(server, "/end_weight_update", {})
+    assert status == 400 and "nothing loaded" in body["message"] and "model.no_such.weight" in body["message"]
     assert torch.equal(_weights(server, "model.norm.weight"), new["model.norm.weight"])
+    assert torch.equal(_weights(server, "lm_head.weight"), bucket_tensors["lm_head.weight"].float())
     assert http(server, "/model_info")[1]["weight_version"] == "v2"
 
-    assert http(server, "/end_weight_update", {})[1]["success"]
+    # an abandoned session (the trainer destroys the group mid-version) loads nothing either
+    assert http(server, "/begin_weight_update", {})[1]["success"]
+    status, body = _push(pool, server, group, fine, [torch.zeros(128, 64)])
+    assert status == 200 and body["success"], body
     assert http(server, "/destroy_weights_update_group", {"group_name": "wg"})[1]["success"]
     assert http(server, "/destroy_weights_update_group", {"group_name": "wg"})[0] == 400
+    status, body = http(server, "/end_weight_update", {})
+    assert status == 400 and "destroyed" in body["message"]
+    assert torch.equal(_weights(server, "lm_head.weight"), bucket_tensors["lm_head.weight"].float())
     group.close()
 
     # disk path (same session rules) puts the checkpoint back for later tests
@@ -473,6 +494,57 @@ def test_gloo_weight_push(server, model_dir, pool, hf_model):
     assert http(server, "/model_info")[1]["weight_version"] == "disk"
 
 
+def test_generation_between_buckets_runs_the_old_weights_whole(server, model_dir, pool):
+    """A session's buckets are loaded together by /end_weight_update: a
+    request served between two buckets (generation not paused) runs the old
+    version, every weight of it, and the new version applies all at once."""
+    from safetensors.torch import load_file
+
+    original = load_file(os.path.join(model_dir, "model.safetensors"))
+    port = free_port()
+    reply = pool.submit(http, server, "/init_weights_update_group",
+                        {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+                         "group_name": "wg-half", "backend": "gloo"})
+    group = init_weight_group("127.0.0.1", port, 0, 2, backend="gloo", group_name="wg-half", timeout_s=60)
+    assert reply.result(timeout=60)[1]["success"]
+    req = {"input_ids": PROMPTS[0], "return_logprob": True, "sampling_params": {"max_new_tokens": 6, **GREEDY}}
+    old_version = http(server, "/model_info")[1]["weight_version"]
+    before = generate(server, req)
+    g = torch.Generator().manual_seed(7)
+    buckets = [("lm_head.weight", torch.randn(original["lm_head.weight"].shape, generator=g) * 3),
+               ("model.norm.weight", torch.randn(original["model.norm.weight"].shape, generator=g))]
+
+    def send(name: str, t: torch.Tensor, version: str | None) -> None:
+        body = {"names": [name], "dtypes": ["float32"], "shapes": [list(t.shape)], "group_name": "wg-half",
+                "weight_version": version}
+        status, out = _push(pool, server, group, body, [t])
+        assert status == 200 and out["success"], out
+
+    try:
+        assert http(server, "/begin_weight_update", {})[1]["success"]
+        send(*buckets[0], None)
+        between = generate(server, req)
+        assert between["output_ids"] == before["output_ids"]
+        assert between["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"]
+        assert between["meta_info"]["weight_version"] == old_version
+        send(*buckets[1], "whole")
+        assert http(server, "/end_weight_update", {})[1]["success"]
+        after = generate(server, req)
+        assert after["meta_info"]["weight_version"] == "whole"
+        assert after["meta_info"]["output_token_logprobs"] != before["meta_info"]["output_token_logprobs"]
+        for name, t in buckets:
+            assert torch.equal(_weights(server, name), t)
+    finally:  # the checkpoint back, under its old version, for the other tests
+        http(server, "/end_weight_update", {})
+        assert http(server, "/begin_weight_update", {})[1]["success"]
+        for i, (name, _) in enumerate(buckets):
+            send(name, original[name], old_version if i == len(buckets) - 1 else None)
+        assert http(server, "/end_weight_update", {})[1]["success"]
+        assert http(server, "/destroy_weights_update_group", {"group_name": "wg-half"})[1]["success"]
+        group.close()
+    assert generate(server, req)["output_ids"] == before["output_ids"]
+
+
 # --------------------------------------------------------------------------- #
 # Pause / continue and versions
 # --------------------------------------------------------------------------- #
@@ -484,12 +556,15 @@ def test_unpaused_update_waits_for_running_requests(server, model_dir, pool):
     wait_until(lambda: load(server)["num_output_tokens"] > 3, what="decoding")
     http(server, "/begin_weight_update", {})
     status, body = http(server, "/update_weights_from_disk", {"model_path": model_dir, "weight_version": "after"})
-    assert status == 200 and body["success"]
+    assert status == 200 and body["success"]  # received; loaded when the session ends
+    ended = pool.submit(http, server, "/end_weight_update", {})
     # Applied only once the request had finished: every token is from the old version.
     out = running.result(timeout=60)
     assert out["meta_info"]["weight_version"] == before and "weight_versions" not in out["meta_info"]
     assert out["meta_info"]["completion_tokens"] == 200
-    http(server, "/end_weight_update", {})
+    status, body = ended.result(timeout=60)
+    assert status == 200 and body["success"], body
+    assert http(server, "/model_info")[1]["weight_version"] == "after"
 
 
 def test_pause_modes(server, pool):

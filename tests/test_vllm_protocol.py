@@ -415,11 +415,20 @@ def test_weight_push_through_vllm_routes(server, model_dir, pool):
     reply, sent = _update(pool, server, group, v2, packed=True, buffer_bytes=3000)
     assert reply[0] == 200, reply
     assert sent == 2  # [32 B, 256 B, 16 KiB] closes past 3000 B, then [64 KiB]
-    # refused after receiving (unknown name): nothing applied, the group stays in step
+    # refused after receiving (unknown name): the group stays in step, and the
+    # round loads nothing, not even the update before it (all or nothing)
     bad = [("model.norm.weight", torch.zeros(64)), ("model.no_such.weight", torch.zeros(3))]
     reply, _ = _update(pool, server, group, bad, packed=True, buffer_bytes=3000)
     assert_error(reply, 400, "model.no_such.weight")
-    post(server, vllm.FINISH_WEIGHT_UPDATE, vllm.finish_weight_update_request("2"))
+    assert_error(post(server, vllm.FINISH_WEIGHT_UPDATE, vllm.finish_weight_update_request("2")), 400,
+                 "model.no_such.weight")
+    assert http(server, vllm.WEIGHT_INFO)[1] == {"weight_version": "1"}
+    assert torch.equal(_weights(server, names[0]), v1b[0][1])
+    post(server, vllm.START_WEIGHT_UPDATE)
+    reply, _ = _update(pool, server, group, v2, packed=True, buffer_bytes=3000)
+    assert reply[0] == 200, reply
+    assert http(server, vllm.WEIGHT_INFO)[1] == {"weight_version": "1"}  # loaded by finish, not before
+    assert post(server, vllm.FINISH_WEIGHT_UPDATE, vllm.finish_weight_update_request("2"))[0] == 200
     post(server, vllm.RESUME)
     assert http(server, vllm.WEIGHT_INFO)[1] == {"weight_version": "2"}
     for n, t in v2:

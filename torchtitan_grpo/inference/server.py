@@ -38,6 +38,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
+import torch
 from aiohttp import web
 
 from torchtitan_grpo.inference.engine import (
@@ -55,6 +56,7 @@ from torchtitan_grpo.inference.engine import (
 )
 
 from torchtitan_grpo.inference.server_vllm import VLLMRoutes, debug_update_delay
+from torchtitan_grpo.weight_sync.buckets import TensorSpec, dtype_from_name
 
 logger = logging.getLogger("torchtitan_grpo.inference.server")
 
@@ -226,6 +228,14 @@ class SGLangRoutes:
         self.cfg = cfg
         self.groups: dict[str, Any] = {}  # group_name -> WeightGroup
         self.session_open = False
+        # What the open session has received, loaded as one version by
+        # /end_weight_update: generation never runs on a mix of two versions
+        # (buckets arrive one request at a time), and a session that is
+        # abandoned (group destroyed) loads nothing. Costs one model copy of
+        # device memory while a session is open.
+        self._received: dict[str, torch.Tensor] = {}
+        self._received_version: str | None = None
+        self._session_error = ""  # a refused update: the session can only fail
         # Receives and copies run here, off the event loop and one at a time.
         self._transfer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weight-transfer")
         self._update_lock = asyncio.Lock()
@@ -427,6 +437,8 @@ class SGLangRoutes:
             if group is None:
                 return _result(False, f"no weight update group named {group_name!r}")
             await asyncio.to_thread(group.close)
+            if self._received or self._received_version is not None:
+                self._drop_received(f"group {group_name!r} was destroyed during the session")
         return _result(True, f"weight update group {group_name!r} destroyed")
 
     async def begin_weight_update(self, request: web.Request) -> web.Response:
@@ -437,15 +449,47 @@ class SGLangRoutes:
         if self.session_open:
             return _result(False, "a weight update session is already open; call /end_weight_update first")
         self.session_open = True
+        self._received, self._received_version, self._session_error = {}, None, ""
         return _result(True, "weight update session open")
 
     async def end_weight_update(self, request: web.Request) -> web.Response:
+        """Close the session and load what it received, all at once (waiting,
+        unless paused, for running requests to finish)."""
         await _json_body(request)
         if not self.session_open:
             return _result(False, "no weight update session is open (call /begin_weight_update first)")
         async with self._update_lock:  # let an update in flight finish first
+            named, version = list(self._received.items()), self._received_version
+            error = self._session_error
+            self._received, self._received_version, self._session_error = {}, None, ""
             self.session_open = False
-        return _result(True, "weight update session closed")
+            if error:
+                return _result(False, f"weight update session closed; nothing loaded (model unchanged): {error}")
+            if named or version is not None:
+                try:
+                    await self._run(self.engine.load_weights, named, version)
+                except WeightUpdateError as e:
+                    return _result(False, f"weight update session closed; weights not loaded (model unchanged): {e}")
+        return _result(True, f"weight update session closed; loaded {len(named)} tensor(s), serving weight "
+                             f"version {self.engine.weight_version!r}")
+
+    def _drop_received(self, why: str) -> None:
+        """Forget what the open session received: it can only fail now."""
+        self._received, self._received_version = {}, None
+        if self.session_open and not self._session_error:  # the first failure is the one to report
+            self._session_error = why
+
+    def _keep(self, named: list, version: str | None, what: str, **extra: Any) -> web.Response:
+        """Add a received update to the session (later tensors of a name win)."""
+        self._received.update(named)
+        if version is not None:
+            self._received_version = version
+        return _result(True, f"received {what}; loaded at /end_weight_update", **extra)
+
+    def _refuse(self, message: str, **extra: Any) -> web.Response:
+        """A received update that cannot be loaded fails its whole session."""
+        self._drop_received(message)
+        return _result(False, message, **extra)
 
     def _require_session(self) -> None:
         if not self.session_open:
@@ -480,14 +524,19 @@ class SGLangRoutes:
             if abort_all:
                 await asyncio.to_thread(self.engine.abort_all, "aborted for a weight update")
             try:
-                named = await self._run(receive_weights, group, specs, load_format == "flattened_bucket")
+                named = await self._run(self._receive_checked, group, specs, load_format == "flattened_bucket")
             except WeightUpdateError as e:
-                return _result(False, f"received, not loaded: {e}")
+                return self._refuse(f"received, not loaded: {e}")
             except Exception as e:
                 logger.warning("weight receive on %s failed: %s", group_name, e)
-                return _result(False, f"receiving weights on group {group_name!r} failed: {type(e).__name__}: {e}")
+                return self._refuse(f"receiving weights on group {group_name!r} failed: {type(e).__name__}: {e}")
             await debug_update_delay(self.cfg)
-            return await self._load(named, version, f"{len(named)} tensor(s)")
+            return self._keep(named, version, f"{len(named)} tensor(s)")
+
+    def _receive_checked(self, group: Any, specs: list, flattened: bool) -> list:
+        named = receive_weights(group, specs, flattened)  # first: the group stays in step even if refused
+        self.engine.check_weights(specs)
+        return named
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
@@ -505,22 +554,21 @@ class SGLangRoutes:
         async with self._update_lock:
             if abort_all:
                 await asyncio.to_thread(self.engine.abort_all, "aborted for a weight update")
-            try:
-                named = await self._run(read_safetensors_dir, path, self.engine.device)
-            except WeightUpdateError as e:
-                return _result(False, str(e))
-            except Exception as e:
-                return _result(False, f"cannot read weights from {path!r}: {type(e).__name__}: {e}")
-            await debug_update_delay(self.cfg)
             paused = self.engine.num_live_requests() if self.engine.paused else 0
-            return await self._load(named, version, f"{len(named)} tensor(s) from {path}", num_paused_requests=paused)
+            try:
+                named = await self._run(self._read_checked, path)
+            except WeightUpdateError as e:
+                return self._refuse(str(e), num_paused_requests=paused)
+            except Exception as e:
+                return self._refuse(f"cannot read weights from {path!r}: {type(e).__name__}: {e}",
+                                    num_paused_requests=paused)
+            await debug_update_delay(self.cfg)
+            return self._keep(named, version, f"{len(named)} tensor(s) from {path}", num_paused_requests=paused)
 
-    async def _load(self, named: list, version: str | None, what: str, **extra: Any) -> web.Response:
-        try:
-            await self._run(self.engine.load_weights, named, version)
-        except WeightUpdateError as e:
-            return _result(False, f"weights not loaded (model unchanged): {e}", **extra)
-        return _result(True, f"loaded {what}; serving weight version {self.engine.weight_version!r}", **extra)
+    def _read_checked(self, path: str) -> list:
+        named = read_safetensors_dir(path, self.engine.device)
+        self.engine.check_weights([TensorSpec.of(n, t) for n, t in named])
+        return named
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
@@ -622,8 +670,6 @@ class _Refused(Exception):
 
 
 def _tensor_specs(names: list, dtypes: list, shapes: list) -> list:
-    from torchtitan_grpo.weight_sync.buckets import TensorSpec, dtype_from_name
-
     if not (len(names) == len(dtypes) == len(shapes)):
         raise _Refused(f"fields 'names', 'dtypes' and 'shapes' differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})")
     specs = []

@@ -34,7 +34,7 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 import torch
@@ -323,12 +323,14 @@ def receive_packed(group: Any, specs: list[TensorSpec], buffer_bytes: int,
     """Receive vLLM packed-mode chunks: one uint8 broadcast per chunk, cut
     exactly as the sender cuts (``plan_packed_chunks``).
 
-    Chunk k lands in receive buffer k % ``num_buffers``; on GPUs the tensors of
-    a chunk are copied out of it on a second CUDA stream while the next chunk
-    is being received, and a buffer is reused only once its copies are done,
-    so the copies hide behind the transfer (vLLM's receiver overlaps the same
-    way). Offsets inside a chunk are not itemsize-aligned, so tensors are
-    copied out byte for byte into tensors of their own.
+    Chunk k lands in receive buffer k % ``num_buffers``. On GPUs the receive
+    of chunk k+1 is posted before the tensors of chunk k are copied out (on a
+    second CUDA stream), and nothing waits on the host until the end: queueing
+    a chunk's copies costs the host about a millisecond per hundred tensors,
+    which would otherwise leave the link idle between chunks. A buffer is
+    received into again only once its copies are done (a device-side wait).
+    Offsets inside a chunk are not itemsize-aligned, so tensors are copied out
+    byte for byte into tensors of their own.
     """
     device = group.device
     out = [(s.name, torch.empty(s.shape, dtype=s.dtype, device=device)) for s in specs]
@@ -338,25 +340,44 @@ def receive_packed(group: Any, specs: list[TensorSpec], buffer_bytes: int,
         return out
     bufs = [torch.empty(max(sizes), dtype=torch.uint8, device=device)
             for _ in range(min(max(num_buffers, 1), len(chunks)))]
-    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+    cuda = device.type == "cuda"
+    side = torch.cuda.Stream(device) if cuda else None
     free_again: list[Any] = [None] * len(bufs)  # per buffer: its last copies are done
-    dests = iter(t for _, t in out)
-    for k, chunk in enumerate(chunks):
+
+    def post(k: int) -> tuple[torch.Tensor, Any]:
+        """Post the receive of chunk k; return its buffer and an event set once it is in."""
         i = k % len(bufs)
         if free_again[i] is not None:
             torch.cuda.current_stream(device).wait_event(free_again[i])
         buf = bufs[i][: sizes[k]]
-        group.broadcast(buf, src=0)  # returns once the chunk is here
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        group.broadcast(buf, src=0, wait=not cuda)  # gloo: returns once the chunk is here
+        arrived = None
+        if cuda:
+            arrived = torch.cuda.Event()
+            arrived.record()
+        return buf, arrived
+
+    dests = iter(t for _, t in out)
+    ahead = len(bufs) > 1  # with one buffer, chunk k+1 may land only after chunk k is copied out
+    pending = post(0)
+    for k, chunk in enumerate(chunks):
+        buf, arrived = pending
+        if ahead and k + 1 < len(chunks):
+            pending = post(k + 1)
+        with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
+            if cuda:
+                side.wait_event(arrived)
             pos = 0
             for s in chunk:
                 next(dests).view(-1).view(torch.uint8).copy_(buf[pos: pos + s.nbytes])
                 pos += s.nbytes
-            if side is not None:
-                free_again[i] = torch.cuda.Event()
-                free_again[i].record(side)
-    if side is not None:
-        side.synchronize()
+            if cuda:
+                free_again[k % len(bufs)] = torch.cuda.Event()
+                free_again[k % len(bufs)].record(side)
+        if not ahead and k + 1 < len(chunks):
+            pending = post(k + 1)
+    if cuda:
+        side.synchronize()  # every copy, hence every receive before it, is done
     return out
 
 
@@ -371,6 +392,11 @@ class _Transfer:
     """Between /start_weight_update and /finish_weight_update."""
     last_specs: list[TensorSpec] | None = None
     """Metadata of the last /update_weights (an all-empty update_info reuses it)."""
+    received: dict[str, torch.Tensor] = field(default_factory=dict)
+    """What this update has received, loaded as one version by /finish_weight_update
+    (generation never sees half of it; an update that is shut down loads nothing)."""
+    error: str = ""
+    """A failed /update_weights: the update can only fail."""
 
 
 class VLLMRoutes:
@@ -615,7 +641,7 @@ class VLLMRoutes:
         self._require_group()
         if self.t.updating:
             raise _bad("a weight update is already in progress; call /finish_weight_update first")
-        self.t.updating = True
+        self.t.updating, self.t.received, self.t.error = True, {}, ""
         return web.json_response({"message": "Weight update started"})
 
     async def update_weights(self, request: web.Request) -> web.Response:
@@ -635,26 +661,37 @@ class VLLMRoutes:
                 else:
                     named = await self._run(receive_weights, group, specs, False)
             except WeightUpdateError as e:
+                self.t.received, self.t.error = {}, str(e)
                 raise _bad(f"received, not loaded: {e}") from None
             except Exception as e:
                 logger.warning("vLLM weight receive failed: %s", e)
+                self.t.received, self.t.error = {}, f"{type(e).__name__}: {e}"
                 raise VLLMError(500, f"receiving weights failed: {type(e).__name__}: {e}") from None
             self.t.last_specs = specs
             await debug_update_delay(self.cfg)
             try:
-                await self._run(self.engine.load_weights, named, None)
+                self.engine.check_weights(specs)
             except WeightUpdateError as e:
+                self.t.received, self.t.error = {}, str(e)
                 raise _bad(f"weights not loaded (model unchanged): {e}", "update_info.names") from None
+            self.t.received.update(named)
         return web.json_response({"message": "Weights updated"})
 
     async def finish_weight_update(self, request: web.Request) -> web.Response:
+        """End the update and load what it received, all at once (waiting,
+        unless paused, for running requests to finish)."""
         version = _field(await _json(request), "weight_version", "str", None)
         if not self.t.updating:
             raise _bad("no weight update in progress: call /start_weight_update first")
         async with self._lock:  # after any update in flight
-            self.t.updating = False
-            if version is not None:
-                self.engine.set_weight_version(version)
+            named, error = list(self.t.received.items()), self.t.error
+            self.t.updating, self.t.received, self.t.error = False, {}, ""
+            if error:
+                raise _bad(f"nothing loaded (model unchanged): an update of this round failed: {error}")
+            try:
+                await self._run(self.engine.load_weights, named, version)
+            except WeightUpdateError as e:
+                raise _bad(f"weights not loaded (model unchanged): {e}") from None
         return web.json_response({"message": "Weight update finished"})
 
     async def shutdown_weight_transfer_engine(self, request: web.Request) -> web.Response:

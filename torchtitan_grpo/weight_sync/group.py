@@ -144,13 +144,17 @@ class WeightGroup:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def broadcast(
-        self, tensor: torch.Tensor, src: int = 0, stream: "torch.cuda.Stream | None" = None
+        self, tensor: torch.Tensor, src: int = 0, stream: "torch.cuda.Stream | None" = None,
+        wait: bool = True,
     ) -> torch.Tensor:
         """Broadcast ``tensor`` from ``src`` in place; return once it is complete.
 
-        For NCCL the collective is enqueued on ``stream`` (or the current
-        stream) and the host waits for it, so the caller may read or reuse the
-        tensor right after the call.
+        For NCCL the collective is ordered after the work already on
+        ``stream`` (or the current stream), and that stream after the
+        collective; the host then waits for it, so the caller may read or
+        reuse the tensor right after the call. ``wait=False`` skips the host
+        wait (NCCL only): the next collective can be posted at once and work
+        queued on the stream afterwards still sees the received bytes.
         """
         if self._closed:
             raise RuntimeError(f"weight group {self.group_name!r} is closed")
@@ -164,7 +168,8 @@ class WeightGroup:
             with ctx:
                 work = self._pg.broadcast([tensor], opts)
                 work.wait()  # orders the current stream after the collective
-                torch.cuda.current_stream(tensor.device).synchronize()
+                if wait:
+                    torch.cuda.current_stream(tensor.device).synchronize()
         else:
             self._pg.broadcast([tensor], opts).wait()
         return tensor
