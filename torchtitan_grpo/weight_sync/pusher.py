@@ -23,7 +23,8 @@ admitted replica serves the new version (the on-policy baseline).
 For SGLang's order: pause -> begin -> (update request in flight while the
 trainer broadcasts) x buckets -> end -> continue. An update request is posted
 before its broadcast and only after ``begin`` was confirmed, so a receive is
-always waiting when the bytes arrive.
+always waiting when the bytes arrive; the request for bucket k+1 is posted as
+soon as bucket k has arrived, without waiting for the reply to k.
 """
 
 from __future__ import annotations
@@ -458,7 +459,9 @@ class Pusher:
         """Before rejoining, close what the abandoned transfer left open on the
         replica (its update session and old group); each may already be gone."""
         s = self._session
-        calls = ((("/end_weight_update", {}), ("/destroy_weights_update_group", {"group_name": GROUP_NAME}),
+        # The group goes first: the built-in server then drops what it received
+        # of the abandoned version, so that closing the session loads nothing.
+        calls = ((("/destroy_weights_update_group", {"group_name": GROUP_NAME}), ("/end_weight_update", {}),
                   ("/continue_generation", {})) if self.cfg.protocol == "sglang" else
                  ((vllm.SHUTDOWN_WEIGHT_TRANSFER, None), (vllm.RESUME, None)))
         for path, body in calls:
@@ -490,24 +493,41 @@ class Pusher:
         else:
             await self._transfer_vllm(r, staged)
 
-    async def _with_broadcasts(self, r: _Replica, http: asyncio.Task, staged: _Staged, bufs) -> None:
-        """Run the replica's update request and our broadcasts of ``bufs``
-        together; if the replica refuses (so it posts no receive), stop at once."""
+    async def _with_broadcasts(self, r: _Replica, answers: list[asyncio.Task], staged: _Staged, bufs) -> None:
+        """Broadcast ``bufs`` to ``r`` while its update requests ``answers``
+        are in flight; return once the broadcasts are done (the replica has
+        the bytes; its replies may still be coming). If a request fails
+        meanwhile (a refused update posts no receive), stop at once."""
         stop = threading.Event()
         # One hop to the replica's thread for all of them, not one per buffer
         # through the event loop (on 2 H200s this made no measurable
         # difference to push bandwidth: docs/PERFORMANCE.md, runs 4 and 5).
-        send = asyncio.get_running_loop().run_in_executor(r.executor, self._broadcast_all, r, staged, bufs, stop)
+        send = asyncio.ensure_future(
+            asyncio.get_running_loop().run_in_executor(r.executor, self._broadcast_all, r, staged, bufs, stop))
         try:
-            done, _ = await asyncio.wait({http, send}, return_when=asyncio.FIRST_EXCEPTION)
-            for t in done:
-                if t.exception() is not None:
-                    raise t.exception()
-            await asyncio.gather(http, send)
+            while True:
+                for t in (send, *answers):
+                    if t.done() and t.exception() is not None:
+                        raise t.exception()
+                if send.done():
+                    return
+                await asyncio.wait({send, *(a for a in answers if not a.done())},
+                                   return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
             stop.set()  # no further buffer is sent to a replica that refused or failed
-            http.cancel()
+            for t in answers:
+                t.cancel()
             send.cancel()
+            raise
+
+    @staticmethod
+    async def _answered(answers: list[asyncio.Task]) -> None:
+        """Every update request's reply (the first failure raises)."""
+        try:
+            await asyncio.gather(*answers)
+        except BaseException:
+            for t in answers:
+                t.cancel()
             raise
 
     async def _begin_session(self, r: _Replica) -> None:
@@ -529,6 +549,7 @@ class Pusher:
         try:
             await self._begin_session(r)
             n = len(self._plan)
+            answers: list[asyncio.Task] = []
             for k, (bucket, buf) in enumerate(zip(self._plan, staged.buffers)):
                 last = k == n - 1
                 body = sglang.update_request(
@@ -536,11 +557,17 @@ class Pusher:
                     [list(b.shape) for b in bucket], GROUP_NAME, flattened=True,
                     flush_cache=last and self.cfg.pause_mode != "in_place",
                     weight_version=str(staged.version) if last else None)
-                http = asyncio.create_task(_post(s, r.url + "/update_weights_from_distributed", body,
-                                                 self.cfg.deadline_s))
-                await self._with_broadcasts(r, http, staged, [buf])
-            if r.sessionful:
-                await _post(s, r.url + "/end_weight_update", {}, 30)
+                answers.append(asyncio.create_task(_post(s, r.url + "/update_weights_from_distributed", body,
+                                                         self.cfg.deadline_s)))
+                # Request k+1 goes out once bucket k has arrived, not after the
+                # reply to k: the replica then already holds request k (its
+                # receive was posted), so k+1 queues behind it (SGLang's and
+                # our update lock) and its receive follows at once, instead of
+                # the link idling for a reply and a new request per bucket.
+                await self._with_broadcasts(r, answers, staged, [buf])
+            await self._answered(answers)
+            if r.sessionful:  # the replica loads a session's buckets as one version here
+                await _post(s, r.url + "/end_weight_update", {}, self.cfg.deadline_s)
         finally:
             if paused:
                 try:
@@ -586,7 +613,7 @@ class Pusher:
                 "flush_cache": self.cfg.pause_mode != "in_place", "abort_all_requests": False}
         await _post(s, r.url + "/update_weights_from_disk", body, self.cfg.deadline_s)
         if r.sessionful:
-            await _post(s, r.url + "/end_weight_update", {}, 30)
+            await _post(s, r.url + "/end_weight_update", {}, self.cfg.deadline_s)
 
     async def _transfer_vllm(self, r: _Replica, staged: _Staged) -> None:
         """pause -> start -> one update_weights call while every packed chunk
@@ -600,9 +627,11 @@ class Pusher:
             specs = [b for chunk in self._plan for b in chunk]
             body = vllm.update_weights_request([b.name for b in specs], [bk.dtype_name(b.dtype) for b in specs],
                                                [list(b.shape) for b in specs])
-            http = asyncio.create_task(_post(s, r.url + vllm.UPDATE_WEIGHTS, body, self.cfg.deadline_s))
-            await self._with_broadcasts(r, http, staged, staged.buffers)
-            await _post(s, r.url + vllm.FINISH_WEIGHT_UPDATE, vllm.finish_weight_update_request(str(staged.version)), 30)
+            answers = [asyncio.create_task(_post(s, r.url + vllm.UPDATE_WEIGHTS, body, self.cfg.deadline_s))]
+            await self._with_broadcasts(r, answers, staged, staged.buffers)
+            await self._answered(answers)
+            await _post(s, r.url + vllm.FINISH_WEIGHT_UPDATE, vllm.finish_weight_update_request(str(staged.version)),
+                        self.cfg.deadline_s)
         finally:
             try:
                 await _post(s, r.url + vllm.RESUME, None, 30)
@@ -614,10 +643,12 @@ class Pusher:
         group, stream = r.group, r.stream  # an ejection clears them while this thread may still run
         if stream is not None and staged.ready is not None:
             stream.wait_event(staged.ready)
-        for buf in bufs:
+        for k, buf in enumerate(bufs):
             if stop.is_set():
                 return
-            group.broadcast(buf, src=0, stream=stream)
+            # Only the last is waited for on the host: each chunk follows the
+            # one before on the stream, with no host round trip in between.
+            group.broadcast(buf, src=0, stream=stream, wait=k == len(bufs) - 1)
 
     # ------------------------------------------------------------ close
 
