@@ -154,10 +154,11 @@ class TensorEngine:
             if target is None or tuple(target.shape) != tuple(s.shape):
                 raise WeightUpdateError(f"tensor {s.name!r} does not fit the model")
 
-    def load_weights(self, named, weight_version: str | None = None) -> None:
+    def load_weights(self, named, weight_version: str | None = None, checked: bool = False) -> None:
         from torchtitan_grpo.inference.engine import install_weights
 
-        self.check_weights([bk.TensorSpec.of(n, t) for n, t in named])
+        if not checked:
+            self.check_weights([bk.TensorSpec.of(n, t) for n, t in named])
         install_weights(self._tensors, named)
         if weight_version is not None:
             self.weight_version = weight_version
@@ -389,13 +390,14 @@ def _measure_set(r: Ranks, flavor: str, bucket_mbs: list[int], reps: int, backen
             with tempfile.TemporaryDirectory(prefix="weight_push_disk_") as folder:
                 pushes["disk"] = _push(r, tensors, names, expected, loop, reps, PushConfig(
                     mode="sync", backend="disk", disk_folder=r.share(folder), deadline_s=600))
-        ok_push = all(ok for _, _, ok in pushes.values())
-        ok = _all_ok(r, ok_bucketed) and ok_push
+        wrong = [path for path, (_, _, ok) in pushes.items() if not ok]
+        if not _all_ok(r, ok_bucketed):
+            wrong.insert(0, "bucketed")
         if r.rank == 0:
             for proto, (t_push, t_transfer, _) in pushes.items():
                 row[proto] = nbytes / t_push / 2**30
                 row[proto + "_transfer"] = nbytes / t_transfer / 2**30
-            row["check"] = "ok" if ok else "MISMATCH"
+            row["check"] = "MISMATCH " + "+".join(wrong) if wrong else "ok"
             print("row: " + _format_row(row), flush=True)
         rows.append(row)
     del tensors
@@ -544,10 +546,10 @@ def _worker(rank: int, args: argparse.Namespace) -> None:
                 v = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
                 devices = f"{torch.cuda.get_device_name(0)}: cuda:0 -> cuda:1, torch {torch.__version__}, NCCL {v}"
             print_table(rows, backend, devices, args.reps)
-            bad = [f"{row['set']}/{row['bucket_mb']}MiB" for row in rows if row["check"] != "ok"]
-            if bad:
-                raise RuntimeError(f"the replica did not end up with the trainer's bytes for {bad}")
         dist.barrier(group=ctrl)  # leave together: a peer gone early can abort this rank at exit
+        bad = [f"{row['set']}/{row['bucket_mb']}MiB: {row['check']}" for row in rows if row.get("check", "ok") != "ok"]
+        if bad:
+            raise RuntimeError(f"the replica did not end up with the trainer's bytes for {bad}")
     finally:
         if loop is not None:
             loop.close()

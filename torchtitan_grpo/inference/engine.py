@@ -495,14 +495,18 @@ class Engine:
             seen.add(s.name)
 
     def load_weights(
-        self, named: Sequence[tuple[str, torch.Tensor]], weight_version: str | None = None
+        self, named: Sequence[tuple[str, torch.Tensor]], weight_version: str | None = None,
+        checked: bool = False,
     ) -> None:
         """Copy ``named`` tensors into the model, all or nothing.
 
-        Everything is validated before the first copy. The copy waits for
-        :meth:`exclusive` (no forward pass in flight: batch drained, or paused).
+        Everything is validated before the first copy (``checked``: the caller
+        already ran :meth:`check_weights` on them, as a weight-update session
+        does per request). The copy waits for :meth:`exclusive` (no forward
+        pass in flight: batch drained, or paused).
         """
-        self.check_weights([TensorSpec.of(n, t) for n, t in named])
+        if not checked:
+            self.check_weights([TensorSpec.of(n, t) for n, t in named])
         with self.exclusive(), self._param_lock:
             install_weights(self._tensors, named)
             if weight_version is not None:
@@ -1006,11 +1010,22 @@ def receive_weights(group: Any, specs: Sequence[TensorSpec], flattened: bool) ->
     """
     if flattened:
         buf = torch.empty(packed_nbytes(specs), dtype=torch.uint8, device=group.device)
-        group.broadcast(buf, src=0)
+        cuda = buf.device.type == "cuda"
+        stream = torch.cuda.current_stream(buf.device) if cuda else None
+        # On GPUs the views are cut while the bytes arrive (a few ms of Python
+        # for a few hundred tensors), then the host waits for the receive.
+        group.broadcast(buf, src=0, stream=stream, wait=not cuda)
         try:
-            return list(zip([s.name for s in specs], unpack(buf, specs)))
+            views = unpack(buf, specs)
         except ValueError as e:
-            raise WeightUpdateError(str(e)) from e
+            error = WeightUpdateError(str(e))
+        else:
+            error = None
+        if cuda:
+            stream.synchronize()  # even when refused: nothing returns before the receive is done
+        if error is not None:
+            raise error
+        return list(zip([s.name for s in specs], views))
     out = []
     for s in specs:
         t = torch.empty(s.shape, dtype=s.dtype, device=group.device)

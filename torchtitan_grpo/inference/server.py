@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import functools
 import json
 import logging
 import os
@@ -466,8 +467,8 @@ class SGLangRoutes:
             if error:
                 return _result(False, f"weight update session closed; nothing loaded (model unchanged): {error}")
             if named or version is not None:
-                try:
-                    await self._run(self.engine.load_weights, named, version)
+                try:  # each request's tensors were checked when received
+                    await self._run(functools.partial(self.engine.load_weights, named, version, checked=True))
                 except WeightUpdateError as e:
                     return _result(False, f"weight update session closed; weights not loaded (model unchanged): {e}")
         return _result(True, f"weight update session closed; loaded {len(named)} tensor(s), serving weight "

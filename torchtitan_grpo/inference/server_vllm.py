@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -333,14 +334,18 @@ def receive_packed(group: Any, specs: list[TensorSpec], buffer_bytes: int,
     byte for byte into tensors of their own.
     """
     device = group.device
-    out = [(s.name, torch.empty(s.shape, dtype=s.dtype, device=device)) for s in specs]
     chunks = plan_packed_chunks(specs, buffer_bytes)
     sizes = [sum(s.nbytes for s in chunk) for chunk in chunks]
+    out: list[tuple[str, torch.Tensor]] = []
     if not chunks:
         return out
     bufs = [torch.empty(max(sizes), dtype=torch.uint8, device=device)
             for _ in range(min(max(num_buffers, 1), len(chunks)))]
     cuda = device.type == "cuda"
+    # Streams named by device: this runs on a worker thread, whose current
+    # device need not be the group's (an event recorded on "the current
+    # stream" there would order nothing).
+    main = torch.cuda.current_stream(device) if cuda else None
     side = torch.cuda.Stream(device) if cuda else None
     free_again: list[Any] = [None] * len(bufs)  # per buffer: its last copies are done
 
@@ -348,28 +353,30 @@ def receive_packed(group: Any, specs: list[TensorSpec], buffer_bytes: int,
         """Post the receive of chunk k; return its buffer and an event set once it is in."""
         i = k % len(bufs)
         if free_again[i] is not None:
-            torch.cuda.current_stream(device).wait_event(free_again[i])
+            main.wait_event(free_again[i])
         buf = bufs[i][: sizes[k]]
-        group.broadcast(buf, src=0, wait=not cuda)  # gloo: returns once the chunk is here
+        group.broadcast(buf, src=0, stream=main, wait=not cuda)  # gloo: returns once the chunk is here
         arrived = None
         if cuda:
             arrived = torch.cuda.Event()
-            arrived.record()
+            arrived.record(main)
         return buf, arrived
 
-    dests = iter(t for _, t in out)
     ahead = len(bufs) > 1  # with one buffer, chunk k+1 may land only after chunk k is copied out
     pending = post(0)
     for k, chunk in enumerate(chunks):
         buf, arrived = pending
         if ahead and k + 1 < len(chunks):
             pending = post(k + 1)
+        # Allocated here, while a chunk is in flight, not before the first receive.
+        dests = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in chunk]
         with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
             if cuda:
                 side.wait_event(arrived)
             pos = 0
-            for s in chunk:
-                next(dests).view(-1).view(torch.uint8).copy_(buf[pos: pos + s.nbytes])
+            for s, dest in zip(chunk, dests):
+                dest.view(-1).view(torch.uint8).copy_(buf[pos: pos + s.nbytes])
+                out.append((s.name, dest))
                 pos += s.nbytes
             if cuda:
                 free_again[k % len(bufs)] = torch.cuda.Event()
@@ -688,8 +695,8 @@ class VLLMRoutes:
             self.t.updating, self.t.received, self.t.error = False, {}, ""
             if error:
                 raise _bad(f"nothing loaded (model unchanged): an update of this round failed: {error}")
-            try:
-                await self._run(self.engine.load_weights, named, version)
+            try:  # each update's tensors were checked when received
+                await self._run(functools.partial(self.engine.load_weights, named, version, checked=True))
             except WeightUpdateError as e:
                 raise _bad(f"weights not loaded (model unchanged): {e}") from None
         return web.json_response({"message": "Weight update finished"})

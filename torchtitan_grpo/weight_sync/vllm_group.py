@@ -272,9 +272,11 @@ class VLLMWeightGroup:
     _closed: bool = field(default=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0, stream: Any = None) -> torch.Tensor:
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, stream: Any = None, wait: bool = True) -> torch.Tensor:
         """Broadcast ``tensor`` (contiguous, on :attr:`device`) to every worker;
-        return once it is complete."""
+        return once it is complete. ``wait`` is accepted for the pusher's
+        sake (``WeightGroup.broadcast``'s signature) and ignored: this path
+        always waits on the host."""
         if self._closed:
             raise RuntimeError("vLLM weight group is closed")
         if src != 0:
