@@ -23,8 +23,8 @@ admitted replica serves the new version (the on-policy baseline).
 For SGLang's order: pause -> begin -> (update request in flight while the
 trainer broadcasts) x buckets -> end -> continue. An update request is posted
 before its broadcast and only after ``begin`` was confirmed, so a receive is
-always waiting when the bytes arrive; the request for bucket k+1 is posted as
-soon as bucket k has arrived, without waiting for the reply to k.
+always waiting when the bytes arrive. The request for bucket k+1 is posted as
+soon as bucket k has arrived; its broadcast starts after the reply to k.
 """
 
 from __future__ import annotations
@@ -521,6 +521,22 @@ class Pusher:
             raise
 
     @staticmethod
+    async def _until(reply: asyncio.Task, answers: list[asyncio.Task]) -> None:
+        """Wait for ``reply``; any failure among ``answers`` meanwhile raises
+        (and every request still in flight is cancelled)."""
+        try:
+            while not reply.done():
+                await asyncio.wait([a for a in answers if not a.done()], return_when=asyncio.FIRST_COMPLETED)
+                for t in answers:
+                    if t.done() and t.exception() is not None:
+                        raise t.exception()
+            reply.result()
+        except BaseException:
+            for t in answers:
+                t.cancel()
+            raise
+
+    @staticmethod
     async def _answered(answers: list[asyncio.Task]) -> None:
         """Every update request's reply (the first failure raises)."""
         try:
@@ -557,13 +573,19 @@ class Pusher:
                     [list(b.shape) for b in bucket], GROUP_NAME, flattened=True,
                     flush_cache=last and self.cfg.pause_mode != "in_place",
                     weight_version=str(staged.version) if last else None)
+                # Request k goes out once bucket k-1 has arrived, before the
+                # reply to k-1: the replica then already holds request k-1 (its
+                # receive was posted), so k queues behind it (SGLang's and our
+                # update lock) and is parsed while k-1 finishes.
                 answers.append(asyncio.create_task(_post(s, r.url + "/update_weights_from_distributed", body,
                                                          self.cfg.deadline_s)))
-                # Request k+1 goes out once bucket k has arrived, not after the
-                # reply to k: the replica then already holds request k (its
-                # receive was posted), so k+1 queues behind it (SGLang's and
-                # our update lock) and its receive follows at once, instead of
-                # the link idling for a reply and a new request per bucket.
+                if k > 0:
+                    # Bucket k is broadcast only after the reply to k-1, when the
+                    # replica is about to post its receive: an NCCL broadcast
+                    # launched earlier spins on the trainer's GPU until then
+                    # (2 H200s: a replica slowed 10x made the async step 1.30x
+                    # slower that way, docs/PERFORMANCE.md run 8).
+                    await self._until(answers[k - 1], answers)
                 await self._with_broadcasts(r, answers, staged, [buf])
             await self._answered(answers)
             if r.sessionful:  # the replica loads a session's buckets as one version here
