@@ -18,6 +18,10 @@ rather than silently ignored: ``stream``, prompt logprobs
 (``logprob_start_len`` >= 0) and structured output (``json_schema``, ``regex``,
 ``ebnf``, ``structural_tag``, ``stop_regex``) are not supported. The server has
 no cross-request prefix cache, so ``flush_cache`` has nothing to drop.
+Weight updates are received during a session (``/begin_weight_update`` ..
+``/end_weight_update``, and vLLM's ``start`` .. ``finish``) and loaded as one
+version when it ends: generation never runs on half of a version, and a
+session that fails or is abandoned loads nothing.
 
 ``--debug-update-delay-s X`` is a test knob: every weight-update handler of
 either protocol sleeps X seconds after receiving, to play a slow replica in
