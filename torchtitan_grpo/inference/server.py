@@ -470,11 +470,13 @@ class SGLangRoutes:
             self.session_open = False
             if error:
                 return _result(False, f"weight update session closed; nothing loaded (model unchanged): {error}")
-            if named or version is not None:
+            if named:
                 try:  # each request's tensors were checked when received
                     await self._run(functools.partial(self.engine.load_weights, named, version, checked=True))
                 except WeightUpdateError as e:
                     return _result(False, f"weight update session closed; weights not loaded (model unchanged): {e}")
+            elif version is not None:
+                self.engine.set_weight_version(version)
         return _result(True, f"weight update session closed; loaded {len(named)} tensor(s), serving weight "
                              f"version {self.engine.weight_version!r}")
 

@@ -668,21 +668,27 @@ class VLLMRoutes:
                 else:
                     named = await self._run(receive_weights, group, specs, False)
             except WeightUpdateError as e:
-                self.t.received, self.t.error = {}, str(e)
+                self._fail_round(str(e))
                 raise _bad(f"received, not loaded: {e}") from None
             except Exception as e:
                 logger.warning("vLLM weight receive failed: %s", e)
-                self.t.received, self.t.error = {}, f"{type(e).__name__}: {e}"
+                self._fail_round(f"{type(e).__name__}: {e}")
                 raise VLLMError(500, f"receiving weights failed: {type(e).__name__}: {e}") from None
             self.t.last_specs = specs
             await debug_update_delay(self.cfg)
             try:
                 self.engine.check_weights(specs)
             except WeightUpdateError as e:
-                self.t.received, self.t.error = {}, str(e)
+                self._fail_round(str(e))
                 raise _bad(f"weights not loaded (model unchanged): {e}", "update_info.names") from None
             self.t.received.update(named)
         return web.json_response({"message": "Weights updated"})
+
+    def _fail_round(self, why: str) -> None:
+        """Forget what this update round received: it can only fail now (the
+        first failure is the one reported)."""
+        self.t.received = {}
+        self.t.error = self.t.error or why
 
     async def finish_weight_update(self, request: web.Request) -> web.Response:
         """End the update and load what it received, all at once (waiting,
@@ -695,10 +701,13 @@ class VLLMRoutes:
             self.t.updating, self.t.received, self.t.error = False, {}, ""
             if error:
                 raise _bad(f"nothing loaded (model unchanged): an update of this round failed: {error}")
-            try:  # each update's tensors were checked when received
-                await self._run(functools.partial(self.engine.load_weights, named, version, checked=True))
-            except WeightUpdateError as e:
-                raise _bad(f"weights not loaded (model unchanged): {e}") from None
+            if named:
+                try:  # each update's tensors were checked when received
+                    await self._run(functools.partial(self.engine.load_weights, named, version, checked=True))
+                except WeightUpdateError as e:
+                    raise _bad(f"weights not loaded (model unchanged): {e}") from None
+            elif version is not None:
+                self.engine.set_weight_version(version)
         return web.json_response({"message": "Weight update finished"})
 
     async def shutdown_weight_transfer_engine(self, request: web.Request) -> web.Response:
