@@ -978,6 +978,44 @@ def _version_spans(events: list[tuple[str, int]], current: str, n_out: int) -> l
     return spans
 
 
+@dataclass
+class PendingVersion:
+    """What one weight-update session has received (SGLang's begin..end,
+    vLLM's start..finish), loaded as one version when it ends: generation
+    never runs on half of a version, and a session with a failed update
+    loads nothing. Costs one model copy of memory while the session is open."""
+
+    received: dict[str, torch.Tensor] = field(default_factory=dict)
+    version: str | None = None
+    error: str = ""
+    """The first failure; once set, the session can only fail."""
+
+    def keep(self, named: Sequence[tuple[str, torch.Tensor]], version: str | None = None) -> None:
+        """Add a received, checked update (later tensors of a name win)."""
+        self.received.update(named)
+        if version is not None:
+            self.version = version
+
+    def fail(self, why: str) -> None:
+        """Forget what was received; the first failure is the one reported."""
+        self.received, self.version = {}, None
+        self.error = self.error or why
+
+    def load(self, engine: "Engine", version: str | None = None) -> int:
+        """Load everything received into ``engine`` under ``version`` (or the
+        one an update carried) and return how many tensors; a session that
+        received only a version just sets it (no wait for running requests).
+        Raises :class:`WeightUpdateError`, model unchanged, if the session failed."""
+        if self.error:
+            raise WeightUpdateError(f"nothing loaded (model unchanged): {self.error}")
+        version = self.version if version is None else version
+        if self.received:  # each update was checked when it was received
+            engine.load_weights(list(self.received.items()), version, checked=True)
+        elif version is not None:
+            engine.set_weight_version(version)
+        return len(self.received)
+
+
 def install_weights(params: dict[str, torch.Tensor], named: Sequence[tuple[str, torch.Tensor]]) -> None:
     """Make ``params[name]`` hold the values of each received tensor.
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
-import functools
 import json
 import logging
 import os
@@ -43,7 +42,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-import torch
 from aiohttp import web
 
 from torchtitan_grpo.inference.engine import (
@@ -51,6 +49,7 @@ from torchtitan_grpo.inference.engine import (
     parse_stop,
     Engine,
     EngineConfig,
+    PendingVersion,
     ModelLoadError,
     RequestError,
     SampleResult,
@@ -232,15 +231,9 @@ class SGLangRoutes:
         self.engine = engine
         self.cfg = cfg
         self.groups: dict[str, Any] = {}  # group_name -> WeightGroup
-        self.session_open = False
-        # What the open session has received, loaded as one version by
-        # /end_weight_update: generation never runs on a mix of two versions
-        # (buckets arrive one request at a time), and a session that is
-        # abandoned (group destroyed) loads nothing. Costs one model copy of
-        # device memory while a session is open.
-        self._received: dict[str, torch.Tensor] = {}
-        self._received_version: str | None = None
-        self._session_error = ""  # a refused update: the session can only fail
+        # The open weight-update session (buckets arrive one request at a
+        # time; /end_weight_update loads them as one version), or None.
+        self.session: PendingVersion | None = None
         # Receives and copies run here, off the event loop and one at a time.
         self._transfer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weight-transfer")
         self._update_lock = asyncio.Lock()
@@ -442,8 +435,8 @@ class SGLangRoutes:
             if group is None:
                 return _result(False, f"no weight update group named {group_name!r}")
             await asyncio.to_thread(group.close)
-            if self._received or self._received_version is not None:
-                self._drop_received(f"group {group_name!r} was destroyed during the session")
+            if self.session is not None and (self.session.received or self.session.version is not None):
+                self.session.fail(f"group {group_name!r} was destroyed during the session")
         return _result(True, f"weight update group {group_name!r} destroyed")
 
     async def begin_weight_update(self, request: web.Request) -> web.Response:
@@ -451,55 +444,37 @@ class SGLangRoutes:
         selector = _get(body, "selector", "str", "all")
         if selector not in ("all", "target", "draft"):
             return _result(False, f"field 'selector' must be 'all', 'target' or 'draft', got {selector!r}")
-        if self.session_open:
+        if self.session is not None:
             return _result(False, "a weight update session is already open; call /end_weight_update first")
-        self.session_open = True
-        self._received, self._received_version, self._session_error = {}, None, ""
+        self.session = PendingVersion()
         return _result(True, "weight update session open")
 
     async def end_weight_update(self, request: web.Request) -> web.Response:
         """Close the session and load what it received, all at once (waiting,
         unless paused, for running requests to finish)."""
         await _json_body(request)
-        if not self.session_open:
+        if self.session is None:
             return _result(False, "no weight update session is open (call /begin_weight_update first)")
         async with self._update_lock:  # let an update in flight finish first
-            named, version = list(self._received.items()), self._received_version
-            error = self._session_error
-            self._received, self._received_version, self._session_error = {}, None, ""
-            self.session_open = False
-            if error:
-                return _result(False, f"weight update session closed; nothing loaded (model unchanged): {error}")
-            if named:
-                try:  # each request's tensors were checked when received
-                    await self._run(functools.partial(self.engine.load_weights, named, version, checked=True))
-                except WeightUpdateError as e:
-                    return _result(False, f"weight update session closed; weights not loaded (model unchanged): {e}")
-            elif version is not None:
-                self.engine.set_weight_version(version)
-        return _result(True, f"weight update session closed; loaded {len(named)} tensor(s), serving weight "
+            session, self.session = self.session, None
+            try:
+                n = await self._run(session.load, self.engine)
+            except WeightUpdateError as e:
+                return _result(False, f"weight update session closed; {e}")
+        return _result(True, f"weight update session closed; loaded {n} tensor(s), serving weight "
                              f"version {self.engine.weight_version!r}")
 
-    def _drop_received(self, why: str) -> None:
-        """Forget what the open session received: it can only fail now."""
-        self._received, self._received_version = {}, None
-        if self.session_open and not self._session_error:  # the first failure is the one to report
-            self._session_error = why
-
     def _keep(self, named: list, version: str | None, what: str, **extra: Any) -> web.Response:
-        """Add a received update to the session (later tensors of a name win)."""
-        self._received.update(named)
-        if version is not None:
-            self._received_version = version
+        self.session.keep(named, version)
         return _result(True, f"received {what}; loaded at /end_weight_update", **extra)
 
     def _refuse(self, message: str, **extra: Any) -> web.Response:
         """A received update that cannot be loaded fails its whole session."""
-        self._drop_received(message)
+        self.session.fail(message)
         return _result(False, message, **extra)
 
     def _require_session(self) -> None:
-        if not self.session_open:
+        if self.session is None:
             raise _Refused(
                 "no weight update session is open: call /begin_weight_update before updating weights "
                 "(nothing was received)"

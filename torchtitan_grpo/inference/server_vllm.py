@@ -29,13 +29,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import functools
 import json
 import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 import torch
@@ -44,6 +43,7 @@ from aiohttp import web
 from torchtitan_grpo.inference import vllm as proto
 from torchtitan_grpo.inference.engine import (
     Engine,
+    PendingVersion,
     RequestError,
     SampleResult,
     SamplingParams,
@@ -395,15 +395,12 @@ class _Transfer:
     info: _TransferInfo | None = None
     group: Any = None
     """A ``WeightGroup`` once /init_weight_transfer_engine succeeded."""
-    updating: bool = False
-    """Between /start_weight_update and /finish_weight_update."""
+    update: PendingVersion | None = None
+    """Between /start_weight_update and /finish_weight_update: what the round
+    has received, loaded as one version by /finish_weight_update (a round
+    that is shut down loads nothing)."""
     last_specs: list[TensorSpec] | None = None
     """Metadata of the last /update_weights (an all-empty update_info reuses it)."""
-    received: dict[str, torch.Tensor] = field(default_factory=dict)
-    """What this update has received, loaded as one version by /finish_weight_update
-    (generation never sees half of it; an update that is shut down loads nothing)."""
-    error: str = ""
-    """A failed /update_weights: the update can only fail."""
 
 
 class VLLMRoutes:
@@ -646,9 +643,9 @@ class VLLMRoutes:
 
     async def start_weight_update(self, request: web.Request) -> web.Response:
         self._require_group()
-        if self.t.updating:
+        if self.t.update is not None:
             raise _bad("a weight update is already in progress; call /finish_weight_update first")
-        self.t.updating, self.t.received, self.t.error = True, {}, ""
+        self.t.update = PendingVersion()
         return web.json_response({"message": "Weight update started"})
 
     async def update_weights(self, request: web.Request) -> web.Response:
@@ -656,7 +653,7 @@ class VLLMRoutes:
         # Everything that can be refused is refused before the first receive:
         # a receive posted for a refused update would desynchronise the group.
         group = self._require_group()
-        if not self.t.updating:
+        if self.t.update is None:
             raise _bad("no weight update in progress: call /start_weight_update first (nothing was received)")
         specs = _parse_update_info(body.get("update_info"), self.t.last_specs)
         info = self.t.info
@@ -668,46 +665,34 @@ class VLLMRoutes:
                 else:
                     named = await self._run(receive_weights, group, specs, False)
             except WeightUpdateError as e:
-                self._fail_round(str(e))
+                self.t.update.fail(str(e))
                 raise _bad(f"received, not loaded: {e}") from None
             except Exception as e:
                 logger.warning("vLLM weight receive failed: %s", e)
-                self._fail_round(f"{type(e).__name__}: {e}")
+                self.t.update.fail(f"{type(e).__name__}: {e}")
                 raise VLLMError(500, f"receiving weights failed: {type(e).__name__}: {e}") from None
             self.t.last_specs = specs
             await debug_update_delay(self.cfg)
             try:
                 self.engine.check_weights(specs)
             except WeightUpdateError as e:
-                self._fail_round(str(e))
+                self.t.update.fail(str(e))
                 raise _bad(f"weights not loaded (model unchanged): {e}", "update_info.names") from None
-            self.t.received.update(named)
+            self.t.update.keep(named)
         return web.json_response({"message": "Weights updated"})
-
-    def _fail_round(self, why: str) -> None:
-        """Forget what this update round received: it can only fail now (the
-        first failure is the one reported)."""
-        self.t.received = {}
-        self.t.error = self.t.error or why
 
     async def finish_weight_update(self, request: web.Request) -> web.Response:
         """End the update and load what it received, all at once (waiting,
         unless paused, for running requests to finish)."""
         version = _field(await _json(request), "weight_version", "str", None)
-        if not self.t.updating:
+        if self.t.update is None:
             raise _bad("no weight update in progress: call /start_weight_update first")
         async with self._lock:  # after any update in flight
-            named, error = list(self.t.received.items()), self.t.error
-            self.t.updating, self.t.received, self.t.error = False, {}, ""
-            if error:
-                raise _bad(f"nothing loaded (model unchanged): an update of this round failed: {error}")
-            if named:
-                try:  # each update's tensors were checked when received
-                    await self._run(functools.partial(self.engine.load_weights, named, version, checked=True))
-                except WeightUpdateError as e:
-                    raise _bad(f"weights not loaded (model unchanged): {e}") from None
-            elif version is not None:
-                self.engine.set_weight_version(version)
+            update, self.t.update = self.t.update, None
+            try:
+                await self._run(update.load, self.engine, version)
+            except WeightUpdateError as e:
+                raise _bad(str(e)) from None
         return web.json_response({"message": "Weight update finished"})
 
     async def shutdown_weight_transfer_engine(self, request: web.Request) -> web.Response:
