@@ -505,35 +505,30 @@ class Pusher:
         send = asyncio.ensure_future(
             asyncio.get_running_loop().run_in_executor(r.executor, self._broadcast_all, r, staged, bufs, stop))
         try:
-            while True:
-                for t in (send, *answers):
-                    if t.done() and t.exception() is not None:
-                        raise t.exception()
-                if send.done():
-                    return
-                await asyncio.wait({send, *(a for a in answers if not a.done())},
-                                   return_when=asyncio.FIRST_COMPLETED)
+            await self._until(send, answers)
         except BaseException:
             stop.set()  # no further buffer is sent to a replica that refused or failed
-            for t in answers:
-                t.cancel()
-            send.cancel()
             raise
 
     @staticmethod
-    async def _until(reply: asyncio.Task, answers: list[asyncio.Task]) -> None:
-        """Wait for ``reply``; any failure among ``answers`` meanwhile raises
-        (and every request still in flight is cancelled)."""
+    async def _until(target: asyncio.Future, answers: list[asyncio.Task]) -> None:
+        """Wait for ``target`` (a reply among ``answers``, or the broadcasts);
+        the first failure of ``target`` or of any of ``answers`` meanwhile
+        raises, and then ``target`` and every request still in flight are
+        cancelled."""
         try:
-            while not reply.done():
-                await asyncio.wait([a for a in answers if not a.done()], return_when=asyncio.FIRST_COMPLETED)
-                for t in answers:
+            while True:
+                for t in (target, *answers):
                     if t.done() and t.exception() is not None:
                         raise t.exception()
-            reply.result()
+                if target.done():
+                    return
+                await asyncio.wait({target, *(a for a in answers if not a.done())},
+                                   return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
             for t in answers:
                 t.cancel()
+            target.cancel()
             raise
 
     @staticmethod
@@ -584,7 +579,7 @@ class Pusher:
                     # replica is about to post its receive: an NCCL broadcast
                     # launched earlier spins on the trainer's GPU until then
                     # (2 H200s: a replica slowed 10x made the async step 1.30x
-                    # slower that way, docs/PERFORMANCE.md run 8).
+                    # slower that way, docs/PERFORMANCE.md runs 10-11).
                     await self._until(answers[k - 1], answers)
                 await self._with_broadcasts(r, answers, staged, [buf])
             await self._answered(answers)
