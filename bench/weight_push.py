@@ -85,6 +85,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torchtitan_grpo  # noqa: E402,F401  (triton shim before torchtitan)
 from torchtitan_grpo.aio import LoopThread  # noqa: E402
+from torchtitan_grpo.inference.engine import Engine, install_weights  # noqa: E402
 from torchtitan_grpo.inference.launcher import free_port  # noqa: E402
 from torchtitan_grpo.weight_sync import buckets as bk  # noqa: E402
 
@@ -146,17 +147,9 @@ class TensorEngine:
         self.model = SimpleNamespace(config=SimpleNamespace(model_type="qwen3"),
                                      parameters=lambda: iter(params.values()))
 
-    def check_weights(self, specs) -> None:
-        from torchtitan_grpo.inference.engine import WeightUpdateError
-
-        for s in specs:
-            target = self._tensors.get(s.name)
-            if target is None or tuple(target.shape) != tuple(s.shape):
-                raise WeightUpdateError(f"tensor {s.name!r} does not fit the model")
+    check_weights = Engine.check_weights  # it reads only ``_tensors`` (name -> parameter)
 
     def load_weights(self, named, weight_version: str | None = None, checked: bool = False) -> None:
-        from torchtitan_grpo.inference.engine import install_weights
-
         if not checked:
             self.check_weights([bk.TensorSpec.of(n, t) for n, t in named])
         install_weights(self._tensors, named)
@@ -321,7 +314,7 @@ class Ranks:
 
 def _measure_set(r: Ranks, flavor: str, bucket_mbs: list[int], reps: int, backend: str, raw_group,
                  loop: LoopThread | None, protocols: list[str], disk_sets: list[str]) -> list[dict]:
-    from torchtitan_grpo.inference.engine import install_weights, receive_weights
+    from torchtitan_grpo.inference.engine import receive_weights
     from torchtitan_grpo.weight_sync.group import init_weight_group
 
     specs = qwen3_hf_specs(flavor)
