@@ -9,7 +9,7 @@ The trainer is what ``grpo_train.py`` runs: a TorchTitan qwen3 built by
 shape of Qwen3-0.6B with random weights, float32 master weights, TorchTitan's
 fused AdamW; ``--cpu``: the demo's tiny Qwen3), taking real forward / backward
 / AdamW steps (``trainer.train_step``) on one fixed synthetic GRPO batch, and
-pushing ``trainer.hf_weights`` after each step with
+pushing the HF-named weights (``DirectPush.tensors``) after each step with
 ``weight_sync.pusher.Pusher`` (nccl, or gloo with ``--cpu``) to built-in
 servers (``python -m torchtitan_grpo.inference.server``, bf16 on cuda:1; they
 receive the float32 tensors ``grpo_train.py`` sends and cast them as they
@@ -43,7 +43,8 @@ difference between the rows is the push.
    reconnected, sent it the newest version and readmitted it, and then its
    served version must equal the latest.
 
-Step time is the wall time of ``train_step`` + ``hf_weights`` + ``push`` on the
+Step time is the wall time of ``train_step`` + the HF-named weights
+(``DirectPush.tensors``, as ``grpo_train.py`` takes them) + ``push`` on the
 trainer's thread (the trainer's stream is synchronised; the pusher's own
 streams are not: overlapping them is the point). ``stall`` is the pusher's
 ``time/push_stall_s`` (snapshot, or the skip decision); ``lag`` is
@@ -195,6 +196,7 @@ class Trainer:
     def __init__(self, args, model_dir: str, device: torch.device):
         from torchtitan_grpo.config import parse_config
         from torchtitan_grpo.trainer import Dist, build_policy
+        from torchtitan_grpo.weight_sync.gather import DirectPush
 
         self.args = args
         seq = args.prompt_len + args.completion_len
@@ -207,6 +209,8 @@ class Trainer:
         self.cfg = parse_config(argv)
         self.d = Dist(0, 1, 0, device)
         self.policy = build_policy(self.cfg, model_dir, self.d)
+        # What grpo_train.py pushes on one rank (DirectPush.snapshot = Pusher.push(tensors()))
+        self.export = DirectPush(self.policy.model_parts, self.policy.adapter, None, sync=False)
         self.vocab = self.policy.model_args.vocab_size
         self.set_batch(args.samples)
         self.version = 0
@@ -215,7 +219,7 @@ class Trainer:
         self.batch = synthetic_batch(num, self.args.prompt_len, self.args.completion_len, self.vocab)
 
     def step(self, pusher, mode: str) -> dict:
-        from torchtitan_grpo.trainer import hf_weights, train_step
+        from torchtitan_grpo.trainer import train_step
 
         a = self.args
         t0 = time.perf_counter()
@@ -225,7 +229,7 @@ class Trainer:
         m: dict = {}
         if mode != "off":
             self.version += 1
-            m = pusher.push(hf_weights(self.policy), version=self.version, wait=mode == "sync")
+            m = pusher.push(self.export.tensors(), version=self.version, wait=mode == "sync")
         if self.d.device.type == "cuda":
             torch.cuda.current_stream(self.d.device).synchronize()  # the trainer's stream only
         m["step_s"] = time.perf_counter() - t0

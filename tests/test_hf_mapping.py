@@ -20,6 +20,7 @@ from torchtitan.models.llama3.model.args import RoPEScalingArgs
 from torchtitan.models.llama3.model.model import FeedForward as Llama3FeedForward
 from torchtitan_grpo.model import (
     build_model,
+    hf_aliases,
     hf_state_dict,
     load_hf_config,
     load_hf_weights,
@@ -179,6 +180,33 @@ def test_titan_to_hf_logits_match(tmp_path, case):
         got = hf(ids).logits
     assert ref.abs().max() > 0.5
     assert _max_diff(got, ref) < TOL
+
+
+@pytest.mark.parametrize("case", ["qwen3-untied", "qwen3-tied", "llama-plain-rope"])
+def test_push_export_follows_the_live_weights(case):
+    """What a one-rank trainer pushes (``DirectPush.tensors``, which looks
+    the HF names up once) equals a fresh ``hf_state_dict`` after the weights
+    change in place, as an optimizer step changes them. qwen3's adapter only
+    renames, so the export aliases the parameters; llama3's permutes wq/wk,
+    so it is exported afresh every time."""
+    from torchtitan_grpo.weight_sync.gather import DirectPush
+
+    model_name, overrides = CASES[case]
+    args = model_args_from_hf(model_name, _hf_model(model_name, overrides).config.to_dict(), max_seq_len=64)
+    titan = build_model(model_name, args, "cpu")
+    adapter = state_dict_adapter(model_name, args, None)
+    _randomize(titan, seed=1)
+    aliases = hf_aliases(titan, adapter)
+    assert (aliases is None) is (model_name == "llama3")
+    export = DirectPush([titan], adapter, None, sync=False)
+    first = {k: v.clone() for k, v in export.tensors().items()}
+    _randomize(titan, seed=2)  # in place, like optimizer.step()
+    with torch.no_grad():
+        next(titan.parameters()).add_(1.0)
+    got, fresh = export.tensors(), hf_state_dict(titan, adapter)
+    assert list(got) == list(fresh)
+    assert all(torch.equal(got[k], fresh[k]) for k in fresh)
+    assert any(not torch.equal(got[k], first[k]) for k in fresh)
 
 
 def test_sharded_checkpoint_loads(tmp_path):

@@ -407,14 +407,23 @@ class DirectPush:
 
     def __init__(self, model_parts: list[nn.Module], adapter, pusher, sync: bool):
         self.model_parts, self.adapter, self.pusher, self.sync = model_parts, adapter, pusher, sync
+        self._aliases: list[list[tuple[str, nn.Parameter]] | None] | None = None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The HF-named weights, aliasing the live parameters where the
+        adapter only renames (looked up once, on the first call)."""
+        from torchtitan_grpo.model import hf_aliases, hf_state_dict
+
+        if self._aliases is None:
+            self._aliases = [hf_aliases(part, self.adapter) for part in self.model_parts]
+        out: dict[str, torch.Tensor] = {}
+        for part, aliases in zip(self.model_parts, self._aliases):
+            out |= (hf_state_dict(part, self.adapter) if aliases is None
+                    else {name: p.detach() for name, p in aliases})
+        return out
 
     def snapshot(self, version: int, wait: bool | None = None) -> dict[str, float]:
-        from torchtitan_grpo.model import hf_state_dict
-
-        tensors: dict[str, torch.Tensor] = {}
-        for part in self.model_parts:
-            tensors |= hf_state_dict(part, self.adapter)
-        return self.pusher.push(tensors, version, self.sync if wait is None else wait)
+        return self.pusher.push(self.tensors(), version, self.sync if wait is None else wait)
 
     def close(self, abandon: bool = False) -> None:
         pass
