@@ -39,17 +39,19 @@ set the same bytes go over these paths:
   and loaded first, which costs more than the whole benchmark. Generation is
   idle during the push.
 * ``snapshot``: the device copy of the weights into the staging buffers
-  (``buckets.pack``, as ``Pusher.push`` does): the only cost of an async push
-  on the trainer's critical path.
+  (``Pusher._stage``, what ``Pusher.push`` runs): the only cost of an async
+  push on the trainer's critical path.
 
 Timing: ``raw``, ``bucketed`` and ``snapshot`` start both ranks from a
 barrier and take, per repetition, the slower rank's time to its own
 completion (device synchronised); the first repetition is a warm-up and the
 median of the others is reported. ``push`` is the wall time of
 ``push(wait=True)`` on rank 0 (it returns once the replica serves the
-version); ``xfer`` is the same less the snapshot (the push's own
-``time/push_stall_s``): from staged bytes to the replica serving them, the
-part comparable with ``raw``. Medians after one warm-up push. GiB/s = set
+version); ``xfer`` is the same less the trainer's host stall (the push's own
+``time/push_stall_s``). On GPUs the stall is only the launch of the
+snapshot's copies; the copies themselves run on the device ahead of the
+broadcasts, bucket by bucket, and what of them the first broadcast waits for
+is inside both ``push`` and ``xfer``. Medians after one warm-up push. GiB/s = set
 bytes / time. After ``bucketed`` and each push the replica's parameters are
 compared with the trainer's (an integer checksum of every tensor and the
 served version): the ``check`` column says ``ok`` only if every path
@@ -244,7 +246,8 @@ def _trace_trainer() -> None:
 
     TRACE.wrap(pusher, "_post", lambda session, url, *a: "trainer POST " + url.split("/", 3)[-1])
     TRACE.wrap(pusher.Pusher, "_broadcast_all",
-               lambda r, staged, bufs, stop: f"trainer broadcast x{len(bufs)} ({sum(b.numel() for b in bufs) >> 20} MiB)")
+               lambda r, staged, ks, stop:
+               f"trainer broadcast x{len(ks)} ({sum(staged.buffers[k].numel() for k in ks) >> 20} MiB)")
 
 
 def _trace_replica_receives() -> None:
@@ -344,20 +347,21 @@ def _measure_set(r: Ranks, flavor: str, bucket_mbs: list[int], reps: int, backen
         group = init_weight_group("127.0.0.1", port, r.rank, 2, backend=backend, group_name=f"bench{k}",
                                   timeout_s=120, device=dev if backend == "nccl" else None)
         if r.rank == 0:
-            staging = [torch.empty(bk.packed_nbytes(b), dtype=torch.uint8, device=dev) for b in plan]
+            from torchtitan_grpo.weight_sync.pusher import PushConfig, Pusher
+
+            # The Pusher's own staging copy, on a Pusher that never connects.
+            stager = Pusher(loop, [], PushConfig(backend=backend, bucket_bytes=mb << 20), device=dev)
+            stager._plan = plan
+            staged = stager._free_buffer()
             stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
 
-            def snapshot():
-                for b, buf in zip(plan, staging):
-                    bk.pack([tensors[s.name] for s in b], out=buf)
-
             def send():
-                for buf in staging:
+                for buf in staged.buffers:
                     group.broadcast(buf, src=0, stream=stream)
 
-            t_snap = r.timed(snapshot, reps)
+            t_snap = r.timed(lambda: stager._stage(staged, tensors), reps)
             t_bucketed = r.timed(send, reps)
-            del staging
+            del staged, stager
         else:
             def receive():
                 with torch.no_grad():
@@ -405,9 +409,8 @@ def _push(r: Ranks, tensors: dict[str, torch.Tensor], names: list[str], expected
     """``reps`` + 1 versions through ``Pusher.push(wait=True)`` from rank 0 to a
     built-in server app on rank 1 (``cfg`` picks protocol and transport).
     Returns the medians after the first of the whole push and of its transfer
-    (the push less the trainer's snapshot stall, ``time/push_stall_s``: from
-    staged bytes to the replica serving the version; on GPUs the tail of the
-    snapshot's device copy is still inside), and whether the replica ended with
+    (the push less the trainer's host stall, ``time/push_stall_s``; on GPUs
+    the snapshot's device copy is mostly still inside), and whether the replica ended with
     the trainer's bytes and the last version."""
     push_times: list[float] = []
     transfer_times: list[float] = []
@@ -474,10 +477,10 @@ def _format_row(row: dict) -> str:
              f"{row['bucketed']:.1f}"]
     for path in PATHS:
         if path in row:
-            cells += [f"{row[path]:.1f}", f"{row[path + '_transfer']:.1f}",
+            cells += [f"{row[path]:.1f}", f"{row[path] / row['raw']:.2f}", f"{row[path + '_transfer']:.1f}",
                       f"{row[path + '_transfer'] / row['raw']:.2f}"]
         else:
-            cells += ["-", "-", "-"]
+            cells += ["-", "-", "-", "-"]
     cells += [f"{row['snapshot_ms']:.1f}", row["check"]]
     return "| " + " | ".join(cells) + " |"
 
@@ -487,12 +490,12 @@ def print_table(rows: list[dict], backend: str, devices: str, reps: int) -> None
           f"flavors); median of {reps} after 1 warm-up; GB = 1e9 bytes, GiB/s = 2^30 bytes/s")
     print("# raw = one flat broadcast (baseline); bucketed = WeightGroup broadcasts of the staging buckets + "
           "receive_weights + install; <path> push = Pusher.push(wait=True) over HTTP to the built-in server's "
-          "routes, snapshot included; <path> xfer = the same less the snapshot (staged bytes -> replica serving "
-          "the version); sglang: one update request per bucket; vllm: one request, packed chunks of 'bucket MiB'; "
+          "routes, snapshot included; <path> xfer = the same less the trainer's host stall (on GPUs the snapshot's "
+          "device copy, overlapped with the broadcasts bucket by bucket, stays inside); sglang: one update request per bucket; vllm: one request, packed chunks of 'bucket MiB'; "
           "disk: safetensors in a local folder + update_weights_from_disk; snapshot = staging copy alone")
     heads = ["set", "GB", "bucket MiB", "buckets", "raw GiB/s", "bucketed GiB/s"]
     for path in PATHS:
-        heads += [f"{path} push GiB/s", f"{path} xfer GiB/s", f"{path} xfer / raw"]
+        heads += [f"{path} push GiB/s", f"{path} push / raw", f"{path} xfer GiB/s", f"{path} xfer / raw"]
     heads += ["snapshot ms", "check"]
     print("| " + " | ".join(heads) + " |")
     print("| --- | " + " | ".join(["---:"] * (len(heads) - 2)) + " | --- |")

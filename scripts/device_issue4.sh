@@ -6,6 +6,8 @@
 #   bash scripts/device_issue4.sh                    # everything, on the GPUs
 #   bash scripts/device_issue4.sh --cpu              # the same flow on CPU (gloo), for tests
 #   bash scripts/device_issue4.sh --only verify      # a subset: weight_push,verify,step_time
+#   WEIGHT_PUSH_ARGS="--bucket-mb 4096 --trace" STEP_TIME_ARGS="--bucket-mb 1024" bash scripts/device_issue4.sh
+#                                                    # extra arguments of the two benchmarks
 #
 # Steps, each under `timeout` (the whole process group is killed at its limit),
 # each log tee'd to $OUT/<step>.log (default outputs/device_issue4/):
@@ -104,9 +106,10 @@ run_step() {  # name, budget_s, command...
   if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then RC[$name]="$rc (timed out after ${limit}s)"; else RC[$name]=$rc; fi
 }
 
-run_step weight_push 200 "$PYTHON" bench/weight_push.py ${MODE_ARGS[@]+"${MODE_ARGS[@]}"}
+run_step weight_push 200 "$PYTHON" bench/weight_push.py ${MODE_ARGS[@]+"${MODE_ARGS[@]}"} ${WEIGHT_PUSH_ARGS:-}
 run_step verify 100 bash scripts/verify_grpo_2gpu.sh ${MODE_ARGS[@]+"${MODE_ARGS[@]}"}
-run_step step_time 250 "$PYTHON" bench/step_time.py ${MODE_ARGS[@]+"${MODE_ARGS[@]}"} --log-dir "$OUT/step_time_servers"
+run_step step_time 250 "$PYTHON" bench/step_time.py ${MODE_ARGS[@]+"${MODE_ARGS[@]}"} --log-dir "$OUT/step_time_servers" \
+  ${STEP_TIME_ARGS:-}
 # The GPU-only tests (they skip without CUDA): recorded in docs/ from this log.
 [ "$CPU" = 0 ] && run_step gpu_tests 90 "$PYTHON" -m pytest -q -ra -p no:cacheprovider -m gpu tests/
 

@@ -35,9 +35,19 @@ def test_weight_push_cpu():
         # raw, bucketed, both protocols (and the disk transport, measured once per set)
         paths = ("sglang", "vllm", "disk") if i == 0 else ("sglang", "vllm")
         measured = ["raw GiB/s", "bucketed GiB/s", "snapshot ms"] + [
-            f"{p} {c}" for p in paths for c in ("push GiB/s", "xfer GiB/s", "xfer / raw")]
+            f"{p} {c}" for p in paths for c in ("push GiB/s", "push / raw", "xfer GiB/s", "xfer / raw")]
         assert all(float(cells[c]) > 0 for c in measured), row
-    assert rows[1].count("| - ") == 3  # the disk push of the second row was not run
+    assert rows[1].count("| - ") == 4  # the disk push of the second row was not run
+
+
+def test_snapshot_copy_cpu():
+    r, out = _run([sys.executable, "bench/snapshot_copy.py", "--cpu", "--reps", "1"])
+    assert r.returncode == 0, out[-4000:]
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| debugmodel")]
+    # the old loop and four thresholds, for fp32 and fp32 cast to bf16; every
+    # threshold staged the same bytes as the old loop
+    assert len(rows) == 10 and "MISMATCH" not in r.stdout, r.stdout
+    assert all(float(row.split("|")[5]) > 0 for row in rows)
 
 
 def test_step_time_cpu(tiny_model_dir, tmp_path):

@@ -12,6 +12,7 @@ from torchtitan_grpo.weight_sync.buckets import (
     packed_nbytes,
     plan_buckets,
     plan_packed_chunks,
+    slots,
     unpack,
 )
 
@@ -143,3 +144,21 @@ def test_packed_chunk_roundtrip_unaligned_needs_copy():
         buf = pack([tensors[s.name] for s in chunk])
         for spec, t in zip(chunk, unpack(buf, chunk, copy=True)):
             assert torch.equal(t, tensors[spec.name])
+
+
+def test_slots_view_aligned_tensors_and_expose_bytes_of_the_others():
+    specs = [TensorSpec("a", torch.bfloat16, (3,)), TensorSpec("b", torch.float32, (2,)),
+             TensorSpec("c", torch.uint8, (1,)), TensorSpec("d", torch.float32, ())]
+    buf = torch.zeros(packed_nbytes(specs), dtype=torch.uint8)
+    a, b, c, d = slots(buf, specs)
+    # offsets 0, 6, 14, 15: "b" starts at 6, not a multiple of 4; "d" at 15
+    assert (a.dtype, tuple(a.shape)) == (torch.bfloat16, (3,))
+    assert (b.dtype, b.numel()) == (torch.uint8, 8)
+    assert (c.dtype, tuple(c.shape)) == (torch.uint8, (1,))
+    assert (d.dtype, d.numel()) == (torch.uint8, 4)
+    a.copy_(torch.tensor([1.0, 2.0, 3.0]))
+    b.copy_(torch.tensor([4.0, 5.0]).view(torch.uint8))
+    got = unpack(buf, specs, copy=True)
+    assert got[0].float().tolist() == [1.0, 2.0, 3.0] and got[1].tolist() == [4.0, 5.0]
+    with pytest.raises(ValueError, match="need"):
+        slots(buf[:-1], specs)

@@ -172,6 +172,23 @@ def pack(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> to
     return out
 
 
+def slots(buf: torch.Tensor, specs: Sequence[TensorSpec]) -> list[torch.Tensor]:
+    """Where each tensor of ``specs`` goes in the packed buffer ``buf``: a view
+    of its dtype and shape where its offset allows (a multiple of its
+    itemsize: always in flattened buckets), else its raw uint8 bytes (vLLM
+    packed chunks mixing itemsizes). Made once per staging buffer, so a
+    snapshot is one ``torch._foreach_copy_`` over the typed views."""
+    if packed_nbytes(specs) > buf.numel():
+        raise ValueError(f"buffer holds {buf.numel()} bytes, the tensors need {packed_nbytes(specs)}")
+    out: list[torch.Tensor] = []
+    pos = 0
+    for spec in specs:
+        raw = buf[pos : pos + spec.nbytes]
+        out.append(raw if pos % spec.itemsize else raw.view(spec.dtype).view(spec.shape))
+        pos += spec.nbytes
+    return out
+
+
 def unpack(buf: torch.Tensor, specs: Sequence[TensorSpec], copy: bool = False) -> list[torch.Tensor]:
     """Split a packed uint8 buffer back into tensors described by ``specs``.
 

@@ -100,11 +100,55 @@ class PushConfig:
     """vLLM packed mode: a chunk closes right after the tensor that takes it past this size."""
 
 
+# Tensors of at least this many bytes are staged with a copy of their own,
+# the others with one ``_foreach_copy_`` per bucket: a launch per tensor costs
+# the trainer's thread microseconds each (milliseconds for ~300 tensors), but
+# the foreach kernel copies large tensors slower than a plain copy does.
+# bench/snapshot_copy.py measures both; docs/PERFORMANCE.md has the numbers.
+LARGE_TENSOR_BYTES = 16 << 20
+
+
+@dataclass
+class _BucketCopy:
+    """Where the tensors of one bucket go in its staging buffer (made once per
+    buffer: a snapshot is then a foreach copy of the small tensors and a plain
+    copy of each large one, with no per-tensor Python on the trainer's thread
+    beyond that)."""
+
+    names: list[str]
+    views: list[torch.Tensor]
+    """Typed views (``buckets.slots``) of the small tensors named in ``names``."""
+    large: list[tuple[str, torch.Tensor]]
+    """(name, typed view) of tensors of ``LARGE_TENSOR_BYTES`` or more."""
+    raw: list[tuple[str, torch.dtype, torch.Tensor]]
+    """(name, dtype, uint8 slot) of tensors at an unaligned offset (vLLM chunks)."""
+
+    @classmethod
+    def of(cls, buf: torch.Tensor, bucket: list[bk.TensorSpec], large_bytes: int) -> _BucketCopy:
+        c = cls([], [], [], [])
+        for spec, slot in zip(bucket, bk.slots(buf, bucket)):
+            if slot.dtype != spec.dtype:
+                c.raw.append((spec.name, spec.dtype, slot))
+            elif spec.nbytes >= large_bytes:
+                c.large.append((spec.name, slot))
+            else:
+                c.names.append(spec.name)
+                c.views.append(slot)
+        return c
+
+
 @dataclass
 class _Staged:
     version: int
+    """-1 while the trainer writes into it: no sender may take it then."""
+    plan: list[list[bk.TensorSpec]]
+    """The buckets (or vLLM chunks) of ``buffers``: the Pusher's plan when they were made."""
     buffers: list[torch.Tensor]
-    ready: torch.cuda.Event | None = None
+    copies: list[_BucketCopy]
+    """Per bucket, where each of its tensors goes."""
+    ready: list[torch.cuda.Event] | None = None
+    """GPUs: one event per bucket, recorded after its copy, so the broadcast
+    of bucket 0 can start while later buckets are still being copied."""
     users: int = 0
 
 
@@ -161,7 +205,9 @@ class Pusher:
         self._lock = threading.Lock()
         self._staging: list[_Staged] = []
         self._latest: _Staged | None = None
+        self._newest = -1  # the newest version staged (``_latest`` may be being rewritten)
         self._plan: list[list[bk.TensorSpec]] | None = None
+        self._plan_key: list[tuple] | None = None  # (name, dtype, shape) of the tensors it was planned for
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
         self._progress = threading.Condition()
@@ -174,6 +220,7 @@ class Pusher:
         # would never readmit a replica whose update outlasts a trainer step).
         self._readmit_lag = 0 if config.mode == "sync" else 1
         self.bytes_per_version = 0
+        self.large_tensor_bytes = LARGE_TENSOR_BYTES  # read when a staging buffer is made
 
     # ------------------------------------------------------------ set-up
 
@@ -307,14 +354,19 @@ class Pusher:
         so the last version of a run is always delivered."""
         wait = self.cfg.mode == "sync" if wait is None else wait
         t0 = time.perf_counter()
-        cast = self.cfg.dtype
-        specs = [bk.TensorSpec(n, cast if cast is not None and t.is_floating_point() else t.dtype, tuple(t.shape))
-                 for n, t in tensors.items()]
-        if self._plan is None or {s for b in self._plan for s in b} != set(specs):
-            # Same tensors every step: plan once. SGLang flattened buckets are
-            # itemsize-aligned; vLLM packed chunks keep the tensors' order.
-            self._plan = (bk.plan_buckets(specs, self.cfg.bucket_bytes) if self.cfg.protocol == "sglang"
-                          else bk.plan_packed_chunks(specs, self.cfg.packed_buffer_bytes))
+        # Same tensors every step: plan once (this check is a list of tuples,
+        # not of TensorSpecs: on the trainer's thread, ~300 tensors per push).
+        key = [(n, t.dtype, t.shape) for n, t in tensors.items()]
+        if key != self._plan_key:
+            cast = self.cfg.dtype
+            specs = [bk.TensorSpec(n, cast if cast is not None and t.is_floating_point() else t.dtype,
+                                   tuple(t.shape)) for n, t in tensors.items()]
+            # SGLang flattened buckets are itemsize-aligned; vLLM packed chunks
+            # keep the tensors' order.
+            plan = (bk.plan_buckets(specs, self.cfg.bucket_bytes) if self.cfg.protocol == "sglang"
+                    else bk.plan_packed_chunks(specs, self.cfg.packed_buffer_bytes))
+            with self._lock:  # staging buffers of an older plan are dropped once no sender holds them
+                self._plan, self._plan_key = plan, key
             self.bytes_per_version = sum(s.nbytes for s in specs)
         staged = self._free_buffer()
         while staged is None and wait:
@@ -326,20 +378,11 @@ class Pusher:
             stall = time.perf_counter() - t0
             return {"push/skipped_versions": float(self.skipped_versions), "time/push_stall_s": stall,
                     **self._lag_metrics(version)}
-        for bucket, buf in zip(self._plan, staged.buffers):
-            if self.cfg.dtype is None:
-                bk.pack([tensors[s.name] for s in bucket], out=buf)
-            else:  # cast while copying: one pass over the weights, no temporary
-                pos = 0
-                for spec in bucket:
-                    buf[pos : pos + spec.nbytes].view(spec.dtype).view(spec.shape).copy_(tensors[spec.name])
-                    pos += spec.nbytes
-        if self.device.type == "cuda":
-            staged.ready = torch.cuda.Event()
-            staged.ready.record()  # senders order their streams after the copy
+        self._stage(staged, tensors)
         with self._lock:
             staged.version = version
             self._latest = staged
+            self._newest = max(self._newest, version)
         self.loop.loop.call_soon_threadsafe(self._wake_all)
         stall = time.perf_counter() - t0
         m = {"time/push_stall_s": stall, "push/bytes": float(self.bytes_per_version),
@@ -350,20 +393,53 @@ class Pusher:
             m["push/GBps"] = self.bytes_per_version / m["time/push_s"] / 1e9
         return m | self._lag_metrics(version)
 
+    def _stage(self, staged: _Staged, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy ``tensors`` into ``staged``, cast to the push dtype on the way
+        (one pass over the weights, no temporary), as ``_BucketCopy`` says."""
+        cuda = self.device.type == "cuda"
+        if cuda and staged.ready is None:
+            staged.ready = [torch.cuda.Event() for _ in staged.plan]
+        with torch.no_grad():
+            for k, c in enumerate(staged.copies):
+                if c.names:
+                    torch._foreach_copy_(c.views, [tensors[n] for n in c.names])
+                for name, view in c.large:
+                    view.copy_(tensors[name])
+                for name, dtype, slot in c.raw:  # an unaligned offset in a vLLM packed chunk
+                    slot.copy_(tensors[name].to(dtype).contiguous().reshape(-1).view(torch.uint8))
+                if cuda:
+                    staged.ready[k].record()  # this bucket's sender may start now
+
     def _free_buffer(self) -> _Staged | None:
         """A staging buffer no sender is reading: the not-yet-picked latest one
-        can be overwritten (senders skip to the newest anyway)."""
+        can be overwritten (senders skip to the newest anyway). It is marked
+        as being written (version -1) so that no sender takes it meanwhile."""
         with self._lock:
+            # Tensors of another shape than before (not in a training run): new buffers.
+            self._staging = [s for s in self._staging if s.plan is self._plan or s.users]
             for s in self._staging:
                 if s.users == 0:
+                    s.version = -1
                     return s
             if len(self._staging) < self.cfg.num_staging_buffers:
                 where = self.device if self.cfg.backend == "nccl" else torch.device("cpu")
-                bufs = [torch.empty(bk.packed_nbytes(b), dtype=torch.uint8, device=where) for b in self._plan]
-                s = _Staged(-1, bufs)
+                plan = self._plan
+                bufs = [torch.empty(bk.packed_nbytes(b), dtype=torch.uint8, device=where) for b in plan]
+                s = _Staged(-1, plan, bufs, [_BucketCopy.of(buf, b, self.large_tensor_bytes) for buf, b in zip(bufs, plan)])
                 self._staging.append(s)
                 return s
         return None
+
+    def _take(self, r: _Replica) -> _Staged | None:
+        """The staged version ``r`` should get next (None: it has the newest,
+        or the newest is still being written); the caller gives it back
+        (``users -= 1`` under the lock) when its transfer ends."""
+        with self._lock:
+            staged = self._latest
+            if staged is None or staged.version <= r.version:
+                return None
+            staged.users += 1
+            return staged
 
     def wait_for(self, version: int, timeout_s: float | None = None) -> None:
         """Block until every admitted replica serves ``version`` or newer (a
@@ -428,11 +504,9 @@ class Pusher:
                     await asyncio.sleep(self.cfg.reconnect_interval_s)
                     r.wake.set()
                     continue
-            with self._lock:
-                staged = self._latest
-                if staged is None or staged.version <= r.version:
-                    continue
-                staged.users += 1
+            staged = self._take(r)
+            if staged is None:
+                continue
             t0 = time.perf_counter()
             try:
                 r.busy = True
@@ -440,7 +514,7 @@ class Pusher:
                 r.version = staged.version
                 r.transfers += 1
                 r.last_transfer_s = time.perf_counter() - t0
-                if not r.admitted and self._latest.version - r.version <= self._readmit_lag:
+                if not r.admitted and self._newest - r.version <= self._readmit_lag:
                     r.admitted = True  # caught up: route to it again
                     logger.info("replica %s caught up at version %d: readmitted", r.url, r.version)
                     self.on_readmit(r.url)
@@ -452,7 +526,7 @@ class Pusher:
                 with self._lock:
                     staged.users -= 1
                 self._notify()
-            if self._latest is not None and self._latest.version > r.version:
+            if self._newest > r.version:
                 r.wake.set()  # a newer version arrived meanwhile
 
     async def _reset_remote(self, r: _Replica) -> None:
@@ -493,8 +567,9 @@ class Pusher:
         else:
             await self._transfer_vllm(r, staged)
 
-    async def _with_broadcasts(self, r: _Replica, answers: list[asyncio.Task], staged: _Staged, bufs) -> None:
-        """Broadcast ``bufs`` to ``r`` while its update requests ``answers``
+    async def _with_broadcasts(self, r: _Replica, answers: list[asyncio.Task], staged: _Staged,
+                               buckets: list[int]) -> None:
+        """Broadcast ``staged``'s ``buckets`` (indices) to ``r`` while its update requests ``answers``
         are in flight; return once the broadcasts are done (the replica has
         the bytes; its replies may still be coming). If a request fails
         meanwhile (a refused update posts no receive), stop at once."""
@@ -503,7 +578,7 @@ class Pusher:
         # through the event loop (on 2 H200s this made no measurable
         # difference to push bandwidth: docs/PERFORMANCE.md, runs 4 and 5).
         send = asyncio.ensure_future(
-            asyncio.get_running_loop().run_in_executor(r.executor, self._broadcast_all, r, staged, bufs, stop))
+            asyncio.get_running_loop().run_in_executor(r.executor, self._broadcast_all, r, staged, buckets, stop))
         try:
             await self._until(send, answers)
         except BaseException:
@@ -559,9 +634,9 @@ class Pusher:
             paused = True
         try:
             await self._begin_session(r)
-            n = len(self._plan)
+            n = len(staged.plan)
             answers: list[asyncio.Task] = []
-            for k, (bucket, buf) in enumerate(zip(self._plan, staged.buffers)):
+            for k, (bucket, buf) in enumerate(zip(staged.plan, staged.buffers)):
                 last = k == n - 1
                 body = sglang.update_request(
                     [b.name for b in bucket], [bk.dtype_name(b.dtype) for b in bucket],
@@ -581,7 +656,7 @@ class Pusher:
                     # (2 H200s: a replica slowed 10x made the async step 1.30x
                     # slower that way, docs/PERFORMANCE.md runs 10-11).
                     await self._until(answers[k - 1], answers)
-                await self._with_broadcasts(r, answers, staged, [buf])
+                await self._with_broadcasts(r, answers, staged, [k])
             await self._answered(answers)
             if r.sessionful:  # the replica loads a session's buckets as one version here
                 await _post(s, r.url + "/end_weight_update", {}, self.cfg.deadline_s)
@@ -607,7 +682,7 @@ class Pusher:
 
                 def write():
                     tensors = {}
-                    for bucket, buf in zip(self._plan, staged.buffers):
+                    for bucket, buf in zip(staged.plan, staged.buffers):
                         for spec, t in zip(bucket, bk.unpack(buf.cpu(), bucket)):
                             tensors[spec.name] = t.clone()
                     tmp = path + ".tmp"
@@ -641,11 +716,11 @@ class Pusher:
         await _post(s, r.url + vllm.PAUSE, None, 30, params=vllm.pause_query(mode))
         try:
             await _post(s, r.url + vllm.START_WEIGHT_UPDATE, None, 30)
-            specs = [b for chunk in self._plan for b in chunk]
+            specs = [b for chunk in staged.plan for b in chunk]
             body = vllm.update_weights_request([b.name for b in specs], [bk.dtype_name(b.dtype) for b in specs],
                                                [list(b.shape) for b in specs])
             answers = [asyncio.create_task(_post(s, r.url + vllm.UPDATE_WEIGHTS, body, self.cfg.deadline_s))]
-            await self._with_broadcasts(r, answers, staged, staged.buffers)
+            await self._with_broadcasts(r, answers, staged, list(range(len(staged.buffers))))
             await self._answered(answers)
             await _post(s, r.url + vllm.FINISH_WEIGHT_UPDATE, vllm.finish_weight_update_request(str(staged.version)),
                         self.cfg.deadline_s)
@@ -656,16 +731,16 @@ class Pusher:
                 logger.warning("resume on %s failed: %s", r.url, e)
 
     @staticmethod
-    def _broadcast_all(r: _Replica, staged: _Staged, bufs: list[torch.Tensor], stop: threading.Event) -> None:
+    def _broadcast_all(r: _Replica, staged: _Staged, buckets: list[int], stop: threading.Event) -> None:
         group, stream = r.group, r.stream  # an ejection clears them while this thread may still run
-        if stream is not None and staged.ready is not None:
-            stream.wait_event(staged.ready)
-        for k, buf in enumerate(bufs):
+        for i, k in enumerate(buckets):
             if stop.is_set():
                 return
+            if stream is not None and staged.ready is not None:
+                stream.wait_event(staged.ready[k])  # the snapshot copy of this bucket
             # Only the last is waited for on the host: each chunk follows the
             # one before on the stream, with no host round trip in between.
-            group.broadcast(buf, src=0, stream=stream, wait=k == len(bufs) - 1)
+            group.broadcast(staged.buffers[k], src=0, stream=stream, wait=i == len(buckets) - 1)
 
     # ------------------------------------------------------------ close
 

@@ -1,0 +1,98 @@
+"""The Pusher's snapshot into its staging buffers (no replicas, no servers):
+every tensor lands at its place in the bucket layout of each protocol, cast
+or not, and a buffer being rewritten is never handed to a sender."""
+
+import pytest
+import torch
+
+from torchtitan_grpo.aio import LoopThread
+from torchtitan_grpo.weight_sync import buckets as bk
+from torchtitan_grpo.weight_sync.pusher import Pusher, PushConfig, _Replica
+
+
+@pytest.fixture(scope="module")
+def loop():
+    lt = LoopThread()
+    yield lt
+    lt.close()
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    """Mixed itemsizes and odd sizes, so packed vLLM chunks have unaligned offsets."""
+    g = torch.Generator().manual_seed(0)
+    return {
+        "a.weight": torch.randn(3, 5, generator=g),
+        "b.weight": torch.randn(7, generator=g).to(torch.bfloat16),
+        "c.index": torch.arange(3, dtype=torch.int64),
+        "d.mask": torch.tensor([1, 0, 1, 1, 0], dtype=torch.uint8),
+        "e.scale": torch.tensor(2.5),
+        "f.weight": torch.randn(4, 3, generator=g),
+        "g.weight": torch.randn(5, generator=g).to(torch.bfloat16),
+    }
+
+
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_snapshot_places_every_tensor(loop, protocol, dtype):
+    tensors = _tensors()
+    cfg = PushConfig(protocol=protocol, dtype=dtype, bucket_bytes=40, packed_buffer_bytes=30)
+    p = Pusher(loop, [], cfg, torch.device("cpu"))
+    p.push(tensors, version=1, wait=False)
+    staged = p._latest
+    assert staged.version == 1 and len(p._plan) > 1
+    unaligned = 0
+    for bucket, buf in zip(p._plan, staged.buffers):
+        unaligned += sum(s.dtype != slot.dtype for s, slot in zip(bucket, bk.slots(buf, bucket)))
+        for spec, got in zip(bucket, bk.unpack(buf, bucket, copy=True)):
+            t = tensors[spec.name]
+            want = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+            assert got.dtype == want.dtype and torch.equal(got, want), spec.name
+    # vLLM's chunks keep the tensors' order, so with mixed itemsizes some
+    # offsets are unaligned (the raw-bytes path); SGLang's buckets never are.
+    assert (unaligned > 0) is (protocol == "vllm")
+    # A new version overwrites the same buffer (no sender holds it).
+    tensors["a.weight"].add_(1.0)
+    p.push(tensors, version=2, wait=False)
+    assert p._latest is staged and staged.version == 2
+    got = dict(zip([s.name for b in p._plan for s in b],
+                   [t for b, buf in zip(p._plan, staged.buffers) for t in bk.unpack(buf, b, copy=True)]))
+    want = tensors["a.weight"].to(dtype) if dtype is not None else tensors["a.weight"]
+    assert torch.equal(got["a.weight"], want)
+
+
+def test_buffer_being_rewritten_is_not_taken(loop):
+    """The newest staged version may be overwritten by the next snapshot when
+    no sender has taken it yet; while that copy runs no sender may take it
+    (it would send a mix of two versions under the older one's number)."""
+    tensors = _tensors()
+    p = Pusher(loop, [], PushConfig(num_staging_buffers=2), torch.device("cpu"))
+    busy, idle = _Replica("http://busy"), _Replica("http://idle")
+    busy.version = idle.version = 0
+    p.push(tensors, version=1, wait=False)
+    first = p._take(busy)  # a sender sending version 1 holds the first buffer
+    assert first is not None and first.version == 1
+    p.push(tensors, version=2, wait=False)  # into the second buffer
+    second = p._latest
+    assert second is not first and second.version == 2
+    # Version 3 begins: the only free buffer is the second one, not yet taken.
+    assert p._free_buffer() is second
+    assert p._take(idle) is None
+    p._stage(second, tensors)
+    with p._lock:
+        second.version = 3
+    assert p._take(idle) is second
+
+
+def test_other_tensors_get_a_new_plan_and_new_buffers(loop):
+    """Not what a training run does (its tensors never change), but a push of
+    other tensors must still stage them whole, in buffers of their own layout."""
+    p = Pusher(loop, [], PushConfig(bucket_bytes=40), torch.device("cpu"))
+    p.push(_tensors(), version=1, wait=False)
+    first = p._latest
+    other = {"x.weight": torch.arange(12, dtype=torch.float32).reshape(3, 4)}
+    p.push(other, version=2, wait=False)
+    staged = p._latest
+    assert staged is not first and staged.plan is p._plan and p._staging == [staged]
+    (bucket,) = staged.plan
+    (got,) = bk.unpack(staged.buffers[0], bucket, copy=True)
+    assert torch.equal(got, other["x.weight"]) and p.bytes_per_version == 48
