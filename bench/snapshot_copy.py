@@ -102,7 +102,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cpu", action="store_true", help="a tiny set on CPU (tests, CI)")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--bucket-mb", type=int, default=256, help="weight_sync.bucket_size_mb")
+    ap.add_argument("--bucket-mb", type=int, default=1024, help="weight_sync.bucket_size_mb")
     args = ap.parse_args()
     from weight_push import qwen3_hf_specs
 

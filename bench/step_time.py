@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro-batch-size", type=int, default=32)
     ap.add_argument("--target-ms", type=float, default=None,
                     help="grow the batch (up to 8x) until an off step takes about this long (GPU 150; 0 = keep)")
-    ap.add_argument("--bucket-mb", type=int, default=256, help="weight_sync.bucket_size_mb")
+    ap.add_argument("--bucket-mb", type=int, default=1024, help="weight_sync.bucket_size_mb")
     ap.add_argument("--push-dtype", default="model", choices=["model", "bfloat16", "float32"],
                     help="weight_sync.dtype: the dtype the weights are sent in")
     ap.add_argument("--slow-factor", type=float, default=10.0, help="the slow replica's extra time per version, "

@@ -78,7 +78,7 @@ class PushConfig:
     mode: str = "async"
     backend: str = "gloo"
     master_address: str = "127.0.0.1"
-    bucket_bytes: int = 256 << 20
+    bucket_bytes: int = 1 << 30
     num_staging_buffers: int = 2
     deadline_s: float = 60.0
     init_timeout_s: float = 120.0
