@@ -679,7 +679,25 @@ def test_nccl_weight_push_two_gpus(model_dir, tmp_path, pool):
         after = generate(url, {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 4, **GREEDY}})
         assert after["meta_info"]["weight_version"] == "gpu-v1"
         assert len(out) == len(PROMPTS)
+        # A transfer abandoned mid-bucket (the trainer stops sending): destroying
+        # the group ends the replica's stuck NCCL receive at once, not at the
+        # group timeout, and nothing of the session is loaded.
+        assert http(url, "/begin_weight_update", {})[1]["success"]
+        stuck = pool.submit(http, url, "/update_weights_from_distributed",
+                            {"names": [sp.name for sp in bucket], "dtypes": [dtype_name(sp.dtype) for sp in bucket],
+                             "shapes": [list(sp.shape) for sp in bucket], "group_name": "nccl-wg",
+                             "load_format": "flattened_bucket", "weight_version": "gpu-v2"})
+        time.sleep(2)  # the replica is now in its receive
+        t0 = time.monotonic()
         assert http(url, "/destroy_weights_update_group", {"group_name": "nccl-wg"})[1]["success"]
+        status, body = stuck.result(timeout=30)
+        assert time.monotonic() - t0 < 20, "destroy waited for the receive's timeout"
+        assert not body["success"] and "nccl-wg" in body["message"], body
+        status, body = http(url, "/end_weight_update", {})
+        assert not body["success"] and "nothing loaded" in body["message"], body
+        for n, t in {**new, **bucket_tensors}.items():
+            assert torch.equal(_weights(url, n), t.to(torch.bfloat16).float()), n
+        assert http(url, "/model_info")[1]["weight_version"] == "gpu-v1"
         group.close()
     finally:
         proc.terminate()

@@ -1061,6 +1061,7 @@ def receive_weights(group: Any, specs: Sequence[TensorSpec], flattened: bool) ->
             error = None
         if cuda:
             stream.synchronize()  # even when refused: nothing returns before the receive is done
+        check_not_aborted(group)
         if error is not None:
             raise error
         return list(zip([s.name for s in specs], views))
@@ -1069,7 +1070,17 @@ def receive_weights(group: Any, specs: Sequence[TensorSpec], flattened: bool) ->
         t = torch.empty(s.shape, dtype=s.dtype, device=group.device)
         group.broadcast(t, src=0)
         out.append((s.name, t))
+    check_not_aborted(group)
     return out
+
+
+def check_not_aborted(group: Any) -> None:
+    """After a receive: an NCCL receive that the group's abort ended (a destroy
+    of a group whose sender is gone) returns without an error, its bytes
+    incomplete; it must not count as received."""
+    if getattr(group, "closed", False):
+        raise RuntimeError(f"weight group {getattr(group, 'group_name', '?')!r} was aborted during the receive; "
+                           "what arrived is incomplete")
 
 
 def read_safetensors_dir(path: str, device: torch.device | str = "cpu") -> list[tuple[str, torch.Tensor]]:

@@ -430,6 +430,13 @@ class SGLangRoutes:
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
         group_name = _get(body, "group_name", "str", "weight_update_group")
+        stuck = self.groups.get(group_name)
+        if stuck is not None and self._update_lock.locked():
+            # An update may be stuck in a receive on this group (its trainer
+            # gone, or its transfer abandoned at a deadline): aborting ends an
+            # NCCL receive at once; a gloo one only ends at its timeout
+            # (--weight-group-timeout), and the destroy waits for it.
+            await asyncio.to_thread(stuck.abort)
         async with self._update_lock:
             group = self.groups.pop(group_name, None)
             if group is None:

@@ -49,6 +49,7 @@ from torchtitan_grpo.inference.engine import (
     SamplingParams,
     parse_stop,
     WeightUpdateError,
+    check_not_aborted,
     receive_weights,
 )
 from torchtitan_grpo.weight_sync.buckets import TensorSpec, dtype_from_name, plan_packed_chunks
@@ -385,6 +386,7 @@ def receive_packed(group: Any, specs: list[TensorSpec], buffer_bytes: int,
             pending = post(k + 1)
     if cuda:
         side.synchronize()  # every copy, hence every receive before it, is done
+    check_not_aborted(group)
     return out
 
 
