@@ -425,7 +425,8 @@ class Pusher:
                 where = self.device if self.cfg.backend == "nccl" else torch.device("cpu")
                 plan = self._plan
                 bufs = [torch.empty(bk.packed_nbytes(b), dtype=torch.uint8, device=where) for b in plan]
-                s = _Staged(-1, plan, bufs, [_BucketCopy.of(buf, b, self.large_tensor_bytes) for buf, b in zip(bufs, plan)])
+                copies = [_BucketCopy.of(buf, b, self.large_tensor_bytes) for buf, b in zip(bufs, plan)]
+                s = _Staged(-1, plan, bufs, copies)
                 self._staging.append(s)
                 return s
         return None
