@@ -208,6 +208,16 @@ def test_push_export_follows_the_live_weights(case):
     assert all(torch.equal(got[k], fresh[k]) for k in fresh)
     assert any(not torch.equal(got[k], first[k]) for k in fresh)
 
+    class Pusher:  # what DirectPush.snapshot hands the weights to
+        def push(self, tensors, version, wait):
+            self.got = (tensors, version, wait)
+            return {"time/push_stall_s": 0.0}
+
+    export.pusher = Pusher()
+    m = export.snapshot(7)
+    assert m["time/push_stall_s"] > 0  # the trainer's stall counts the export
+    assert export.pusher.got[1:] == (7, False) and list(export.pusher.got[0]) == list(fresh)
+
 
 def test_sharded_checkpoint_loads(tmp_path):
     hf_dir, hf = _save_hf(tmp_path, "qwen3-untied", max_shard_size="20KB")

@@ -423,7 +423,13 @@ class DirectPush:
         return out
 
     def snapshot(self, version: int, wait: bool | None = None) -> dict[str, float]:
-        return self.pusher.push(self.tensors(), version, self.sync if wait is None else wait)
+        t0 = time.perf_counter()
+        tensors = self.tensors()
+        export_s = time.perf_counter() - t0
+        m = self.pusher.push(tensors, version, self.sync if wait is None else wait)
+        if "time/push_stall_s" in m:  # the trainer's thread waited for the export too
+            m["time/push_stall_s"] += export_s
+        return m
 
     def close(self, abandon: bool = False) -> None:
         pass
