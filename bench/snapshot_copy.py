@@ -5,7 +5,7 @@
 
 ``Pusher._stage`` copies every tensor into the staging buffers: small tensors
 with one ``torch._foreach_copy_`` per bucket, tensors of ``large`` bytes or
-more with a copy each (``Pusher.large_tensor_bytes``). Rows, measured in the
+more with a copy each (``PushConfig.large_tensor_bytes``). Rows, measured in the
 same run on the same tensors:
 
 * ``per-tensor loop``: the copy before this benchmark existed (one Python-level
@@ -86,8 +86,7 @@ def measure(name: str, specs: list[bk.TensorSpec], cast: torch.dtype | None, dev
     del bufs
     for tname, large in THRESHOLDS.items():
         p = Pusher(None, [], PushConfig(backend="nccl" if dev.type == "cuda" else "gloo", dtype=cast,
-                                        bucket_bytes=bucket_mb << 20), dev)
-        p.large_tensor_bytes = large
+                                        bucket_bytes=bucket_mb << 20, large_tensor_bytes=large), dev)
         p._plan = plan
         staged = p._free_buffer()
         h, d = timed(lambda: p._stage(staged, tensors), dev, reps)

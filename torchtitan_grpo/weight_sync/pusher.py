@@ -98,14 +98,12 @@ class PushConfig:
     happens inside the snapshot copy. None: the trainer's own dtype."""
     packed_buffer_bytes: int = vllm.DEFAULT_PACKED_BUFFER_SIZE_BYTES
     """vLLM packed mode: a chunk closes right after the tensor that takes it past this size."""
-
-
-# Tensors of at least this many bytes are staged with a copy of their own,
-# the others with one ``_foreach_copy_`` per bucket: a launch per tensor costs
-# the trainer's thread microseconds each (milliseconds for ~300 tensors), but
-# the foreach kernel copies large tensors slower than a plain copy does.
-# bench/snapshot_copy.py measures both; docs/PERFORMANCE.md has the numbers.
-LARGE_TENSOR_BYTES = 16 << 20
+    large_tensor_bytes: int = 16 << 20
+    """Tensors of at least this many bytes are staged with a copy of their own,
+    the others with one ``_foreach_copy_`` per bucket: a launch per tensor
+    costs the trainer's thread microseconds each (milliseconds for ~300
+    tensors), but the foreach kernel copies large tensors slower than a plain
+    copy does (bench/snapshot_copy.py; docs/PERFORMANCE.md has the numbers)."""
 
 
 @dataclass
@@ -119,7 +117,7 @@ class _BucketCopy:
     views: list[torch.Tensor]
     """Typed views (``buckets.slots``) of the small tensors named in ``names``."""
     large: list[tuple[str, torch.Tensor]]
-    """(name, typed view) of tensors of ``LARGE_TENSOR_BYTES`` or more."""
+    """(name, typed view) of tensors of ``PushConfig.large_tensor_bytes`` or more."""
     raw: list[tuple[str, torch.dtype, torch.Tensor]]
     """(name, dtype, uint8 slot) of tensors at an unaligned offset (vLLM chunks)."""
 
@@ -220,7 +218,6 @@ class Pusher:
         # would never readmit a replica whose update outlasts a trainer step).
         self._readmit_lag = 0 if config.mode == "sync" else 1
         self.bytes_per_version = 0
-        self.large_tensor_bytes = LARGE_TENSOR_BYTES  # read when a staging buffer is made
 
     # ------------------------------------------------------------ set-up
 
@@ -425,7 +422,7 @@ class Pusher:
                 where = self.device if self.cfg.backend == "nccl" else torch.device("cpu")
                 plan = self._plan
                 bufs = [torch.empty(bk.packed_nbytes(b), dtype=torch.uint8, device=where) for b in plan]
-                copies = [_BucketCopy.of(buf, b, self.large_tensor_bytes) for buf, b in zip(bufs, plan)]
+                copies = [_BucketCopy.of(buf, b, self.cfg.large_tensor_bytes) for buf, b in zip(bufs, plan)]
                 s = _Staged(-1, plan, bufs, copies)
                 self._staging.append(s)
                 return s
