@@ -205,16 +205,15 @@ def unpack(buf: torch.Tensor, specs: Sequence[TensorSpec], copy: bool = False) -
             f"({', '.join(s.name for s in specs[:3])}{', ...' if len(specs) > 3 else ''}) need {expected}"
         )
     out: list[torch.Tensor] = []
-    pos = 0
-    for spec in specs:
-        raw = buf[pos : pos + spec.nbytes]
-        if copy:
-            raw = raw.clone()
-        elif pos % spec.itemsize:
-            raise ValueError(
-                f"tensor {spec.name!r} ({dtype_name(spec.dtype)}) starts at byte {pos}, "
-                f"not a multiple of its itemsize {spec.itemsize}: order a bucket by itemsize, largest first"
-            )
-        out.append(raw.view(spec.dtype).view(spec.shape))
-        pos += spec.nbytes
+    for spec, pos, slot in zip(specs, offsets(specs), slots(buf, specs)):
+        if slot.dtype != spec.dtype:  # an unaligned offset: ``slot`` is the raw bytes
+            if not copy:
+                raise ValueError(
+                    f"tensor {spec.name!r} ({dtype_name(spec.dtype)}) starts at byte {pos}, "
+                    f"not a multiple of its itemsize {spec.itemsize}: order a bucket by itemsize, largest first"
+                )
+            slot = slot.clone().view(spec.dtype).view(spec.shape)
+        elif copy:
+            slot = slot.clone()
+        out.append(slot)
     return out
