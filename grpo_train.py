@@ -68,7 +68,8 @@ def main(argv: list[str]) -> dict:
             # communicators of its own and rank 0's Pusher sends them to each
             # replica (one trainer rank: the Pusher's snapshot is the only copy).
             push = stack.enter_context(trainer_push(policy.model_parts, policy.adapter, policy.parallel_dims,
-                                                    d.device, side.pusher if side else None, cfg.weight_sync))
+                                                    d.device, side.pusher if side else None, cfg.weight_sync,
+                                                    policy.optimizers))
         if resumed and pushing:
             # The servers loaded the initial weights from disk: they get the
             # restored ones before generating anything.

@@ -209,8 +209,9 @@ class Trainer:
         self.cfg = parse_config(argv)
         self.d = Dist(0, 1, 0, device)
         self.policy = build_policy(self.cfg, model_dir, self.d)
-        # What grpo_train.py pushes on one rank (DirectPush.snapshot = Pusher.push(tensors()))
-        self.export = DirectPush(self.policy.model_parts, self.policy.adapter, None, sync=False)
+        # What grpo_train.py pushes on one rank, as it pushes it (the pusher is set per mode)
+        self.export = DirectPush(self.policy.model_parts, self.policy.adapter, None, sync=False,
+                                 optimizers=self.policy.optimizers)
         self.vocab = self.policy.model_args.vocab_size
         self.set_batch(args.samples)
         self.version = 0
@@ -229,7 +230,8 @@ class Trainer:
         m: dict = {}
         if mode != "off":
             self.version += 1
-            m = pusher.push(self.export.tensors(), version=self.version, wait=mode == "sync")
+            self.export.pusher = pusher
+            m = self.export.snapshot(self.version, wait=mode == "sync")
         if self.d.device.type == "cuda":
             torch.cuda.current_stream(self.d.device).synchronize()  # the trainer's stream only
         m["step_s"] = time.perf_counter() - t0
@@ -335,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target-ms", type=float, default=None,
                     help="grow the batch (up to 8x) until an off step takes about this long (GPU 150; 0 = keep)")
     ap.add_argument("--bucket-mb", type=int, default=1024, help="weight_sync.bucket_size_mb")
+    ap.add_argument("--staging", default="device", choices=["device", "host"], help="weight_sync.staging")
     ap.add_argument("--push-dtype", default="model", choices=["model", "bfloat16", "float32"],
                     help="weight_sync.dtype: the dtype the weights are sent in")
     ap.add_argument("--slow-factor", type=float, default=10.0, help="the slow replica's extra time per version, "
@@ -389,7 +392,7 @@ def _run(args, model_dir: str, gpu: bool) -> int:
     def new_pusher(urls: list[str], initial_version: int):
         p = Pusher(loop, urls, PushConfig(mode="async", backend=backend, bucket_bytes=args.bucket_mb << 20,
                                           num_staging_buffers=2, deadline_s=args.deadline_s, init_timeout_s=120,
-                                          reconnect_interval_s=1.0,
+                                          reconnect_interval_s=1.0, staging=args.staging,
                                           dtype=None if args.push_dtype == "model" else getattr(torch, args.push_dtype)),
                    device=device, on_eject=events.eject, on_readmit=events.readmit)
         p.connect(initial_version=initial_version)
@@ -529,7 +532,7 @@ def _run(args, model_dir: str, gpu: bool) -> int:
         p2.close()
 
         print_table(results, f"# step time: trainer on {device}, {backend} push to built-in servers on "
-                             f"{server_device} ({server_dtype}); vs off = median / median(off); r0, r1 = the "
+                             f"{server_device} ({server_dtype}), staging {args.staging}; vs off = median / median(off); r0, r1 = the "
                              f"run's first and second replica (slowed / killed: r1)", lags)
         for ok, msg in checks:
             print(("PASS " if ok else "FAIL ") + msg)

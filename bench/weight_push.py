@@ -316,7 +316,8 @@ class Ranks:
 
 
 def _measure_set(r: Ranks, flavor: str, bucket_mbs: list[int], reps: int, backend: str, raw_group,
-                 loop: LoopThread | None, protocols: list[str], disk_sets: list[str]) -> list[dict]:
+                 loop: LoopThread | None, protocols: list[str], disk_sets: list[str],
+                 staging: str = "device") -> list[dict]:
     from torchtitan_grpo.inference.engine import receive_weights
     from torchtitan_grpo.weight_sync.group import init_weight_group
 
@@ -348,20 +349,31 @@ def _measure_set(r: Ranks, flavor: str, bucket_mbs: list[int], reps: int, backen
                                   timeout_s=120, device=dev if backend == "nccl" else None)
         if r.rank == 0:
             from torchtitan_grpo.weight_sync.pusher import PushConfig, Pusher
+            from torchtitan_grpo.weight_sync.upload import Uploader
 
             # The Pusher's own staging copy, on a Pusher that never connects.
-            stager = Pusher(loop, [], PushConfig(backend=backend, bucket_bytes=mb << 20), device=dev)
+            stager = Pusher(loop, [], PushConfig(backend=backend, bucket_bytes=mb << 20, staging=staging),
+                            device=dev)
             stager._plan = plan
             staged = stager._free_buffer()
             stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+            # staging "host" over nccl: through the device buffers a sender uploads into
+            up = Uploader(dev, max(b.numel() for b in staged.buffers)) if staged.pinned and backend == "nccl" else None
 
             def send():
-                for buf in staged.buffers:
-                    group.broadcast(buf, src=0, stream=stream)
+                if up is None:
+                    for buf in staged.buffers:
+                        group.broadcast(buf, src=0, stream=stream)
+                    return
+                up.begin(staged.buffers, None)
+                for i in range(len(staged.buffers)):
+                    group.broadcast(up.take(i, stream), src=0, stream=stream, wait=False)
+                    up.sent(i, stream)
+                stream.synchronize()
 
             t_snap = r.timed(lambda: stager._stage(staged, tensors), reps)
             t_bucketed = r.timed(send, reps)
-            del staged, stager
+            del staged, stager, up
         else:
             def receive():
                 with torch.no_grad():
@@ -382,7 +394,7 @@ def _measure_set(r: Ranks, flavor: str, bucket_mbs: list[int], reps: int, backen
 
         pushes = {proto: _push(r, tensors, names, expected, loop, reps, PushConfig(
             mode="sync", backend=backend, protocol=proto, bucket_bytes=mb << 20, packed_buffer_bytes=mb << 20,
-            num_staging_buffers=1, deadline_s=300, init_timeout_s=120)) for proto in protocols}
+            num_staging_buffers=1, deadline_s=300, init_timeout_s=120, staging=staging)) for proto in protocols}
         if k == 0 and flavor in disk_sets:
             with tempfile.TemporaryDirectory(prefix="weight_push_disk_") as folder:
                 pushes["disk"] = _push(r, tensors, names, expected, loop, reps, PushConfig(
@@ -485,14 +497,16 @@ def _format_row(row: dict) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def print_table(rows: list[dict], backend: str, devices: str, reps: int) -> None:
-    print(f"# weight push: {backend}, {devices}; bf16 qwen3 weight sets (HF names/shapes from TorchTitan's "
+def print_table(rows: list[dict], backend: str, devices: str, reps: int, staging: str = "device") -> None:
+    print(f"# weight push: {backend}, {devices}; staging {staging}; bf16 qwen3 weight sets (HF names/shapes from TorchTitan's "
           f"flavors); median of {reps} after 1 warm-up; GB = 1e9 bytes, GiB/s = 2^30 bytes/s")
     print("# raw = one flat broadcast (baseline); bucketed = WeightGroup broadcasts of the staging buckets + "
           "receive_weights + install; <path> push = Pusher.push(wait=True) over HTTP to the built-in server's "
           "routes, snapshot included; <path> xfer = the same less the trainer's host stall (on GPUs the snapshot's "
           "device copy, overlapped with the broadcasts bucket by bucket, stays inside); sglang: one update request per bucket; vllm: one request, packed chunks of 'bucket MiB'; "
-          "disk: safetensors in a local folder + update_weights_from_disk; snapshot = staging copy alone")
+          "disk: safetensors in a local folder + update_weights_from_disk; snapshot = staging copy alone; "
+          "staging host: snapshot = the copy to pinned host memory, bucketed = uploads to the GPU overlapped with "
+          "the broadcasts")
     heads = ["set", "GB", "bucket MiB", "buckets", "raw GiB/s", "bucketed GiB/s"]
     for path in PATHS:
         heads += [f"{path} push GiB/s", f"{path} push / raw", f"{path} xfer GiB/s", f"{path} xfer / raw"]
@@ -533,7 +547,7 @@ def _worker(rank: int, args: argparse.Namespace) -> None:
     try:
         for flavor in args.sets:
             rows += _measure_set(r, flavor, args.bucket_mb, args.reps, backend, raw_group, loop, args.protocols,
-                                 args.disk_sets)
+                                 args.disk_sets, args.staging)
         if rank == 0:
             if args.cpu:
                 devices = f"cpu -> cpu (2 processes), torch {torch.__version__}"
@@ -541,7 +555,7 @@ def _worker(rank: int, args: argparse.Namespace) -> None:
                 v = torch.cuda.nccl.version()
                 v = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
                 devices = f"{torch.cuda.get_device_name(0)}: cuda:0 -> cuda:1, torch {torch.__version__}, NCCL {v}"
-            print_table(rows, backend, devices, args.reps)
+            print_table(rows, backend, devices, args.reps, args.staging)
         dist.barrier(group=ctrl)  # leave together: a peer gone early can abort this rank at exit
         bad = [f"{row['set']}/{row['bucket_mb']}MiB: {row['check']}" for row in rows if row.get("check", "ok") != "ok"]
         if bad:
@@ -564,6 +578,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--disk-sets", default=None, help="sets also pushed through the disk transport (GPU: "
                                                        f"{GPU_DISK_SETS}; --cpu: {CPU_SETS}); 'none' for none")
     ap.add_argument("--trace", action="store_true", help="print a timeline of the last version of each push")
+    ap.add_argument("--staging", default="device", choices=["device", "host"],
+                    help="weight_sync.staging of the pushes (host: pinned host memory, uploaded per bucket)")
     args = ap.parse_args(argv)
     args.sets = (args.sets or (CPU_SETS if args.cpu else GPU_SETS)).split(",")
     args.protocols = [p for p in args.protocols.split(",") if p]

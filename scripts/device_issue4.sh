@@ -8,6 +8,7 @@
 #   bash scripts/device_issue4.sh --only verify      # a subset: weight_push,verify,step_time
 #   WEIGHT_PUSH_ARGS="--bucket-mb 4096 --trace" STEP_TIME_ARGS="--bucket-mb 1024" bash scripts/device_issue4.sh
 #                                                    # extra arguments of the two benchmarks
+#   VERIFY_ARGS="--weight_sync.staging host" ...     # extra config keys of the verify run
 #
 # Steps, each under `timeout` (the whole process group is killed at its limit),
 # each log tee'd to $OUT/<step>.log (default outputs/device_issue4/):
@@ -107,7 +108,7 @@ run_step() {  # name, budget_s, command...
 }
 
 run_step weight_push 200 "$PYTHON" bench/weight_push.py ${MODE_ARGS[@]+"${MODE_ARGS[@]}"} ${WEIGHT_PUSH_ARGS:-}
-run_step verify 100 bash scripts/verify_grpo_2gpu.sh ${MODE_ARGS[@]+"${MODE_ARGS[@]}"}
+run_step verify 100 bash scripts/verify_grpo_2gpu.sh ${MODE_ARGS[@]+"${MODE_ARGS[@]}"} ${VERIFY_ARGS:-}
 run_step step_time 250 "$PYTHON" bench/step_time.py ${MODE_ARGS[@]+"${MODE_ARGS[@]}"} --log-dir "$OUT/step_time_servers" \
   ${STEP_TIME_ARGS:-}
 # The GPU-only tests (they skip without CUDA): recorded in docs/ from this log.

@@ -79,3 +79,13 @@ def test_disk_transport_needs_sglang_protocol():
     with pytest.raises(ConfigError, match=r"weight_sync\.transport.*vLLM"):
         parse_config(["--job.config_file", DEMO, "--weight_sync.transport", "disk", "--inference.backend", "vllm",
                       "--inference.urls", "http://127.0.0.1:1"])
+
+
+def test_bad_choice_in_the_toml_names_the_key(tmp_path):
+    """A Literal key set in the file (the command line's choices are tyro's to check)."""
+    text = open(DEMO).read().replace("[weight_sync]\n", '[weight_sync]\nstaging = "gpu"\n')
+    assert 'staging = "gpu"' in text
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r'weight_sync\.staging = .gpu.: must be "device" or "host"'):
+        parse_config(["--job.config_file", str(path)])

@@ -96,3 +96,31 @@ def test_other_tensors_get_a_new_plan_and_new_buffers(loop):
     (bucket,) = staged.plan
     (got,) = bk.unpack(staged.buffers[0], bucket, copy=True)
     assert torch.equal(got, other["x.weight"]) and p.bytes_per_version == 48
+
+
+def test_uploader_alternates_buffers_and_prefetches_the_next_bucket():
+    """staging "host": bucket k is sent from upload buffer k % 2 while bucket
+    k+1 is uploaded into the other one, so what is sent is still bucket k's
+    bytes after the next upload started; a transfer abandoned after one
+    bucket leaves nothing stale for the next."""
+    from torchtitan_grpo.weight_sync.upload import Uploader
+
+    up = Uploader(torch.device("cpu"), 10)
+    old = [torch.full((n,), 100 + k, dtype=torch.uint8) for k, n in enumerate([10, 7, 10, 3])]
+    up.begin(old, None)
+    assert torch.equal(up.take(0, None), old[0])
+    up.sent(0, None)  # bucket 1 uploaded, then the transfer is abandoned
+    host = [torch.full((n,), k + 1, dtype=torch.uint8) for k, n in enumerate([10, 7, 10, 3])]
+    up.begin(host, None)
+    for k in range(len(host)):
+        t = up.take(k, None)
+        assert t.data_ptr() == up.slots[k % 2].data_ptr() and t.numel() == host[k].numel()
+        up.sent(k, None)  # bucket k+1 now in the other buffer
+        assert torch.equal(t, host[k]), k
+    with pytest.raises(ValueError, match="11 bytes does not fit the upload buffers of 10"):
+        up.begin([torch.zeros(11, dtype=torch.uint8)], None)
+
+
+def test_staging_must_be_device_or_host(loop):
+    with pytest.raises(ValueError, match='staging must be "device" or "host"'):
+        Pusher(loop, [], PushConfig(staging="gpu"), torch.device("cpu"))

@@ -192,6 +192,16 @@ class WeightSync:
     """Snapshots that may exist at once; when all are being sent, the trainer
     skips that step's snapshot instead of waiting (each costs one copy of the weights)."""
 
+    staging: Literal["device", "host"] = "device"
+    """Where snapshots wait to be sent (transport nccl): "device" keeps
+    num_staging_buffers copies of the pushed weights on the trainer's GPU
+    (the fastest push); "host" keeps them in pinned host memory, for models
+    that do not fit on the GPU twice: the copy to the host runs beside the
+    next forward/backward and the next optimizer step waits for it on the
+    GPU, each replica's sender holds two buckets of GPU memory to upload
+    through, and the push runs at PCIe speed (docs/PERFORMANCE.md). A
+    sharded trainer stages rank 0's gathered copy there."""
+
     replica_deadline_s: float = 60.0
     """A replica that has not received and loaded a version within this time is
     ejected from routing and readmitted only once it holds the newest version."""
@@ -281,6 +291,7 @@ def validate(cfg) -> None:
     _check(w.init_timeout_s > 0, "weight_sync.init_timeout_s", "must be > 0", w.init_timeout_s)
     _check(w.transport != "disk" or i.backend != "vllm", "weight_sync.transport",
            "disk needs the SGLang protocol (/update_weights_from_disk); vLLM has no such route", w.transport)
+    _check(w.staging in ("device", "host"), "weight_sync.staging", 'must be "device" or "host"', w.staging)
     _check(w.num_staging_buffers >= 1, "weight_sync.num_staging_buffers", "must be >= 1", w.num_staging_buffers)
     _check(w.replica_deadline_s > 0, "weight_sync.replica_deadline_s", "must be > 0", w.replica_deadline_s)
     _check(w.transport != "nccl" or i.server_device != "cpu" or bool(i.urls), "weight_sync.transport",

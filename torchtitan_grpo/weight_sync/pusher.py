@@ -44,6 +44,7 @@ from torchtitan_grpo.inference import sglang, vllm
 from torchtitan_grpo.inference.launcher import free_port
 from torchtitan_grpo.weight_sync import buckets as bk
 from torchtitan_grpo.weight_sync.group import WeightGroup, init_weight_group
+from torchtitan_grpo.weight_sync.upload import Uploader
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +99,16 @@ class PushConfig:
     happens inside the snapshot copy. None: the trainer's own dtype."""
     packed_buffer_bytes: int = vllm.DEFAULT_PACKED_BUFFER_SIZE_BYTES
     """vLLM packed mode: a chunk closes right after the tensor that takes it past this size."""
+    staging: str = "device"
+    """Where snapshots wait to be sent (nccl): "device", on the trainer's GPU
+    (``num_staging_buffers`` copies of the pushed weights; the fastest), or
+    "host", in pinned host memory for models that do not fit on the GPU
+    twice: the snapshot is then a copy to the host queued on the caller's
+    stream (the trainer's thread does not wait for it; whoever changes the
+    source tensors next must, see ``DirectPush``), and each replica's sender
+    uploads bucket by bucket through two device buffers of its own
+    (``upload.Uploader``), so the push runs at PCIe speed. gloo and disk
+    always stage on the host (pinned with "host")."""
     large_tensor_bytes: int = 16 << 20
     """Tensors of at least this many bytes are staged with a copy of their own,
     the others with one ``_foreach_copy_`` per bucket: a launch per tensor
@@ -148,6 +159,8 @@ class _Staged:
     """GPUs: one event per bucket, recorded after its copy, so the broadcast
     of bucket 0 can start while later buckets are still being copied."""
     users: int = 0
+    pinned: bool = False
+    """Pinned host memory, written by asynchronous copies from the GPU."""
 
 
 @dataclass
@@ -156,6 +169,7 @@ class _Replica:
     group: WeightGroup | None = None
     executor: DaemonExecutor | None = None
     stream: object | None = None
+    uploader: Uploader | None = None  # staging "host" over nccl: the device buffers buckets are sent from
     sessionful: bool = True  # False: pre-0.5.23 SGLang without begin/end_weight_update
     world_size: int = 2  # trainer + the replica's ranks (its TP*PP*DP workers)
     version: int = -1
@@ -194,6 +208,8 @@ class Pusher:
 
     def __init__(self, loop: LoopThread, urls: list[str], config: PushConfig, device: torch.device,
                  on_eject: Callable[[str], None] | None = None, on_readmit: Callable[[str], None] | None = None):
+        if config.staging not in ("device", "host"):
+            raise ValueError(f'staging must be "device" or "host", got {config.staging!r}')
         self.loop = loop
         self.cfg = config
         self.device = device
@@ -218,6 +234,12 @@ class Pusher:
         # would never readmit a replica whose update outlasts a trainer step).
         self._readmit_lag = 0 if config.mode == "sync" else 1
         self.bytes_per_version = 0
+
+    @property
+    def stages_async(self) -> bool:
+        """Whether ``push`` leaves a copy to pinned host memory running on the
+        caller's stream: the source tensors must not change until it is done."""
+        return self.cfg.staging == "host" and self.device.type == "cuda"
 
     # ------------------------------------------------------------ set-up
 
@@ -396,14 +418,19 @@ class Pusher:
         cuda = self.device.type == "cuda"
         if cuda and staged.ready is None:
             staged.ready = [torch.cuda.Event() for _ in staged.plan]
+        pinned = staged.pinned  # copies to pinned memory are queued, not waited for
         with torch.no_grad():
             for k, c in enumerate(staged.copies):
-                if c.names:
+                if pinned:  # one launch per tensor either way (a foreach copy across devices loops too)
+                    for n, view in zip(c.names, c.views):
+                        view.copy_(tensors[n], non_blocking=True)
+                elif c.names:
                     torch._foreach_copy_(c.views, [tensors[n] for n in c.names])
                 for name, view in c.large:
-                    view.copy_(tensors[name])
+                    view.copy_(tensors[name], non_blocking=pinned)
                 for name, dtype, slot in c.raw:  # an unaligned offset in a vLLM packed chunk
-                    slot.copy_(tensors[name].to(dtype).contiguous().reshape(-1).view(torch.uint8))
+                    slot.copy_(tensors[name].to(dtype).contiguous().reshape(-1).view(torch.uint8),
+                               non_blocking=pinned)
                 if cuda:
                     staged.ready[k].record()  # this bucket's sender may start now
 
@@ -418,15 +445,20 @@ class Pusher:
                 if s.users == 0:
                     s.version = -1
                     return s
-            if len(self._staging) < self.cfg.num_staging_buffers:
-                where = self.device if self.cfg.backend == "nccl" else torch.device("cpu")
-                plan = self._plan
-                bufs = [torch.empty(bk.packed_nbytes(b), dtype=torch.uint8, device=where) for b in plan]
-                copies = [_BucketCopy.of(buf, b, self.cfg.large_tensor_bytes) for buf, b in zip(bufs, plan)]
-                s = _Staged(-1, plan, bufs, copies)
-                self._staging.append(s)
-                return s
-        return None
+            if len(self._staging) >= self.cfg.num_staging_buffers:
+                return None
+            plan = self._plan
+        # A new buffer, made outside the lock (pinning gigabytes of host memory
+        # takes seconds; senders take the lock): only this thread adds buffers.
+        on_device = self.cfg.backend == "nccl" and self.cfg.staging == "device"
+        where = self.device if on_device else torch.device("cpu")
+        pinned = self.stages_async
+        bufs = [torch.empty(bk.packed_nbytes(b), dtype=torch.uint8, device=where, pin_memory=pinned) for b in plan]
+        copies = [_BucketCopy.of(buf, b, self.cfg.large_tensor_bytes) for buf, b in zip(bufs, plan)]
+        s = _Staged(-1, plan, bufs, copies, pinned=pinned)
+        with self._lock:
+            self._staging.append(s)
+        return s
 
     def _take(self, r: _Replica) -> _Staged | None:
         """The staged version ``r`` should get next (None: it has the newest,
@@ -551,7 +583,7 @@ class Pusher:
             r.group.abort()  # unblocks a hung NCCL receive; the trainer never waits on it
         if r.executor is not None:
             r.executor.shutdown(wait=False, cancel_futures=True)  # a stuck gloo thread is abandoned
-        r.group, r.executor, r.stream = None, None, None
+        r.group, r.executor, r.stream, r.uploader = None, None, None, None
         if r.admitted:
             r.admitted = False
             self.on_eject(r.url)
@@ -679,6 +711,8 @@ class Pusher:
                 path = os.path.join(self.cfg.disk_folder, f"v{v}")
 
                 def write():
+                    for done in staged.ready or []:  # staging "host": the copies from the GPU
+                        done.synchronize()
                     tensors = {}
                     for bucket, buf in zip(staged.plan, staged.buffers):
                         for spec, t in zip(bucket, bk.unpack(buf.cpu(), bucket)):
@@ -731,14 +765,32 @@ class Pusher:
     @staticmethod
     def _broadcast_all(r: _Replica, staged: _Staged, buckets: list[int], stop: threading.Event) -> None:
         group, stream = r.group, r.stream  # an ejection clears them while this thread may still run
+        up = None
+        if stream is not None and staged.buffers[0].device.type == "cpu":  # staging "host" over nccl
+            up = r.uploader
+            need = max(b.numel() for b in staged.buffers)
+            if up is None or up.nbytes < need:
+                up = r.uploader = Uploader(stream.device, need)
+            if buckets[0] == 0:  # every transfer starts at bucket 0
+                up.begin(staged.buffers, staged.ready)
         for i, k in enumerate(buckets):
             if stop.is_set():
                 return
-            if stream is not None and staged.ready is not None:
-                stream.wait_event(staged.ready[k])  # the snapshot copy of this bucket
+            last = i == len(buckets) - 1
+            if up is not None:
+                group.broadcast(up.take(k, stream), src=0, stream=stream, wait=False)
+                up.sent(k, stream)  # bucket k+1 uploads while k is sent
+                if last:
+                    stream.synchronize()
+                continue
+            if staged.ready is not None:  # the snapshot's copy of this bucket
+                if stream is not None:
+                    stream.wait_event(staged.ready[k])
+                else:
+                    staged.ready[k].synchronize()  # gloo from pinned memory: the copy may still run
             # Only the last is waited for on the host: each chunk follows the
             # one before on the stream, with no host round trip in between.
-            group.broadcast(staged.buffers[k], src=0, stream=stream, wait=i == len(buckets) - 1)
+            group.broadcast(staged.buffers[k], src=0, stream=stream, wait=last)
 
     # ------------------------------------------------------------ close
 
