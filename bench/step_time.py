@@ -291,6 +291,11 @@ def print_table(rows: list[Row], title: str, lags: int) -> None:
     print("| --- " + "| ---: " * (7 + lags) + "|")
     for r in rows:
         print(r.format(off, lags))
+    for r in rows:  # staging "host": DirectPush's GPU time of the copy to the host
+        copy = [m["time/push_host_copy_s"] * 1e3 for m in r.recs if "time/push_host_copy_s" in m]
+        if copy:
+            print(f"# {r.name}: copy to the host median {statistics.median(copy):.1f} ms, max {max(copy):.1f} ms "
+                  f"on the GPU (beside the next step)")
     sys.stdout.flush()
 
 

@@ -47,8 +47,9 @@ def _staged_values(pusher: Pusher) -> dict[str, torch.Tensor]:
 def test_next_optimizer_step_waits_for_the_copy_to_the_host(loop, fence):
     """DirectPush queues the copy to pinned memory beside the trainer's stream
     and returns; an optimizer step right after must not change what is
-    copied. Without the step pre-hook (fence=False) it does: the check that
-    this test can fail."""
+    copied. Without the step pre-hook (fence=False), the same calls at the
+    same moment do change it: the copy is still running when the step is
+    queued, so the hook is what keeps it whole (and this test can fail)."""
     dev = torch.device("cuda", 0)
     params = [torch.nn.Parameter(torch.randn(64 << 20, device=dev)) for _ in range(4)]  # 4 x 256 MiB fp32
     opt = torch.optim.SGD(params, lr=1.0)
@@ -61,9 +62,13 @@ def test_next_optimizer_step_waits_for_the_copy_to_the_host(loop, fence):
     try:
         for p in params:
             p.grad = torch.ones_like(p)
-        before = [p.detach().cpu() for p in params]
-        torch.cuda.synchronize()
+        # A first round does the lazy set-up (pinned buffers, the optimizer's
+        # first step), which could otherwise outlast the copy on the host.
         dp.snapshot(1)
+        opt.step()
+        torch.cuda.synchronize()
+        before = [p.detach().cpu() for p in params]
+        dp.snapshot(2)
         opt.step()  # subtracts 1.0 from every element, on the trainer's stream
         torch.cuda.synchronize()
         assert pusher._latest.buffers[0].is_pinned()
@@ -71,6 +76,8 @@ def test_next_optimizer_step_waits_for_the_copy_to_the_host(loop, fence):
         same = all(torch.equal(staged[f"w{i}"], before[i]) for i in range(len(params)))
         assert same == fence, "the copy saw the optimizer step" if fence else "the race did not show"
         assert torch.equal(params[0].detach().cpu(), before[0] - 1.0)
+        m = dp.snapshot(3)  # reports the GPU time of version 2's copy
+        assert m["time/push_host_copy_s"] > 1e-3, m  # 1 GiB to the host: milliseconds
     finally:
         dp.close()
         pusher.close()

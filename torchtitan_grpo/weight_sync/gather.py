@@ -427,11 +427,23 @@ class DirectPush:
         self._aliases: list[list[tuple[str, nn.Parameter]] | None] | None = None
         self._copy_stream: torch.cuda.Stream | None = None
         self._copied: torch.cuda.Event | None = None
+        # (start, end) on the GPU of a copy to the host, reported once complete
+        self._copy_span: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         self._hook = optimizers.register_step_pre_hook(self._before_step) if optimizers is not None else None
 
     def _before_step(self, *args, **kwargs) -> None:
         if self._copied is not None:
             torch.cuda.current_stream().wait_event(self._copied)
+
+    def _copy_time(self) -> dict[str, float]:
+        """staging "host": how long an earlier copy to the host took on the GPU
+        (once it is complete; a copy longer than a step would make the next
+        optimizer step wait for it)."""
+        span = self._copy_span
+        if span is None or not span[1].query():
+            return {}
+        self._copy_span = None
+        return {"time/push_host_copy_s": span[0].elapsed_time(span[1]) / 1e3}
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The HF-named weights, aliasing the live parameters where the
@@ -457,12 +469,20 @@ class DirectPush:
                                    "the next optimizer step must wait for the copy to the host")
             if self._copy_stream is None:
                 self._copy_stream = torch.cuda.Stream()
+            timings = self._copy_time()
             self._copy_stream.wait_stream(torch.cuda.current_stream())  # after this step's optimizer
+            began = torch.cuda.Event(enable_timing=True)
+            began.record(self._copy_stream)
             with torch.cuda.stream(self._copy_stream):
                 m = self.pusher.push(tensors, version, wait)
-            copied = torch.cuda.Event()
+            copied = torch.cuda.Event(enable_timing=True)
             copied.record(self._copy_stream)
             self._copied = copied
+            # Timed when staged (not skipped), not waited for (then ``copied``
+            # comes after the whole push), and none is still being timed.
+            if self._copy_span is None and "push/bytes" in m and not wait:
+                self._copy_span = began, copied
+            m |= timings
         else:
             m = self.pusher.push(tensors, version, wait)
         if "time/push_stall_s" in m:  # the trainer's thread waited for the export too
