@@ -7,7 +7,7 @@ import torch
 
 from torchtitan_grpo.aio import LoopThread
 from torchtitan_grpo.weight_sync import buckets as bk
-from torchtitan_grpo.weight_sync.pusher import Pusher, PushConfig, _Replica
+from torchtitan_grpo.weight_sync.pusher import Pusher, PushConfig, PushError, _Replica
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +124,21 @@ def test_uploader_alternates_buffers_and_prefetches_the_next_bucket():
 def test_staging_must_be_device_or_host(loop):
     with pytest.raises(ValueError, match='staging must be "device" or "host"'):
         Pusher(loop, [], PushConfig(staging="gpu"), torch.device("cpu"))
+
+
+def test_staging_buffer_that_cannot_be_allocated_names_the_keys(loop, monkeypatch):
+    """Out of memory (GPU, or pinned host memory) at the first push: an error
+    that says what was asked for and which keys change it, not a bare OOM."""
+    p = Pusher(loop, [], PushConfig(bucket_bytes=40, num_staging_buffers=2), torch.device("cpu"))
+    real_empty = torch.empty
+
+    def empty(*a, **k):
+        if k.get("dtype") == torch.uint8:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 GiB\nmore lines")
+        return real_empty(*a, **k)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    with pytest.raises(PushError, match=r"staging buffer 1 of 2 \(0\.00 GB of cpu memory\) could not be allocated: "
+                                        r"OutOfMemoryError: CUDA out of memory\. Tried to allocate 16\.00 GiB; lower "
+                                        r"weight_sync\.num_staging_buffers or set weight_sync\.staging = \"host\""):
+        p.push(_tensors(), version=1, wait=False)

@@ -453,7 +453,17 @@ class Pusher:
         on_device = self.cfg.backend == "nccl" and self.cfg.staging == "device"
         where = self.device if on_device else torch.device("cpu")
         pinned = self.stages_async
-        bufs = [torch.empty(bk.packed_nbytes(b), dtype=torch.uint8, device=where, pin_memory=pinned) for b in plan]
+        try:
+            bufs = [torch.empty(bk.packed_nbytes(b), dtype=torch.uint8, device=where, pin_memory=pinned)
+                    for b in plan]
+        except RuntimeError as e:  # torch.OutOfMemoryError included
+            what = "pinned host" if pinned else f"{where}"
+            other = ('"device"' if self.cfg.staging == "host" else '"host" (pinned host memory, slower pushes)')
+            raise PushError(
+                f"staging buffer {len(self._staging) + 1} of {self.cfg.num_staging_buffers} "
+                f"({sum(bk.packed_nbytes(b) for b in plan) / 1e9:.2f} GB of {what} memory) could not be "
+                f"allocated: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; lower "
+                f"weight_sync.num_staging_buffers or set weight_sync.staging = {other}") from e
         copies = [_BucketCopy.of(buf, b, self.cfg.large_tensor_bytes) for buf, b in zip(bufs, plan)]
         s = _Staged(-1, plan, bufs, copies, pinned=pinned)
         with self._lock:
