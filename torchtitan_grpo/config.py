@@ -193,14 +193,14 @@ class WeightSync:
     skips that step's snapshot instead of waiting (each costs one copy of the weights)."""
 
     staging: Literal["device", "host"] = "device"
-    """Where snapshots wait to be sent (transport nccl): "device" keeps
-    num_staging_buffers copies of the pushed weights on the trainer's GPU
-    (the fastest push); "host" keeps them in pinned host memory, for models
-    that do not fit on the GPU twice: the copy to the host runs beside the
-    next forward/backward and the next optimizer step waits for it on the
-    GPU, each replica's sender holds two buckets of GPU memory to upload
-    through, and the push runs at PCIe speed (docs/PERFORMANCE.md). A
-    sharded trainer stages rank 0's gathered copy there."""
+    """Where snapshots wait to be sent: "device" keeps num_staging_buffers
+    copies of the pushed weights on the trainer's GPU (the fastest push;
+    transports gloo and disk stage in host memory anyway); "host" keeps them
+    in pinned host memory, for models that do not fit on the GPU twice: the
+    copy to the host runs beside the next forward/backward and the next
+    optimizer step waits for it on the GPU, each replica's sender holds two
+    buckets of GPU memory to upload through, and the push runs at PCIe speed
+    (docs/PERFORMANCE.md). A sharded trainer stages rank 0's gathered copy there."""
 
     replica_deadline_s: float = 60.0
     """A replica that has not received and loaded a version within this time is
