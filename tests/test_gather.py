@@ -61,9 +61,45 @@ def _groups(mesh) -> set[str]:
     return {mesh.get_group(i).group_name for i in range(mesh.ndim) if mesh.size(i) > 1}
 
 
-def run_case(model_dir: str, model_name: str, layout: tuple[int, int, int, int], dump: str) -> dict | None:
+def _through_pusher(device: torch.device, staging: str, delivered: dict, overlapped: threading.Event):
+    """A ``deliver`` into a Pusher without replicas, as rank 0 of grpo_train
+    has it: each version is copied into its staging buffers (pinned host
+    memory, asynchronously, with staging "host" on a GPU) and kept there;
+    ``read_back`` returns what a sender would have sent."""
+    from torchtitan_grpo.aio import LoopThread
+    from torchtitan_grpo.weight_sync import buckets as bk
+    from torchtitan_grpo.weight_sync.pusher import Pusher, PushConfig
+
+    loop = LoopThread()
+    pusher = Pusher(loop, [], PushConfig(backend="nccl" if device.type == "cuda" else "gloo", staging=staging,
+                                         bucket_bytes=1 << 16), device)
+    staged = {}
+
+    def deliver(tensors, version, wait):
+        if version == 1:
+            overlapped.wait(timeout=30)
+        m = pusher.push(tensors, version, wait=False)
+        staged[version] = pusher._latest
+        staged[version].users += 1  # no sender takes it: keep this version's buffer
+        return m
+
+    def read_back() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        for version, st in staged.items():
+            delivered[version] = {spec.name: t.to("cpu", copy=True) for bucket, buf in zip(st.plan, st.buffers)
+                                  for spec, t in zip(bucket, bk.unpack(buf, bucket))}
+        pusher.close()
+        loop.close()
+
+    return deliver, read_back
+
+
+def run_case(model_dir: str, model_name: str, layout: tuple[int, int, int, int], dump: str,
+             staging: str = "") -> dict | None:
     """The trainer as grpo_train builds it (meta, layout, then the checkpoint),
-    two versions through a ShardGatherer; rank 0 returns what it saw."""
+    two versions through a ShardGatherer; rank 0 returns what it saw (with
+    ``staging``: what rank 0's Pusher staged to be sent)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -86,6 +122,9 @@ def run_case(model_dir: str, model_name: str, layout: tuple[int, int, int, int],
         delivered[version] = _cpu(tensors)
         return {"push/bytes": float(sum(t.nbytes for t in tensors.values()))}
 
+    read_back = None
+    if staging and d.is_main:
+        deliver, read_back = _through_pusher(device, staging, delivered, overlapped)
     dtype = torch.bfloat16 if model_name == "llama3" else None  # the cast happens in the snapshot
     gatherer = ShardGatherer(policy.model_parts, policy.adapter, policy.parallel_dims, device,
                              deliver if d.is_main else None, dtype=dtype, num_slots=2)
@@ -102,6 +141,8 @@ def run_case(model_dir: str, model_name: str, layout: tuple[int, int, int, int],
     expected[2] = _gathered_hf(policy)
     metrics = gatherer.snapshot(2, wait=True)
     gatherer.close()
+    if read_back is not None:
+        read_back()
 
     trainer_groups, own_groups = set(), set()
     for part in policy.model_parts:
@@ -119,7 +160,7 @@ def run_case(model_dir: str, model_name: str, layout: tuple[int, int, int, int],
             "checkpoint": load_file(os.path.join(model_dir, "model.safetensors"))}
 
 
-def _worker(out_dir: str, model_dirs: dict[str, str], layouts: list[str]) -> None:
+def _worker(out_dir: str, model_dirs: dict[str, str], layouts: list[str], staging: str = "") -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -133,7 +174,7 @@ def _worker(out_dir: str, model_dirs: dict[str, str], layouts: list[str]) -> Non
         for layout in layouts:
             for model_name in MODELS:
                 result = run_case(model_dirs[model_name], model_name, LAYOUTS[layout],
-                                  os.path.join(out_dir, f"dump-{model_name}-{layout}"))
+                                  os.path.join(out_dir, f"dump-{model_name}-{layout}"), staging)
                 if result is not None:
                     torch.save(result, os.path.join(out_dir, f"{model_name}-{layout}.pt"))
         dist.barrier()
@@ -142,22 +183,34 @@ def _worker(out_dir: str, model_dirs: dict[str, str], layouts: list[str]) -> Non
 
 
 @pytest.fixture(scope="module")
-def gathered(tmp_path_factory):
+def model_dirs(tmp_path_factory) -> dict[str, str]:
     from tests.test_parallel_parity import write_models
 
-    root = tmp_path_factory.mktemp("gather")
-    dirs = write_models(str(root / "models"))
-    out = root / "out"
+    return write_models(str(tmp_path_factory.mktemp("gather") / "models"))
+
+
+def _launch(out, dirs: dict[str, str], launches: dict[int, tuple[str, ...]], *extra: str):
     out.mkdir()
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, TOKENIZERS_PARALLELISM="false")
-    for nproc, layouts in LAUNCHES.items():
+    for nproc, layouts in launches.items():
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                os.path.abspath(__file__), "--out", str(out), "--layouts", ",".join(layouts),
-               *[f"--model={k}={v}" for k, v in dirs.items()]]
+               *[f"--model={k}={v}" for k, v in dirs.items()], *extra]
         r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, f"torchrun x{nproc} failed:\n{(r.stdout + r.stderr)[-6000:]}"
     return out
+
+
+@pytest.fixture(scope="module")
+def gathered(tmp_path_factory, model_dirs):
+    return _launch(tmp_path_factory.mktemp("gathered") / "out", model_dirs, LAUNCHES)
+
+
+@pytest.fixture(scope="module")
+def staged_by_pusher(tmp_path_factory, model_dirs):
+    """fsdp and tp through rank 0's Pusher (staging "host": on CPU, its plain host buffers)."""
+    return _launch(tmp_path_factory.mktemp("staged") / "out", model_dirs, {2: ("fsdp", "tp")}, "--staging", "host")
 
 
 @pytest.mark.slow
@@ -187,6 +240,15 @@ def test_gathered_versions_equal_the_trainers_export(gathered, layout, model_nam
     if model_name == "qwen3_tied":  # HF loaders re-tie it from the embedding
         assert "lm_head.weight" not in r["delivered"][1]
     assert r["metrics"]["push/bytes"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_name", MODELS)
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_what_rank0s_pusher_stages_equals_the_trainers_export(staged_by_pusher, layout, model_name):
+    """The gathered tensors as rank 0's Pusher staged them (its bucket layout,
+    read back), for the same checks."""
+    test_gathered_versions_equal_the_trainers_export(staged_by_pusher, layout, model_name)
 
 
 # ------------------------------------------------- one process, plain tensors
@@ -278,8 +340,10 @@ if __name__ == "__main__":
     ap.add_argument("--layouts", default="")
     ap.add_argument("--model", action="append", default=[])
     ap.add_argument("--check", action="store_true", help="check the results in --out and print PASS/FAIL")
+    ap.add_argument("--staging", default="", choices=["", "device", "host"],
+                    help="deliver into rank 0's Pusher with this weight_sync.staging and check what it staged")
     a = ap.parse_args()
     sys.path.insert(0, ROOT)
     if a.check:
         sys.exit(_check(a.out))
-    _worker(a.out, dict(m.split("=", 1) for m in a.model), a.layouts.split(","))
+    _worker(a.out, dict(m.split("=", 1) for m in a.model), a.layouts.split(","), a.staging)
