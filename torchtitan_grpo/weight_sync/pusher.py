@@ -676,7 +676,7 @@ class Pusher:
             await self._begin_session(r)
             n = len(staged.plan)
             answers: list[asyncio.Task] = []
-            for k, (bucket, buf) in enumerate(zip(staged.plan, staged.buffers)):
+            for k, bucket in enumerate(staged.plan):
                 last = k == n - 1
                 body = sglang.update_request(
                     [b.name for b in bucket], [bk.dtype_name(b.dtype) for b in bucket],
