@@ -297,3 +297,50 @@ def test_disk_transport_writes_each_version_once(tmp_path, tiny_model_dir, loop)
         pusher.close()
         for s in (a, b):
             stop_process(s.proc)
+
+
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+def test_control_plane_runs_while_the_trainer_stages(tmp_path, tiny_model_dir, loop, monkeypatch, protocol):
+    """A version reaches its sender before the trainer's snapshot is done:
+    the session is opened (SGLang begin, vLLM start) and the first update
+    request posted while the trainer is still staging; the bytes are sent
+    only once it is written, so the replica serves exactly the new version."""
+    import threading
+
+    from torchtitan_grpo.weight_sync import pusher as pusher_mod
+
+    opened = threading.Event()
+    opener = "/begin_weight_update" if protocol == "sglang" else "/start_weight_update"
+    real_post = pusher_mod._post
+
+    async def post(session, url, body, timeout_s, params=None):
+        out = await real_post(session, url, body, timeout_s, params)
+        if url.endswith(opener):
+            opened.set()
+        return out
+
+    monkeypatch.setattr(pusher_mod, "_post", post)
+    (srv,) = _servers(tmp_path, tiny_model_dir, [0.0])
+    pusher = Pusher(loop, [srv.url], PushConfig(mode="sync", protocol=protocol, bucket_bytes=32 << 10,
+                                                packed_buffer_bytes=20_000), torch.device("cpu"))
+    stage_real = pusher._stage
+    during: list[bool] = []
+
+    def stage(s, t):
+        during.append(opened.wait(10))  # the session opens while this waits
+        time.sleep(0.3)  # and the first update request is in: the replica waits on its receive
+        stage_real(s, t)
+
+    try:
+        pusher.connect(initial_version=0)
+        names = list(_weights(tiny_model_dir, 0.0))
+        pusher._stage = stage
+        for v in (1, 2):
+            opened.clear()
+            pusher.push(_weights(tiny_model_dir, float(v)), version=v)
+            assert _served_markers(srv.url, names) == {float(v)}
+            assert _version(srv.url) == str(v)
+        assert during == [True, True]
+    finally:
+        pusher.close()
+        stop_process(srv.proc)

@@ -83,6 +83,87 @@ def test_buffer_being_rewritten_is_not_taken(loop):
     assert p._take(idle) is second
 
 
+def test_a_version_is_handed_out_while_staged_and_read_only_once_written(loop, monkeypatch):
+    """A version reaches the senders before the trainer has staged it (their
+    HTTP control plane runs meanwhile); whatever reads its bytes first waits
+    for ``written``, and then reads this version's bytes, not the previous
+    one's still in the buffer."""
+    import threading
+
+    tensors = _tensors()
+    p = Pusher(loop, [], PushConfig(bucket_bytes=40), torch.device("cpu"))
+    p.push(tensors, version=1, wait=False)
+    staged = p._latest
+    r = _Replica("http://r")
+    r.version = 1
+    new = {k: v + 1 if v.is_floating_point() else v for k, v in tensors.items()}
+    seen, reader_done, stage_real = [], threading.Event(), p._stage
+    read: dict[str, torch.Tensor] = {}
+
+    def reader(s):
+        s.await_written()
+        for bucket, buf in zip(s.plan, s.buffers):
+            read.update(zip([b.name for b in bucket], bk.unpack(buf, bucket, copy=True)))
+        reader_done.set()
+
+    def stage(s, t):
+        taken = p._take(r)  # what a woken sender does before the trainer has staged
+        seen.append((taken is s, s.version, s.written.is_set()))
+        threading.Thread(target=reader, args=(taken,), daemon=True).start()
+        assert not reader_done.wait(0.2)  # still waiting: nothing is written yet
+        stage_real(s, t)
+
+    monkeypatch.setattr(p, "_stage", stage)
+    p.push(new, version=2, wait=False)
+    assert seen == [(True, 2, False)]
+    assert reader_done.wait(10)
+    for name, want in new.items():
+        assert torch.equal(read[name], want), name
+
+
+def test_a_snapshot_that_fails_is_withdrawn_and_its_sender_told(loop, monkeypatch):
+    """The trainer's staging raises: push() raises it; a version no sender
+    took is withdrawn (no sender gets it later), and a sender that took it
+    gets a PushError naming the cause instead of waiting for it forever."""
+    import threading
+
+    p = Pusher(loop, [], PushConfig(bucket_bytes=40), torch.device("cpu"))
+    r = _Replica("http://r")
+    r.version = 0
+
+    def broken(s, t):
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(p, "_stage", broken)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        p.push(_tensors(), version=1, wait=False)
+    assert p._take(r) is None  # withdrawn
+
+    errors, taken = [], []
+
+    def broken_after_take(s, t):
+        taken.append(p._take(r))
+        raise RuntimeError("copy failed again")
+
+    def sender(s):
+        try:
+            s.await_written()
+        except PushError as e:
+            errors.append(str(e))
+
+    monkeypatch.setattr(p, "_stage", broken_after_take)
+    with pytest.raises(RuntimeError, match="copy failed again"):
+        p.push(_tensors(), version=2, wait=False)
+    t = threading.Thread(target=sender, args=(taken[0],))
+    t.start()
+    t.join(10)
+    assert errors == ["the trainer's snapshot of version 2 failed: RuntimeError: copy failed again"]
+    stop = threading.Event()
+    stop.set()
+    taken[0].written.clear()
+    taken[0].await_written(stop)  # an abandoned transfer stops waiting without an error
+
+
 def test_other_tensors_get_a_new_plan_and_new_buffers(loop):
     """Not what a training run does (its tensors never change), but a push of
     other tensors must still stage them whole, in buffers of their own layout."""

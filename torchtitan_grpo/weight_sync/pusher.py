@@ -25,6 +25,11 @@ trainer broadcasts) x buckets -> end -> continue. An update request is posted
 before its broadcast and only after ``begin`` was confirmed, so a receive is
 always waiting when the bytes arrive. The request for bucket k+1 is posted as
 soon as bucket k has arrived; its broadcast starts after the reply to k.
+
+A version is handed to the senders as soon as its staging buffer is chosen,
+before the trainer has copied anything into it: pause, begin and the first
+update request (and the replica's parsing of it) then run while the trainer's
+thread stages, and only the broadcasts wait until the buffer is written.
 """
 
 from __future__ import annotations
@@ -161,6 +166,24 @@ class _Staged:
     users: int = 0
     pinned: bool = False
     """Pinned host memory, written by asynchronous copies from the GPU."""
+    written: threading.Event = field(default_factory=threading.Event)
+    """Set once the trainer has queued every copy into the buffers (and
+    recorded ``ready``). A version is handed to the senders *before* that, so
+    that their HTTP control plane (pause, begin, the first update request,
+    the replica's parsing) runs while the trainer's thread is still staging;
+    whatever reads the buffers waits for this first (``await_written``)."""
+    failed: str = ""
+    """Why the trainer's staging of this version raised, if it did."""
+
+    def await_written(self, stop: threading.Event | None = None) -> None:
+        """Block (a sender's thread, never the event loop) until the trainer
+        has staged this version; raise if that failed. Returns early, without
+        raising, once ``stop`` is set (the transfer is being abandoned)."""
+        while not self.written.wait(0.05):
+            if stop is not None and stop.is_set():
+                return
+        if self.failed:
+            raise PushError(f"the trainer's snapshot of version {self.version} failed: {self.failed}")
 
 
 @dataclass
@@ -397,12 +420,25 @@ class Pusher:
             stall = time.perf_counter() - t0
             return {"push/skipped_versions": float(self.skipped_versions), "time/push_stall_s": stall,
                     **self._lag_metrics(version)}
-        self._stage(staged, tensors)
+        # Published before it is written: the senders start their control
+        # plane now and wait for ``written`` before touching the bytes.
         with self._lock:
             staged.version = version
+            staged.failed = ""
+            staged.written.clear()
             self._latest = staged
             self._newest = max(self._newest, version)
         self.loop.loop.call_soon_threadsafe(self._wake_all)
+        try:
+            self._stage(staged, tensors)
+        except BaseException as e:
+            staged.failed = f"{type(e).__name__}: {e}"
+            with self._lock:
+                if staged.users == 0:
+                    staged.version = -1  # no sender took it: as if never published
+            raise
+        finally:
+            staged.written.set()
         stall = time.perf_counter() - t0
         m = {"time/push_stall_s": stall, "push/bytes": float(self.bytes_per_version),
              "push/skipped_versions": float(self.skipped_versions)}
@@ -721,6 +757,7 @@ class Pusher:
                 path = os.path.join(self.cfg.disk_folder, f"v{v}")
 
                 def write():
+                    staged.await_written()
                     for done in staged.ready or []:  # staging "host": the copies from the GPU
                         done.synchronize()
                     tensors = {}
@@ -775,6 +812,7 @@ class Pusher:
     @staticmethod
     def _broadcast_all(r: _Replica, staged: _Staged, buckets: list[int], stop: threading.Event) -> None:
         group, stream = r.group, r.stream  # an ejection clears them while this thread may still run
+        staged.await_written(stop)
         up = None
         if stream is not None and staged.buffers[0].device.type == "cpu":  # staging "host" over nccl
             up = r.uploader
