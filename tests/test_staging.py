@@ -116,6 +116,7 @@ def test_a_version_is_handed_out_while_staged_and_read_only_once_written(loop, m
     monkeypatch.setattr(p, "_stage", stage)
     p.push(new, version=2, wait=False)
     assert seen == [(True, 2, False)]
+    assert p._latest is staged  # version 1's buffer, rewritten: stale bytes were there to be read
     assert reader_done.wait(10)
     for name, want in new.items():
         assert torch.equal(read[name], want), name
