@@ -29,7 +29,8 @@ set the same bytes go over these paths:
     same broadcasts run;
   - ``vllm``: pause / start / one ``/update_weights`` while every packed
     chunk (of 'bucket MiB') is broadcast / finish / resume; the server
-    receives into two rotating buffers and copies out on a side stream;
+    receives each chunk into a buffer of its own and keeps its tensors as
+    views of it (those at unaligned offsets are copied out on a side stream);
   - ``disk`` (the sets of ``--disk-sets``, once per set): safetensors of the
     version written to a local folder, ``/update_weights_from_disk``.
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from torchtitan_grpo.weight_sync.buckets import (
+    SpecError,
     TensorSpec,
     dtype_from_name,
     dtype_name,
@@ -13,6 +14,7 @@ from torchtitan_grpo.weight_sync.buckets import (
     plan_buckets,
     plan_packed_chunks,
     slots,
+    specs_from_lists,
     unpack,
 )
 
@@ -162,3 +164,49 @@ def test_slots_view_aligned_tensors_and_expose_bytes_of_the_others():
     assert got[0].float().tolist() == [1.0, 2.0, 3.0] and got[1].tolist() == [4.0, 5.0]
     with pytest.raises(ValueError, match="need"):
         slots(buf[:-1], specs)
+
+
+def test_specs_from_lists_equal_checked_specs():
+    names = ["a", "b", "c", "d"]
+    dtypes = ["bfloat16", "float32", "bfloat16", "uint8"]
+    shapes = [[2, 3], [], [0], [5]]
+    specs = specs_from_lists(names, dtypes, shapes)
+    expected = [TensorSpec(n, getattr(torch, d), tuple(sh)) for n, d, sh in zip(names, dtypes, shapes)]
+    assert specs == expected and [hash(s) for s in specs] == [hash(s) for s in expected]
+    assert [s.nbytes for s in specs] == [12, 4, 0, 5] and all(type(s.shape) is tuple for s in specs)
+    assert specs_from_lists([], [], []) == []
+    with pytest.raises(ValueError, match="negative"):  # the public constructor still checks
+        TensorSpec("x", torch.float32, (2, -1))
+
+
+@pytest.mark.parametrize("names, dtypes, shapes, field, words", [
+    (["a", 3], ["float32"] * 2, [[1], [1]], "names", ["field 'names[1]' must be a string"]),
+    (["a", "b"], ["float32", "torch.bfloat16"], [[1], [1]], "dtypes", ["field 'dtypes[1]' (tensor 'b')", "bare name"]),
+    (["a", "b"], ["float32", ["float32"]], [[1], [1]], "dtypes", ["field 'dtypes[1]' (tensor 'b')", "string"]),
+    (["a", "b"], ["float32", "Tensor"], [[1], [1]], "dtypes", ["field 'dtypes[1]' (tensor 'b')", "not a torch dtype"]),
+    (["a", "b"], ["float32"] * 2, [[1], [4, -2]], "shapes", ["field 'shapes[1]' (tensor 'b')", "non-negative"]),
+    (["a", "b"], ["float32"] * 2, [[1], [False]], "shapes", ["field 'shapes[1]' (tensor 'b')"]),
+    (["a", "b"], ["float32"] * 2, [[1], (1,)], "shapes", ["field 'shapes[1]' (tensor 'b')"]),
+    (["a", "b"], ["float32"] * 2, [[1], "1"], "shapes", ["field 'shapes[1]' (tensor 'b')"]),
+    (["a", "b"], ["float32"], [[1], [1]], None, ["fields 'names', 'dtypes' and 'shapes' differ in length (2, 1, 2)"]),
+])
+def test_specs_from_lists_name_the_bad_field(names, dtypes, shapes, field, words):
+    with pytest.raises(SpecError) as e:
+        specs_from_lists(names, dtypes, shapes)
+    assert e.value.field == field
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_specs_from_lists_field_names_and_empty_names():
+    fields, prefix = ("names", "dtype_names", "shapes"), "update_info."
+    assert specs_from_lists([""], ["float32"], [[1]])[0].name == ""
+    with pytest.raises(SpecError, match=r"'update_info\.names\[0\]' must be a non-empty string") as e:
+        specs_from_lists([""], ["float32"], [[1]], fields, prefix, empty_names=False)
+    assert e.value.field == "update_info.names"
+    with pytest.raises(SpecError, match=r"'update_info\.dtype_names\[1\]' \(tensor 'y'\)") as e:
+        specs_from_lists(["x", "y"], ["float32", "torch.float32"], [[1], [1]], fields, prefix)
+    assert e.value.field == "update_info.dtype_names"
+    with pytest.raises(SpecError, match=r"'update_info\.shapes\[0\]'") as e:
+        specs_from_lists(["x"], ["float32"], [[None]], fields, prefix)
+    assert e.value.field == "update_info.shapes"

@@ -331,6 +331,26 @@ def test_bad_requests_are_400_naming_the_field(server):
 # --------------------------------------------------------------------------- #
 
 
+@pytest.mark.parametrize("field, value, words", [
+    ("names", ["model.norm.weight", None], ["field 'names[1]' must be a string"]),
+    ("dtypes", ["float32", "torch.bfloat16"], ["field 'dtypes[1]' (tensor 'b')", "bare name 'bfloat16'"]),
+    ("shapes", [[64], [2, -3]], ["field 'shapes[1]' (tensor 'b')", "non-negative"]),
+    ("shapes", [[64], [2, True]], ["field 'shapes[1]' (tensor 'b')"]),
+    ("names", ["a"], ["fields 'names', 'dtypes' and 'shapes' differ in length (1, 2, 2)"]),
+])
+def test_update_metadata_is_refused_naming_the_field(field, value, words):
+    """SGLang's ``names``/``dtypes``/``shapes``, checked before any receive is posted."""
+    from torchtitan_grpo.inference.server import _Refused, _tensor_specs
+
+    good = {"names": ["a", "b"], "dtypes": ["float32", "bfloat16"], "shapes": [[64], [2, 3]]}
+    specs = _tensor_specs(**good)
+    assert [(s.name, s.dtype, s.shape) for s in specs] == [("a", torch.float32, (64,)), ("b", torch.bfloat16, (2, 3))]
+    with pytest.raises(_Refused) as e:
+        _tensor_specs(**{**good, field: value})
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
 def test_weight_groups_coexist_beside_default_group():
     """Two groups in one process (the trainer serving two replicas), no default group."""
     ports = [free_port(), free_port()]

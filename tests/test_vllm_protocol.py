@@ -36,10 +36,10 @@ import torch
 
 from tests.server_procs import free_port, http_json, start_server, stop_server
 from torchtitan_grpo.inference import vllm
-from torchtitan_grpo.inference.server_vllm import GROUP_NAME
+from torchtitan_grpo.inference.server_vllm import GROUP_NAME, VLLMError, _parse_update_info, receive_packed
 from torchtitan_grpo.inference.types import MalformedResponse, SamplingParams
 from torchtitan_grpo.weight_sync import vllm_group as vg
-from torchtitan_grpo.weight_sync.buckets import dtype_name
+from torchtitan_grpo.weight_sync.buckets import TensorSpec, dtype_name, plan_packed_chunks
 from torchtitan_grpo.weight_sync.group import init_weight_group
 
 torch.set_num_threads(1)
@@ -380,6 +380,9 @@ def test_weight_push_through_vllm_routes(server, model_dir, pool):
     assert_error(post(server, vllm.START_WEIGHT_UPDATE), 400, "already")
     assert_error(post(server, vllm.UPDATE_WEIGHTS, {"update_info": {"names": [], "dtype_names": [], "shapes": [],
                                                                      "packed": True}}), 400, "update_info.packed")
+    assert_error(post(server, vllm.UPDATE_WEIGHTS, {"update_info": {
+        "names": ["model.norm.weight"], "dtype_names": ["torch.float32"], "shapes": [[64]]}}), 400,
+        "update_info.dtype_names[0]", "update_info.dtype_names")
     names = ["model.norm.weight", "model.layers.0.mlp.up_proj.weight"]
     v1 = [(n, torch.randn(original[n].shape, generator=g)) for n in names]
     reply, sent = _update(pool, server, group, v1, packed=False)
@@ -467,6 +470,107 @@ def test_debug_update_delay_slows_both_protocols(model_dir, tmp_path, pool):
         assert time.monotonic() - t0 >= 0.6
     finally:
         stop_server(proc, log)
+
+
+# --------------------------------------------------------------------------- #
+# The packed receive and the update_info parser, without a server
+# --------------------------------------------------------------------------- #
+
+
+def _gloo_pair(group_name: str) -> tuple:
+    """(trainer rank 0, server rank 1) of a fresh two-rank gloo group."""
+    port = free_port()
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        peer = ex.submit(init_weight_group, "127.0.0.1", port, 1, 2, "gloo", group_name, 30)
+        mine = init_weight_group("127.0.0.1", port, 0, 2, "gloo", group_name, 30)
+        return mine, peer.result(timeout=30)
+
+
+def test_receive_packed_views_aligned_tensors_and_copies_the_rest():
+    """Each chunk lands in a buffer of its own; tensors at itemsize-aligned
+    offsets come back as views of it, the others (bf16 then fp32 makes them)
+    as copies of their own, and every one is adopted by ``install_weights``."""
+    from torchtitan_grpo.inference.engine import install_weights
+
+    g = torch.Generator().manual_seed(5)
+
+    def rand(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (torch.randn(shape, generator=g) * 100).to(dtype)
+
+    named = [  # name: chunk, byte offset in it, aligned?
+        ("c1.bf16", rand(3, dtype=torch.bfloat16)),  # 1 @0 view
+        ("c1.fp32", rand(2)),  # 1 @6 copy
+        ("c1.int64", torch.randint(-9, 9, (3,), generator=g)),  # 1 @14 copy; 38 B > 32 closes chunk 1
+        ("c2.fp32", rand(4)),  # 2 @0 view
+        ("c2.uint8", torch.randint(0, 255, (1,), dtype=torch.uint8, generator=g)),  # 2 @16 view
+        ("c2.bf16", rand(2, 2, dtype=torch.bfloat16)),  # 2 @17 copy
+        ("c2.fp32.scalar", rand()),  # 2 @25 copy
+        ("c2.bf16.last", rand(8, dtype=torch.bfloat16)),  # 2 @29 copy; 45 B closes chunk 2
+        ("c3.fp32", rand(2, 3)),  # 3 @0 view
+        ("c3.bf16", rand(1, dtype=torch.bfloat16)),  # 3 @24 view
+        ("c3.fp32.b", rand(1)),  # 3 @26 copy
+        ("c3.empty", rand(0, 4)),  # 3 @30 copy (of nothing)
+    ]
+    aligned = {"c1.bf16", "c2.fp32", "c2.uint8", "c3.fp32", "c3.bf16"}
+    specs = [TensorSpec.of(n, t) for n, t in named]
+    chunks = plan_packed_chunks(specs, 32)
+    assert [[s.name[:2] for s in c] for c in chunks] == [["c1"] * 3, ["c2"] * 5, ["c3"] * 4]
+    trainer, server = _gloo_pair("packed-views")
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            got = ex.submit(receive_packed, server, specs, 32, 1)
+            assert vg.send_weights(trainer, named, packed=True, packed_buffer_size_bytes=32) == 3
+            got = got.result(timeout=30)
+    finally:
+        trainer.close()
+        server.close()
+
+    assert [n for n, _ in got] == [n for n, _ in named]
+    storage = {}  # name -> (data_ptr, nbytes) of the storage behind it
+    for (name, sent), (_, t) in zip(named, got):
+        assert t.dtype == sent.dtype and t.shape == sent.shape and t.is_contiguous(), name
+        assert torch.equal(t.reshape(-1).view(torch.uint8), sent.reshape(-1).view(torch.uint8)), name
+        storage[name] = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+    for chunk in chunks:
+        views = {storage[s.name] for s in chunk if s.name in aligned}
+        assert len(views) == 1, chunk  # one buffer per chunk, exactly its size
+        assert views.pop()[1] == sum(s.nbytes for s in chunk)
+    assert len({storage[n] for n in aligned}) == len(chunks)
+    buffers = {storage[n][0] for n in aligned}
+    for name in {n for n, _ in named} - aligned:
+        assert storage[name][0] not in buffers and storage[name][1] == dict(named)[name].nbytes, name
+
+    params = {n: torch.zeros_like(t) for n, t in named}
+    install_weights(params, got)
+    for name, t in got:
+        assert params[name].data_ptr() == t.data_ptr(), name  # adopted, not copied
+
+
+def _parse_error(update_info: dict) -> VLLMError:
+    with pytest.raises(VLLMError) as e:
+        _parse_update_info(update_info, None)
+    return e.value
+
+
+@pytest.mark.parametrize("field, value, param, words", [
+    ("names", ["model.norm.weight", 7], "update_info.names", ["'update_info.names[1]'", "string"]),
+    ("names", ["model.norm.weight", ""], "update_info.names", ["'update_info.names[1]'", "non-empty"]),
+    ("dtype_names", ["float32", "torch.bfloat16"], "update_info.dtype_names",
+     ["'update_info.dtype_names[1]'", "'b'", "bare name 'bfloat16'"]),
+    ("dtype_names", ["float32", None], "update_info.dtype_names", ["'update_info.dtype_names[1]'", "'b'"]),
+    ("shapes", [[64], [2, -1]], "update_info.shapes", ["'update_info.shapes[1]'", "'b'", "non-negative"]),
+    ("shapes", [[64], [True]], "update_info.shapes", ["'update_info.shapes[1]'", "'b'"]),
+    ("shapes", [[64], [2.0]], "update_info.shapes", ["'update_info.shapes[1]'", "'b'"]),
+    ("shapes", [[64]], "update_info", ["differ in length", "(2, 2, 1)"]),
+])
+def test_update_info_refuses_bad_metadata_naming_the_field(field, value, param, words):
+    good = {"names": ["a", "b"], "dtype_names": ["float32", "bfloat16"], "shapes": [[64], [2, 3]]}
+    specs = _parse_update_info(good, None)
+    assert [(s.name, s.dtype, s.shape) for s in specs] == [("a", torch.float32, (64,)), ("b", torch.bfloat16, (2, 3))]
+    err = _parse_error({**good, field: value})
+    assert err.code == 400 and err.param == param, (err.param, err.message)
+    for w in words:
+        assert w in err.message, (w, err.message)
 
 
 # --------------------------------------------------------------------------- #

@@ -60,7 +60,7 @@ from torchtitan_grpo.inference.engine import (
 )
 
 from torchtitan_grpo.inference.server_vllm import VLLMRoutes, debug_update_delay
-from torchtitan_grpo.weight_sync.buckets import TensorSpec, dtype_from_name
+from torchtitan_grpo.weight_sync.buckets import TensorSpec, specs_from_lists
 
 logger = logging.getLogger("torchtitan_grpo.inference.server")
 
@@ -658,21 +658,13 @@ class _Refused(Exception):
     """A weight-update request refused before anything was received."""
 
 
-def _tensor_specs(names: list, dtypes: list, shapes: list) -> list:
-    if not (len(names) == len(dtypes) == len(shapes)):
-        raise _Refused(f"fields 'names', 'dtypes' and 'shapes' differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})")
-    specs = []
-    for i, (n, d, s) in enumerate(zip(names, dtypes, shapes)):
-        if not isinstance(n, str):
-            raise _Refused(f"field 'names[{i}]' must be a string")
-        try:
-            dtype = dtype_from_name(d)
-        except (TypeError, ValueError) as e:
-            raise _Refused(f"field 'dtypes[{i}]' (tensor {n!r}): {e}") from None
-        if not isinstance(s, list) or not all(_is_int(x) and x >= 0 for x in s):
-            raise _Refused(f"field 'shapes[{i}]' (tensor {n!r}) must be a list of non-negative integers")
-        specs.append(TensorSpec(n, dtype, tuple(s)))
-    return specs
+def _tensor_specs(names: list, dtypes: list, shapes: list) -> list[TensorSpec]:
+    """SGLang's ``names``/``dtypes``/``shapes``; a bad entry is refused naming
+    its field and index (``field 'dtypes[3]' (tensor 'x'): ...``)."""
+    try:
+        return specs_from_lists(names, dtypes, shapes)
+    except ValueError as e:
+        raise _Refused(str(e)) from None
 
 
 def _shielded(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):

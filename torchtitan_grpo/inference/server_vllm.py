@@ -52,7 +52,14 @@ from torchtitan_grpo.inference.engine import (
     check_not_aborted,
     receive_weights,
 )
-from torchtitan_grpo.weight_sync.buckets import TensorSpec, dtype_from_name, plan_packed_chunks
+from torchtitan_grpo.weight_sync.buckets import (
+    SpecError,
+    TensorSpec,
+    offsets,
+    plan_packed_chunks,
+    slots,
+    specs_from_lists,
+)
 
 logger = logging.getLogger("torchtitan_grpo.inference.server")
 
@@ -244,7 +251,8 @@ class _TransferInfo:
     packed: bool = False
     packed_buffer_size_bytes: int = proto.DEFAULT_PACKED_BUFFER_SIZE_BYTES
     packed_num_buffers: int = proto.DEFAULT_PACKED_NUM_BUFFERS
-    """Only paces vLLM's double buffering; the bytes on the wire do not depend on it."""
+    """Only paces vLLM's double buffering; the bytes on the wire do not depend
+    on it, and the built-in server's receive (``receive_packed``) ignores it."""
 
 
 def _parse_init_info(info: Any) -> _TransferInfo:
@@ -299,25 +307,15 @@ def _parse_update_info(info: Any, previous: list[TensorSpec] | None) -> list[Ten
     names = _field(info, "names", "list", [], where=w)
     dtypes = _field(info, "dtype_names", "list", [], where=w)
     shapes = _field(info, "shapes", "list", [], where=w)
-    if not (len(names) == len(dtypes) == len(shapes)):
-        raise _bad(f"'names', 'dtype_names' and 'shapes' differ in length ({len(names)}, {len(dtypes)}, "
-                   f"{len(shapes)})", "update_info")
-    if not names:
+    if not (names or dtypes or shapes):
         if previous is None:
             raise _bad("empty update_info reuses the previous call's metadata, and there was none", "update_info")
         return previous
-    specs = []
-    for i, (n, d, s) in enumerate(zip(names, dtypes, shapes)):
-        if not isinstance(n, str) or not n:
-            raise _bad(f"'{w}names[{i}]' must be a non-empty string", f"{w}names")
-        try:
-            dtype = dtype_from_name(d)
-        except (TypeError, ValueError) as e:
-            raise _bad(f"'{w}dtype_names[{i}]' (tensor {n!r}): {e}", f"{w}dtype_names") from None
-        if not isinstance(s, list) or not all(_is_int(x) and x >= 0 for x in s):
-            raise _bad(f"'{w}shapes[{i}]' (tensor {n!r}) must be a list of non-negative integers", f"{w}shapes")
-        specs.append(TensorSpec(n, dtype, tuple(s)))
-    return specs
+    try:
+        return specs_from_lists(names, dtypes, shapes, ("names", "dtype_names", "shapes"), prefix=w,
+                                empty_names=False)
+    except SpecError as e:
+        raise _bad(str(e), e.field or "update_info") from None
 
 
 def receive_packed(group: Any, specs: list[TensorSpec], buffer_bytes: int,
@@ -325,68 +323,91 @@ def receive_packed(group: Any, specs: list[TensorSpec], buffer_bytes: int,
     """Receive vLLM packed-mode chunks: one uint8 broadcast per chunk, cut
     exactly as the sender cuts (``plan_packed_chunks``).
 
-    Chunk k lands in receive buffer k % ``num_buffers``. On GPUs the receive
-    of chunk k+1 is posted before the tensors of chunk k are copied out (on a
-    second CUDA stream), and nothing waits on the host until the end: queueing
-    a chunk's copies costs the host about a millisecond per hundred tensors,
-    which would otherwise leave the link idle between chunks. A buffer is
-    received into again only once its copies are done (a device-side wait).
-    Offsets inside a chunk are not itemsize-aligned, so tensors are copied out
-    byte for byte into tensors of their own.
+    Each chunk is received into a buffer of its own, and a tensor whose byte
+    offset in its chunk is a multiple of its itemsize is returned as a typed
+    view of that buffer: no copy, and ``install_weights`` adopts the view as
+    the parameter's storage. Only the others (offsets made odd by mixed
+    itemsizes, e.g. an fp32 tensor after a bf16 one of odd length) are copied
+    out into tensors of their own once their chunk is in: on GPUs on a second
+    CUDA stream that waits for the chunk, on CPU (gloo, whose receives return
+    complete) right away. Every receive is posted before any view is cut or
+    copy queued, and nothing waits on the host until the end, so the link is
+    never idle between chunks; only the last chunk's copies (if any) follow
+    its receive.
+
+    Memory: the chunk buffers add up to the update's bytes, plus a copy of
+    each unaligned tensor (in practice the few odd-sized small ones between
+    bf16 weights). That replaces per-tensor destinations (the update's bytes)
+    plus up to ``num_buffers`` chunk buffers, so it is no more than before
+    unless unaligned tensors outweigh those buffers. A buffer is freed once
+    no view of it is used (a chunk of unaligned tensors only: at return).
+    ``num_buffers`` means nothing here: a real vLLM worker double-buffers its
+    receives with it, so it stays for protocol compatibility.
     """
-    device = group.device
     chunks = plan_packed_chunks(specs, buffer_bytes)
-    sizes = [sum(s.nbytes for s in chunk) for chunk in chunks]
-    out: list[tuple[str, torch.Tensor]] = []
     if not chunks:
-        return out
-    bufs = [torch.empty(max(sizes), dtype=torch.uint8, device=device)
-            for _ in range(min(max(num_buffers, 1), len(chunks)))]
-    cuda = device.type == "cuda"
+        return []
+    cuda = group.device.type == "cuda"
     # Streams named by device: this runs on a worker thread, whose current
     # device need not be the group's (an event recorded on "the current
     # stream" there would order nothing).
-    main = torch.cuda.current_stream(device) if cuda else None
-    side = torch.cuda.Stream(device) if cuda else None
-    free_again: list[Any] = [None] * len(bufs)  # per buffer: its last copies are done
-
-    def post(k: int) -> tuple[torch.Tensor, Any]:
-        """Post the receive of chunk k; return its buffer and an event set once it is in."""
-        i = k % len(bufs)
-        if free_again[i] is not None:
-            main.wait_event(free_again[i])
-        buf = bufs[i][: sizes[k]]
-        group.broadcast(buf, src=0, stream=main, wait=not cuda)  # gloo: returns once the chunk is here
-        arrived = None
-        if cuda:
-            arrived = torch.cuda.Event()
-            arrived.record(main)
-        return buf, arrived
-
-    ahead = len(bufs) > 1  # with one buffer, chunk k+1 may land only after chunk k is copied out
-    pending = post(0)
-    for k, chunk in enumerate(chunks):
-        buf, arrived = pending
-        if ahead and k + 1 < len(chunks):
-            pending = post(k + 1)
-        # Allocated here, while a chunk is in flight, not before the first receive.
-        dests = [torch.empty(s.shape, dtype=s.dtype, device=device) for s in chunk]
-        with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
-            if cuda:
-                side.wait_event(arrived)
-            pos = 0
-            for s, dest in zip(chunk, dests):
-                dest.view(-1).view(torch.uint8).copy_(buf[pos: pos + s.nbytes])
-                out.append((s.name, dest))
-                pos += s.nbytes
-            if cuda:
-                free_again[k % len(bufs)] = torch.cuda.Event()
-                free_again[k % len(bufs)].record(side)
-        if not ahead and k + 1 < len(chunks):
-            pending = post(k + 1)
+    main = torch.cuda.current_stream(group.device) if cuda else None
+    received = [_post_chunk(group, chunk, main) for chunk in chunks]
+    side = torch.cuda.Stream(group.device) if cuda and any(r.spills for r in received) else None
+    out: list[tuple[str, torch.Tensor]] = []
+    for r in received:
+        out.extend(_chunk_tensors(r, side))
     if cuda:
-        side.synchronize()  # every copy, hence every receive before it, is done
+        if side is not None:
+            side.synchronize()  # every copy
+        received[-1].ready.synchronize()  # every receive (they run in order on ``main``)
     check_not_aborted(group)
+    return out
+
+
+@dataclass
+class _PostedChunk:
+    """A chunk whose receive is posted (and, off GPUs, complete)."""
+
+    specs: list[TensorSpec]
+    buf: torch.Tensor
+    spills: list[torch.Tensor]
+    """Where the chunk's unaligned tensors go, in order."""
+    ready: Any
+    """CUDA event after the receive and the allocation of ``spills``; None off GPUs."""
+
+
+def _post_chunk(group: Any, chunk: list[TensorSpec], main: Any) -> _PostedChunk:
+    pos = offsets(chunk)
+    buf = torch.empty(pos[-1], dtype=torch.uint8, device=group.device)
+    group.broadcast(buf, src=0, stream=main, wait=main is None)  # gloo: returns once the chunk is here
+    # Allocated after the receive is posted (the first receive goes out sooner)
+    # and before ``ready``: a block the allocator hands out on ``main`` may still
+    # be in use by work queued there earlier (another thread's generation, say),
+    # so the copies into it, on another stream, must wait for an event after it.
+    spills = [torch.empty(s.shape, dtype=s.dtype, device=group.device)
+              for s, p in zip(chunk, pos) if p % s.itemsize]
+    ready = None
+    if main is not None:
+        ready = torch.cuda.Event()
+        ready.record(main)
+    return _PostedChunk(chunk, buf, spills, ready)
+
+
+def _chunk_tensors(r: _PostedChunk, side: Any) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of a posted chunk: views of its buffer where aligned, else
+    its spill tensors, filled on ``side`` (GPU) once the chunk is in."""
+    spills = iter(r.spills)
+    out: list[tuple[str, torch.Tensor]] = []
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        if side is not None and r.spills:
+            side.wait_event(r.ready)
+        for spec, slot in zip(r.specs, slots(r.buf, r.specs)):
+            if slot.dtype != spec.dtype:  # unaligned: ``slot`` holds the raw bytes
+                dest = next(spills)
+                dest.view(-1).view(torch.uint8).copy_(slot)
+                slot = dest
+            out.append((spec.name, slot))
     return out
 
 
