@@ -84,10 +84,11 @@ def test_buffer_being_rewritten_is_not_taken(loop):
 
 
 def test_a_version_is_handed_out_while_staged_and_read_only_once_written(loop, monkeypatch):
-    """A version reaches the senders before the trainer has staged it (their
-    HTTP control plane runs meanwhile); whatever reads its bytes first waits
-    for ``written``, and then reads this version's bytes, not the previous
-    one's still in the buffer."""
+    """A push that waits (sync mode) hands its version to the senders before
+    the trainer has staged it (their HTTP control plane runs meanwhile);
+    whatever reads its bytes first waits for ``written``, and then reads this
+    version's bytes, not the previous one's still in the buffer. A push that
+    does not wait (async) hands it out only once staged."""
     import threading
 
     tensors = _tensors()
@@ -114,18 +115,34 @@ def test_a_version_is_handed_out_while_staged_and_read_only_once_written(loop, m
         stage_real(s, t)
 
     monkeypatch.setattr(p, "_stage", stage)
-    p.push(new, version=2, wait=False)
+    p.push(new, version=2, wait=True)  # no replicas: nothing to wait for after the snapshot
     assert seen == [(True, 2, False)]
     assert p._latest is staged  # version 1's buffer, rewritten: stale bytes were there to be read
     assert reader_done.wait(10)
     for name, want in new.items():
         assert torch.equal(read[name], want), name
 
+    # Async: nothing to take while the trainer stages; then version 3, written.
+    with p._lock:
+        staged.users -= 1  # the reader's transfer of version 2 is over
+    r.version = 2
+    taken_async = []
+
+    def stage_async(s, t):
+        taken_async.append(p._take(r))
+        stage_real(s, t)
+
+    monkeypatch.setattr(p, "_stage", stage_async)
+    p.push(new, version=3, wait=False)
+    assert taken_async == [None]
+    got = p._take(r)
+    assert got.version == 3 and got.written.is_set()
+
 
 def test_a_snapshot_that_fails_is_withdrawn_and_its_sender_told(loop, monkeypatch):
     """The trainer's staging raises: push() raises it; a version no sender
-    took is withdrawn (no sender gets it later), and a sender that took it
-    gets a PushError naming the cause instead of waiting for it forever."""
+    took is never handed out (async) or withdrawn (sync), and a sender that
+    took it gets a PushError naming the cause instead of waiting for it forever."""
     import threading
 
     p = Pusher(loop, [], PushConfig(bucket_bytes=40), torch.device("cpu"))
@@ -136,9 +153,10 @@ def test_a_snapshot_that_fails_is_withdrawn_and_its_sender_told(loop, monkeypatc
         raise RuntimeError("copy failed")
 
     monkeypatch.setattr(p, "_stage", broken)
-    with pytest.raises(RuntimeError, match="copy failed"):
-        p.push(_tensors(), version=1, wait=False)
-    assert p._take(r) is None  # withdrawn
+    for wait in (False, True):  # never published / published, then withdrawn
+        with pytest.raises(RuntimeError, match="copy failed"):
+            p.push(_tensors(), version=1, wait=wait)
+        assert p._take(r) is None
 
     errors, taken = [], []
 
@@ -154,7 +172,7 @@ def test_a_snapshot_that_fails_is_withdrawn_and_its_sender_told(loop, monkeypatc
 
     monkeypatch.setattr(p, "_stage", broken_after_take)
     with pytest.raises(RuntimeError, match="copy failed again"):
-        p.push(_tensors(), version=2, wait=False)
+        p.push(_tensors(), version=2, wait=True)
     t = threading.Thread(target=sender, args=(taken[0],))
     t.start()
     t.join(10)

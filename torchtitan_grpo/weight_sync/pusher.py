@@ -26,10 +26,13 @@ before its broadcast and only after ``begin`` was confirmed, so a receive is
 always waiting when the bytes arrive. The request for bucket k+1 is posted as
 soon as bucket k has arrived; its broadcast starts after the reply to k.
 
-A version is handed to the senders as soon as its staging buffer is chosen,
-before the trainer has copied anything into it: pause, begin and the first
-update request (and the replica's parsing of it) then run while the trainer's
-thread stages, and only the broadcasts wait until the buffer is written.
+When the caller waits for the replicas (sync mode), a version is handed to
+the senders as soon as its staging buffer is chosen, before the trainer has
+copied anything into it: pause, begin and the first update request (and the
+replica's parsing of it) then run while the trainer's thread stages, and only
+the broadcasts wait until the buffer is written. In async mode it is handed
+over once staged, so that the trainer's thread never competes with the
+senders for the GIL during its snapshot.
 """
 
 from __future__ import annotations
@@ -168,10 +171,11 @@ class _Staged:
     """Pinned host memory, written by asynchronous copies from the GPU."""
     written: threading.Event = field(default_factory=threading.Event)
     """Set once the trainer has queued every copy into the buffers (and
-    recorded ``ready``). A version is handed to the senders *before* that, so
-    that their HTTP control plane (pause, begin, the first update request,
-    the replica's parsing) runs while the trainer's thread is still staging;
-    whatever reads the buffers waits for this first (``await_written``)."""
+    recorded ``ready``). A push that waits hands the version to the senders
+    *before* that, so that their HTTP control plane (pause, begin, the first
+    update request, the replica's parsing) runs while the trainer's thread is
+    still staging; whatever reads the buffers waits for this first
+    (``await_written``)."""
     failed: str = ""
     """Why the trainer's staging of this version raised, if it did."""
 
@@ -420,15 +424,18 @@ class Pusher:
             stall = time.perf_counter() - t0
             return {"push/skipped_versions": float(self.skipped_versions), "time/push_stall_s": stall,
                     **self._lag_metrics(version)}
-        # Published before it is written: the senders start their control
-        # plane now and wait for ``written`` before touching the bytes.
-        with self._lock:
-            staged.version = version
-            staged.failed = ""
-            staged.written.clear()
-            self._latest = staged
-            self._newest = max(self._newest, version)
-        self.loop.loop.call_soon_threadsafe(self._wake_all)
+        staged.failed = ""
+        staged.written.clear()
+        # A caller that waits for the replicas anyway (sync mode, a run's last
+        # push) gets the version published before it is written: the senders'
+        # control plane then runs during the snapshot and only the broadcasts
+        # wait for ``written``. Without ``wait`` the trainer's thread goes back
+        # to training right after the snapshot, and a sender busy on the event
+        # loop meanwhile would make every torch call of the snapshot wait for
+        # the GIL: on 2 H200s the async step's stall went from 0.6-1.0 ms to
+        # 2.7 ms that way (docs/PERFORMANCE.md, run 27), so it publishes after.
+        if wait:
+            self._publish(staged, version)
         try:
             self._stage(staged, tensors)
         except BaseException as e:
@@ -439,6 +446,8 @@ class Pusher:
             raise
         finally:
             staged.written.set()
+        if not wait:
+            self._publish(staged, version)
         stall = time.perf_counter() - t0
         m = {"time/push_stall_s": stall, "push/bytes": float(self.bytes_per_version),
              "push/skipped_versions": float(self.skipped_versions)}
@@ -447,6 +456,14 @@ class Pusher:
             m["time/push_s"] = time.perf_counter() - t0
             m["push/GBps"] = self.bytes_per_version / m["time/push_s"] / 1e9
         return m | self._lag_metrics(version)
+
+    def _publish(self, staged: _Staged, version: int) -> None:
+        """Make ``staged`` the newest version and wake the senders."""
+        with self._lock:
+            staged.version = version
+            self._latest = staged
+            self._newest = max(self._newest, version)
+        self.loop.loop.call_soon_threadsafe(self._wake_all)
 
     def _stage(self, staged: _Staged, tensors: dict[str, torch.Tensor]) -> None:
         """Copy ``tensors`` into ``staged``, cast to the push dtype on the way
