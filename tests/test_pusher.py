@@ -344,3 +344,56 @@ def test_control_plane_runs_while_the_trainer_stages(tmp_path, tiny_model_dir, l
     finally:
         pusher.close()
         stop_process(srv.proc)
+
+
+@pytest.mark.parametrize("builtin", [True, False])
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+def test_session_end_goes_out_with_the_last_byte_only_to_the_builtin_server(
+        tmp_path, tiny_model_dir, loop, monkeypatch, protocol, builtin):
+    """The built-in server (its /model_info says so) takes a session's end
+    after the update in flight, so the pusher posts the end (SGLang end, vLLM
+    finish) as soon as the last bucket has arrived, before that update's reply;
+    anything else (a real SGLang or vLLM: the same routes without the marker)
+    gets it only after the reply. Either way the version is loaded whole."""
+    import threading
+
+    from torchtitan_grpo.weight_sync import pusher as pusher_mod
+
+    update = "/update_weights_from_distributed" if protocol == "sglang" else "/update_weights"
+    end = "/end_weight_update" if protocol == "sglang" else "/finish_weight_update"
+    events: list[tuple[str, str]] = []
+    lock = threading.Lock()
+    real_post = pusher_mod._post
+
+    async def post(session, url, body, timeout_s, params=None):
+        path = url[url.rindex("/"):]
+        with lock:
+            events.append(("post", path))
+        out = await real_post(session, url, body, timeout_s, params)
+        with lock:
+            events.append(("reply", path))
+        return out
+
+    monkeypatch.setattr(pusher_mod, "_post", post)
+    if not builtin:
+        async def not_builtin(self, r):
+            return False
+
+        monkeypatch.setattr(Pusher, "_is_builtin", not_builtin)
+    # 0.5 s per update after its bytes arrived (inside the server's update lock).
+    (srv,) = _servers(tmp_path, tiny_model_dir, [0.5])
+    pusher = Pusher(loop, [srv.url], PushConfig(mode="sync", protocol=protocol, bucket_bytes=32 << 10,
+                                                packed_buffer_bytes=20_000), torch.device("cpu"))
+    try:
+        pusher.connect(initial_version=0)
+        assert pusher.replicas[0].builtin is builtin
+        names = list(_weights(tiny_model_dir, 0.0))
+        events.clear()
+        pusher.push(_weights(tiny_model_dir, 1.0), version=1)
+        assert _served_markers(srv.url, names) == {1.0} and _version(srv.url) == "1"
+        last_reply = max(i for i, e in enumerate(events) if e == ("reply", update))
+        end_post = events.index(("post", end))
+        assert (end_post < last_reply) is builtin, events
+    finally:
+        pusher.close()
+        stop_process(srv.proc)

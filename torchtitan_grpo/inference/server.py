@@ -60,6 +60,7 @@ from torchtitan_grpo.inference.engine import (
 )
 
 from torchtitan_grpo.inference.server_vllm import VLLMRoutes, debug_update_delay
+from torchtitan_grpo.inference.types import BUILTIN_ENGINE
 from torchtitan_grpo.weight_sync.buckets import TensorSpec, specs_from_lists
 
 logger = logging.getLogger("torchtitan_grpo.inference.server")
@@ -615,6 +616,7 @@ class SGLangRoutes:
                 "device": str(self.engine.device),
                 "dtype": str(next(self.engine.model.parameters()).dtype).removeprefix("torch."),
                 "max_batch_size": self.cfg.max_batch_size,
+                "engine": BUILTIN_ENGINE,
             }
         )
 

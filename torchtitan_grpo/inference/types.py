@@ -7,6 +7,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+BUILTIN_ENGINE = "torchtitan-grpo"
+"""What the built-in server's ``/model_info`` says in its ``engine`` field
+(SGLang's and vLLM's have no such field): a pusher that sees it may rely on
+the built-in server's own guarantees, e.g. that a session's end waits for the
+update in flight."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """What every backend understands; each maps it onto its own field names."""
