@@ -313,6 +313,7 @@ class Pusher:
         once (each blocks until the other side has joined)."""
         port = free_port(self.cfg.master_address)
         r.world_size = 1 + await self._replica_ranks(r)
+        r.builtin = await self._is_builtin(r)  # before the vLLM handshake is chosen below
         join_fn = lambda: init_weight_group(  # noqa: E731
             self.cfg.master_address, port, 0, r.world_size, backend=self.cfg.backend,
             group_name=GROUP_NAME if self.cfg.protocol == "sglang" else VLLM_GROUP_NAME,
@@ -332,7 +333,6 @@ class Pusher:
                 join_fn = lambda: init_vllm_weight_group(  # noqa: E731
                     self.cfg.master_address, port, r.world_size, device=self.device,
                     timeout_s=self.cfg.init_timeout_s)
-        r.builtin = await self._is_builtin(r)
         executor = DaemonExecutor(f"push-{r.url}")
         http = asyncio.create_task(_post(self._session, r.url + path, body, self.cfg.init_timeout_s))
         join = asyncio.get_running_loop().run_in_executor(executor, join_fn)
