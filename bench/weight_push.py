@@ -52,7 +52,11 @@ version); ``xfer`` is the same less the trainer's host stall (the push's own
 ``time/push_stall_s``). On GPUs the stall is only the launch of the
 snapshot's copies; the copies themselves run on the device ahead of the
 broadcasts, bucket by bucket, and what of them the first broadcast waits for
-is inside both ``push`` and ``xfer``. Medians after one warm-up push. GiB/s = set
+is inside both ``push`` and ``xfer``. A push that waits hands the version to
+the senders before the snapshot, so their HTTP up to the first receive runs
+during that stall: ``xfer`` is then the time from the trainer's return to the
+replica serving the version, and ``push`` the stricter number (in async mode
+the HTTP starts after the stall). Medians after one warm-up push. GiB/s = set
 bytes / time. After ``bucketed`` and each push the replica's parameters are
 compared with the trainer's (an integer checksum of every tensor and the
 served version): the ``check`` column says ``ok`` only if every path
@@ -504,7 +508,8 @@ def print_table(rows: list[dict], backend: str, devices: str, reps: int, staging
     print("# raw = one flat broadcast (baseline); bucketed = WeightGroup broadcasts of the staging buckets + "
           "receive_weights + install; <path> push = Pusher.push(wait=True) over HTTP to the built-in server's "
           "routes, snapshot included; <path> xfer = the same less the trainer's host stall (on GPUs the snapshot's "
-          "device copy, overlapped with the broadcasts bucket by bucket, stays inside); sglang: one update request per bucket; vllm: one request, packed chunks of 'bucket MiB'; "
+          "device copy, overlapped with the broadcasts bucket by bucket, stays inside; the senders' HTTP up to the "
+          "first receive runs during the stall, so xfer = trainer's return -> replica serving); sglang: one update request per bucket; vllm: one request, packed chunks of 'bucket MiB'; "
           "disk: safetensors in a local folder + update_weights_from_disk; snapshot = staging copy alone; "
           "staging host: snapshot = the copy to pinned host memory, bucketed = uploads to the GPU overlapped with "
           "the broadcasts")
