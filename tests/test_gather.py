@@ -72,7 +72,7 @@ def _through_pusher(device: torch.device, staging: str, delivered: dict, overlap
 
     loop = LoopThread()
     pusher = Pusher(loop, [], PushConfig(backend="nccl" if device.type == "cuda" else "gloo", staging=staging,
-                                         bucket_bytes=1 << 16), device)
+                                         bucket_bytes=1 << 16, num_staging_buffers=3), device)
     staged = {}
 
     def deliver(tensors, version, wait):
@@ -98,8 +98,9 @@ def _through_pusher(device: torch.device, staging: str, delivered: dict, overlap
 def run_case(model_dir: str, model_name: str, layout: tuple[int, int, int, int], dump: str,
              staging: str = "") -> dict | None:
     """The trainer as grpo_train builds it (meta, layout, then the checkpoint),
-    two versions through a ShardGatherer; rank 0 returns what it saw (with
-    ``staging``: what rank 0's Pusher staged to be sent)."""
+    three versions through a ShardGatherer of two slots (version 3 reuses
+    version 1's slot while version 2 may still be gathered); rank 0 returns
+    what it saw (with ``staging``: what rank 0's Pusher staged to be sent)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -139,7 +140,14 @@ def run_case(model_dir: str, model_name: str, layout: tuple[int, int, int, int],
                global_num_tokens=sum(len(s.completion_ids) for s in batch), pad_id=0, d=d)
     overlapped.set()
     expected[2] = _gathered_hf(policy)
-    metrics = gatherer.snapshot(2, wait=True)
+    gatherer.snapshot(2)
+    # Another step while version 2 is gathered, then version 3 into version
+    # 1's slot: the trainer may rewrite it only once the sidecar has copied
+    # version 1 out of it (on GPUs the slot's ``released`` event).
+    train_step(policy, batch[dp_rank::dp_degree], cfg.grpo, 1.0, 8, global_num_samples=len(batch),
+               global_num_tokens=sum(len(s.completion_ids) for s in batch), pad_id=0, d=d)
+    expected[3] = _gathered_hf(policy)
+    metrics = gatherer.snapshot(3, wait=True)
     gatherer.close()
     if read_back is not None:
         read_back()
@@ -218,7 +226,7 @@ def staged_by_pusher(tmp_path_factory, model_dirs):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_gathered_versions_equal_the_trainers_export(gathered, layout, model_name):
     r = torch.load(gathered / f"{model_name}-{layout}.pt")
-    assert sorted(r["delivered"]) == [1, 2]
+    assert sorted(r["delivered"]) == [1, 2, 3]
     assert r["shared_groups"] == [], "the gather used the trainer's process groups"
     # one sharded dim: the flat fast path; FSDP+TP (two) falls back to DTensor
     assert r["kinds"] == {"fsdp": ["flat"], "hsdp": ["flat"], "tp": ["flat", "whole"], "ddp": ["whole"],
@@ -228,9 +236,10 @@ def test_gathered_versions_equal_the_trainers_export(gathered, layout, model_nam
     ckpt = {k: v for k, v in r["checkpoint"].items() if not (model_name == "qwen3_tied" and k == "lm_head.weight")}
     assert r["expected"][1].keys() == ckpt.keys()
     assert all(torch.equal(r["expected"][1][k], ckpt[k]) for k in ckpt), "the checkpoint was not loaded exactly"
-    moved = max(float((r["expected"][2][k] - r["expected"][1][k]).abs().max()) for k in r["expected"][1])
-    assert moved > 1e-3, "the two versions must differ for the check to mean anything"
-    for version in (1, 2):
+    for v in (2, 3):
+        moved = max(float((r["expected"][v][k] - r["expected"][v - 1][k]).abs().max()) for k in r["expected"][1])
+        assert moved > 1e-3, "consecutive versions must differ for the check to mean anything"
+    for version in (1, 2, 3):
         got, want = r["delivered"][version], r["expected"][version]
         assert got.keys() == want.keys()
         for k in want:
