@@ -12,6 +12,7 @@ of the trainer's.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import subprocess
 import sys
@@ -171,6 +172,11 @@ def run_case(model_dir: str, model_name: str, layout: tuple[int, int, int, int],
 def _worker(out_dir: str, model_dirs: dict[str, str], layouts: list[str], staging: str = "") -> None:
     import torch.distributed as dist
 
+    # A hang (run 33 met one on 2 GPUs that seven reruns did not) leaves every
+    # thread's stack in the rank's stderr instead of only a timeout.
+    dump_s = float(os.environ.get("GRPO_TEST_DUMP_S", "240"))  # 0: none
+    if dump_s > 0:
+        faulthandler.dump_traceback_later(dump_s, repeat=True)
     torch.set_num_threads(1)
     device = _device()
     if device.type == "cuda":
@@ -187,6 +193,7 @@ def _worker(out_dir: str, model_dirs: dict[str, str], layouts: list[str], stagin
                     torch.save(result, os.path.join(out_dir, f"{model_name}-{layout}.pt"))
         dist.barrier()
     finally:
+        faulthandler.cancel_dump_traceback_later()
         dist.destroy_process_group()
 
 
