@@ -139,6 +139,53 @@ def test_a_version_is_handed_out_while_staged_and_read_only_once_written(loop, m
     assert got.version == 3 and got.written.is_set()
 
 
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+def test_a_waited_push_sends_its_first_bucket_while_the_rest_is_staged(loop, monkeypatch, protocol):
+    """In a push that waits, a sender broadcasts bucket 0 as soon as the
+    trainer has queued its copies, not after the whole snapshot; each bucket
+    still goes out with this version's bytes."""
+    import threading
+
+    p = Pusher(loop, [], PushConfig(bucket_bytes=40, packed_buffer_bytes=40, protocol=protocol),
+               torch.device("cpu"))
+    r = _Replica("http://r")
+    r.version = 0
+    sent: list[torch.Tensor] = []
+    first_sent = threading.Event()
+
+    class Group:  # what a replica's WeightGroup is to ``_broadcast_all``
+        def broadcast(self, buf, src, stream=None, wait=True):
+            sent.append(buf.clone())
+            first_sent.set()
+
+    r.group = Group()
+    stage_real, early, taken = p._stage, [], []
+
+    def stage(s, t):
+        taken.append(p._take(r))
+        sender = threading.Thread(target=Pusher._broadcast_all,
+                                  args=(r, taken[0], list(range(len(s.plan))), threading.Event()))
+        queued_real = s.bucket_queued
+
+        def queued(k):
+            queued_real(k)
+            if k == 0:  # the trainer's thread, before it queues bucket 1
+                early.append(first_sent.wait(10))
+
+        monkeypatch.setattr(s, "bucket_queued", queued)
+        sender.start()
+        stage_real(s, t)
+        sender.join(10)
+
+    monkeypatch.setattr(p, "_stage", stage)
+    p.push(_tensors(), version=1, wait=True)
+    assert taken[0] is p._latest and len(taken[0].plan) > 2
+    assert early == [True], "bucket 0 was not sent before bucket 1 was staged"
+    assert len(sent) == len(taken[0].plan)
+    for got, buf in zip(sent, taken[0].buffers):
+        assert torch.equal(got, buf)
+
+
 def test_a_snapshot_that_fails_is_withdrawn_and_its_sender_told(loop, monkeypatch):
     """The trainer's staging raises: push() raises it; a version no sender
     took is never handed out (async) or withdrawn (sync), and a sender that

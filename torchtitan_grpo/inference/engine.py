@@ -36,7 +36,7 @@ import uuid
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -1037,28 +1037,48 @@ def install_weights(params: dict[str, torch.Tensor], named: Sequence[tuple[str, 
                 target.copy_(t)
 
 
-def receive_weights(group: Any, specs: Sequence[TensorSpec], flattened: bool) -> list[tuple[str, torch.Tensor]]:
+SpecCheck = Callable[[Sequence[TensorSpec]], None]
+"""What an update's metadata must pass to be loaded (``Engine.check_weights``)."""
+
+
+def run_check(check: SpecCheck | None, specs: Sequence[TensorSpec]) -> Exception | None:
+    """``check(specs)``'s exception, returned to be raised once the receive is
+    done: a receive must complete even when its update is refused, or the
+    group falls out of step with the sender."""
+    if check is None:
+        return None
+    try:
+        check(specs)
+    except Exception as e:  # noqa: BLE001 - raised by the caller after the receive
+        return e
+    return None
+
+
+def receive_weights(group: Any, specs: Sequence[TensorSpec], flattened: bool,
+                    check: SpecCheck | None = None) -> list[tuple[str, torch.Tensor]]:
     """Receive one update from rank 0 of ``group`` (a WeightGroup).
 
     Per-tensor mode posts one broadcast per spec, in order; flattened mode
     posts a single uint8 broadcast of all bytes and slices it (offsets must be
-    itemsize-aligned). Everything is received before anything is checked, so
-    the collective sequence stays in step with the sender even when the
-    update is then refused.
+    itemsize-aligned). ``check`` (``Engine.check_weights``) runs on the
+    metadata while the bytes arrive (flattened, on GPUs), and what it raises
+    is raised only once they have: the collective sequence stays in step with
+    the sender even when the update is then refused.
     """
     if flattened:
         buf = torch.empty(packed_nbytes(specs), dtype=torch.uint8, device=group.device)
         cuda = buf.device.type == "cuda"
         stream = torch.cuda.current_stream(buf.device) if cuda else None
-        # On GPUs the views are cut while the bytes arrive (a few ms of Python
-        # for a few hundred tensors), then the host waits for the receive.
+        # On GPUs the views are cut and the metadata checked while the bytes
+        # arrive (a few ms of Python for a few hundred tensors), then the host
+        # waits for the receive.
         group.broadcast(buf, src=0, stream=stream, wait=not cuda)
         try:
             views = unpack(buf, specs)
         except ValueError as e:
-            error = WeightUpdateError(str(e))
+            error: Exception | None = WeightUpdateError(str(e))
         else:
-            error = None
+            error = run_check(check, specs)
         if cuda:
             stream.synchronize()  # even when refused: nothing returns before the receive is done
         check_not_aborted(group)
@@ -1071,6 +1091,9 @@ def receive_weights(group: Any, specs: Sequence[TensorSpec], flattened: bool) ->
         group.broadcast(t, src=0)
         out.append((s.name, t))
     check_not_aborted(group)
+    error = run_check(check, specs)
+    if error is not None:
+        raise error
     return out
 
 

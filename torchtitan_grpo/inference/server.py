@@ -514,7 +514,9 @@ class SGLangRoutes:
             if abort_all:
                 await asyncio.to_thread(self.engine.abort_all, "aborted for a weight update")
             try:
-                named = await self._run(self._receive_checked, group, specs, load_format == "flattened_bucket")
+                # checked while the bytes arrive, refused once they have (the group stays in step)
+                named = await self._run(receive_weights, group, specs, load_format == "flattened_bucket",
+                                        self.engine.check_weights)
             except WeightUpdateError as e:
                 return self._refuse(f"received, not loaded: {e}")
             except Exception as e:
@@ -522,11 +524,6 @@ class SGLangRoutes:
                 return self._refuse(f"receiving weights on group {group_name!r} failed: {type(e).__name__}: {e}")
             await debug_update_delay(self.cfg)
             return self._keep(named, version, f"{len(named)} tensor(s)")
-
-    def _receive_checked(self, group: Any, specs: list, flattened: bool) -> list:
-        named = receive_weights(group, specs, flattened)  # first: the group stays in step even if refused
-        self.engine.check_weights(specs)
-        return named
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         body = await _json_body(request)

@@ -48,9 +48,11 @@ from torchtitan_grpo.inference.engine import (
     SampleResult,
     SamplingParams,
     parse_stop,
+    SpecCheck,
     WeightUpdateError,
     check_not_aborted,
     receive_weights,
+    run_check,
 )
 from torchtitan_grpo.weight_sync.buckets import (
     SpecError,
@@ -319,7 +321,8 @@ def _parse_update_info(info: Any, previous: list[TensorSpec] | None) -> list[Ten
 
 
 def receive_packed(group: Any, specs: list[TensorSpec], buffer_bytes: int,
-                   num_buffers: int = proto.DEFAULT_PACKED_NUM_BUFFERS) -> list[tuple[str, torch.Tensor]]:
+                   num_buffers: int = proto.DEFAULT_PACKED_NUM_BUFFERS,
+                   check: SpecCheck | None = None) -> list[tuple[str, torch.Tensor]]:
     """Receive vLLM packed-mode chunks: one uint8 broadcast per chunk, cut
     exactly as the sender cuts (``plan_packed_chunks``).
 
@@ -342,7 +345,9 @@ def receive_packed(group: Any, specs: list[TensorSpec], buffer_bytes: int,
     unless unaligned tensors outweigh those buffers. A buffer is freed once
     no view of it is used (a chunk of unaligned tensors only: at return).
     ``num_buffers`` means nothing here: a real vLLM worker double-buffers its
-    receives with it, so it stays for protocol compatibility.
+    receives with it, so it stays for protocol compatibility. ``check``
+    (``Engine.check_weights``) runs while the chunks arrive; what it raises is
+    raised once every chunk is in.
     """
     chunks = plan_packed_chunks(specs, buffer_bytes)
     if not chunks:
@@ -357,11 +362,14 @@ def receive_packed(group: Any, specs: list[TensorSpec], buffer_bytes: int,
     out: list[tuple[str, torch.Tensor]] = []
     for r in received:
         out.extend(_chunk_tensors(r, side))
+    error = run_check(check, specs)
     if cuda:
         if side is not None:
             side.synchronize()  # every copy
         received[-1].ready.synchronize()  # every receive (they run in order on ``main``)
     check_not_aborted(group)
+    if error is not None:
+        raise error
     return out
 
 
@@ -681,26 +689,25 @@ class VLLMRoutes:
         specs = _parse_update_info(body.get("update_info"), self.t.last_specs)
         info = self.t.info
         async with self._lock:
+            # The metadata is checked while the bytes arrive and refused once
+            # they have (``check``): the group stays in step with the sender.
+            check = self.engine.check_weights
             try:
                 if info.packed:
                     named = await self._run(receive_packed, group, specs, info.packed_buffer_size_bytes,
-                                             info.packed_num_buffers)
+                                             info.packed_num_buffers, check)
                 else:
-                    named = await self._run(receive_weights, group, specs, False)
+                    named = await self._run(receive_weights, group, specs, False, check)
             except WeightUpdateError as e:
+                self.t.last_specs = specs
                 self.t.update.fail(str(e))
-                raise _bad(f"received, not loaded: {e}") from None
+                raise _bad(f"weights not loaded (model unchanged): {e}", "update_info.names") from None
             except Exception as e:
                 logger.warning("vLLM weight receive failed: %s", e)
                 self.t.update.fail(f"{type(e).__name__}: {e}")
                 raise VLLMError(500, f"receiving weights failed: {type(e).__name__}: {e}") from None
             self.t.last_specs = specs
             await debug_update_delay(self.cfg)
-            try:
-                self.engine.check_weights(specs)
-            except WeightUpdateError as e:
-                self.t.update.fail(str(e))
-                raise _bad(f"weights not loaded (model unchanged): {e}", "update_info.names") from None
             self.t.update.keep(named)
         return web.json_response({"message": "Weights updated"})
 

@@ -32,7 +32,7 @@ When the caller waits for the replicas (sync mode), a version is handed to
 the senders as soon as its staging buffer is chosen, before the trainer has
 copied anything into it: pause, begin and the first update request (and the
 replica's parsing of it) then run while the trainer's thread stages, and only
-the broadcasts wait until the buffer is written. In async mode it is handed
+the broadcasts wait, each until the copies of its own bucket are queued. In async mode it is handed
 over once staged, so that the trainer's thread never competes with the
 senders for the GIL during its snapshot.
 """
@@ -179,18 +179,44 @@ class _Staged:
     update request, the replica's parsing) runs while the trainer's thread is
     still staging; whatever reads the buffers waits for this first
     (``await_written``)."""
+    queued: int = 0
+    """How many buckets, from the first, have their copies queued (and their
+    ``ready`` recorded): bucket 0 can be broadcast while the trainer's thread
+    is still queueing the copies of the others."""
     failed: str = ""
     """Why the trainer's staging of this version raised, if it did."""
+    _changed: threading.Condition = field(default_factory=threading.Condition)
 
-    def await_written(self, stop: threading.Event | None = None) -> None:
+    def start_writing(self) -> None:
+        with self._changed:
+            self.failed, self.queued = "", 0
+            self.written.clear()
+
+    def bucket_queued(self, k: int) -> None:
+        """The trainer's thread: bucket ``k``'s copies are queued."""
+        with self._changed:
+            self.queued = k + 1
+            self._changed.notify_all()
+
+    def done_writing(self, failed: str = "") -> None:
+        with self._changed:
+            self.failed = failed
+            self.written.set()
+            self._changed.notify_all()
+
+    def await_written(self, stop: threading.Event | None = None, bucket: int | None = None) -> None:
         """Block (a sender's thread, never the event loop) until the trainer
-        has staged this version; raise if that failed. Returns early, without
+        has staged this version (with ``bucket``: queued that bucket's
+        copies); raise if staging failed first. Returns early, without
         raising, once ``stop`` is set (the transfer is being abandoned)."""
-        while not self.written.wait(0.05):
-            if stop is not None and stop.is_set():
-                return
-        if self.failed:
-            raise PushError(f"the trainer's snapshot of version {self.version} failed: {self.failed}")
+        with self._changed:
+            while not (self.written.is_set() or (bucket is not None and self.queued > bucket)):
+                if stop is not None and stop.is_set():
+                    return
+                self._changed.wait(0.05)
+            failed = self.failed if bucket is None or self.queued <= bucket else ""
+        if failed:
+            raise PushError(f"the trainer's snapshot of version {self.version} failed: {failed}")
 
 
 @dataclass
@@ -434,8 +460,7 @@ class Pusher:
             stall = time.perf_counter() - t0
             return {"push/skipped_versions": float(self.skipped_versions), "time/push_stall_s": stall,
                     **self._lag_metrics(version)}
-        staged.failed = ""
-        staged.written.clear()
+        staged.start_writing()
         # A caller that waits for the replicas anyway (sync mode, a run's last
         # push) gets the version published before it is written: the senders'
         # control plane then runs during the snapshot and only the broadcasts
@@ -449,13 +474,12 @@ class Pusher:
         try:
             self._stage(staged, tensors)
         except BaseException as e:
-            staged.failed = f"{type(e).__name__}: {e}"
             with self._lock:
                 if staged.users == 0:
                     staged.version = -1  # no sender took it: as if never published
+            staged.done_writing(f"{type(e).__name__}: {e}")
             raise
-        finally:
-            staged.written.set()
+        staged.done_writing()
         if not wait:
             self._publish(staged, version)
         stall = time.perf_counter() - t0
@@ -495,7 +519,8 @@ class Pusher:
                     slot.copy_(tensors[name].to(dtype).contiguous().reshape(-1).view(torch.uint8),
                                non_blocking=pinned)
                 if cuda:
-                    staged.ready[k].record()  # this bucket's sender may start now
+                    staged.ready[k].record()  # the GPU orders this bucket's broadcast after its copies
+                staged.bucket_queued(k)  # and its sender may queue that broadcast now
 
     def _free_buffer(self) -> _Staged | None:
         """A staging buffer no sender is reading: the not-yet-picked latest one
@@ -854,9 +879,9 @@ class Pusher:
     @staticmethod
     def _broadcast_all(r: _Replica, staged: _Staged, buckets: list[int], stop: threading.Event) -> None:
         group, stream = r.group, r.stream  # an ejection clears them while this thread may still run
-        staged.await_written(stop)
         up = None
         if stream is not None and staged.buffers[0].device.type == "cpu":  # staging "host" over nccl
+            staged.await_written(stop)  # the uploads follow every bucket's copy to the host
             up = r.uploader
             need = max(b.numel() for b in staged.buffers)
             if up is None or up.nbytes < need:
@@ -873,6 +898,12 @@ class Pusher:
                 if last:
                     stream.synchronize()
                 continue
+            # Bucket by bucket: in a push that waits (published before it is
+            # staged), the first broadcast is queued as soon as the first
+            # bucket's copies are, not after the whole snapshot.
+            staged.await_written(stop, bucket=k)
+            if stop.is_set():
+                return
             if staged.ready is not None:  # the snapshot's copy of this bucket
                 if stream is not None:
                     stream.wait_event(staged.ready[k])
