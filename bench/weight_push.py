@@ -258,7 +258,7 @@ def _trace_trainer() -> None:
 def _trace_replica_receives() -> None:
     from torchtitan_grpo.inference import server, server_vllm
 
-    TRACE.wrap(server, "receive_weights", lambda group, specs, flattened: f"replica receive ({len(specs)} tensors)")
+    TRACE.wrap(server, "receive_weights", lambda group, specs, *a: f"replica receive ({len(specs)} tensors)")
     TRACE.wrap(server_vllm, "receive_packed", lambda group, specs, *a: f"replica receive packed ({len(specs)} tensors)")
 
 
