@@ -56,7 +56,10 @@ is inside both ``push`` and ``xfer``. A push that waits hands the version to
 the senders before the snapshot, so their HTTP up to the first receive runs
 during that stall: ``xfer`` is then the time from the trainer's return to the
 replica serving the version, and ``push`` the stricter number (in async mode
-the HTTP starts after the stall). Medians after one warm-up push. GiB/s = set
+the HTTP starts after the stall). ``async`` measures that mode: as many
+versions again through ``push(wait=False)``, each timed from the trainer's
+return to the replica serving it (``wait_for``), one at a time, so no
+version is skipped. Medians after one warm-up push. GiB/s = set
 bytes / time. After ``bucketed`` and each push the replica's parameters are
 compared with the trainer's (an integer checksum of every tensor and the
 served version): the ``check`` column says ``ok`` only if every path
@@ -239,9 +242,6 @@ class Trace:
                     self.add(label(*a), t0)
         setattr(owner, attr, staticmethod(timed) if static else timed)
 
-    def since(self, t0: float) -> list[tuple[str, float, float]]:
-        return [e for e in self.events if e[2] >= t0]
-
 
 TRACE: Trace | None = None
 
@@ -404,13 +404,14 @@ def _measure_set(r: Ranks, flavor: str, bucket_mbs: list[int], reps: int, backen
             with tempfile.TemporaryDirectory(prefix="weight_push_disk_") as folder:
                 pushes["disk"] = _push(r, tensors, names, expected, loop, reps, PushConfig(
                     mode="sync", backend="disk", disk_folder=r.share(folder), deadline_s=600))
-        wrong = [path for path, (_, _, ok) in pushes.items() if not ok]
+        wrong = [path for path, (_, _, _, ok) in pushes.items() if not ok]
         if not _all_ok(r, ok_bucketed):
             wrong.insert(0, "bucketed")
         if r.rank == 0:
-            for proto, (t_push, t_transfer, _) in pushes.items():
+            for proto, (t_push, t_transfer, t_async, _) in pushes.items():
                 row[proto] = nbytes / t_push / 2**30
                 row[proto + "_transfer"] = nbytes / t_transfer / 2**30
+                row[proto + "_async"] = nbytes / t_async / 2**30
             row["check"] = "MISMATCH " + "+".join(wrong) if wrong else "ok"
             print("row: " + _format_row(row), flush=True)
         rows.append(row)
@@ -422,15 +423,19 @@ def _measure_set(r: Ranks, flavor: str, bucket_mbs: list[int], reps: int, backen
 
 
 def _push(r: Ranks, tensors: dict[str, torch.Tensor], names: list[str], expected: list[int], loop,
-          reps: int, cfg) -> tuple[float, float, bool]:
+          reps: int, cfg) -> tuple[float, float, float, bool]:
     """``reps`` + 1 versions through ``Pusher.push(wait=True)`` from rank 0 to a
-    built-in server app on rank 1 (``cfg`` picks protocol and transport).
-    Returns the medians after the first of the whole push and of its transfer
-    (the push less the trainer's host stall, ``time/push_stall_s``; on GPUs
-    the snapshot's device copy is mostly still inside), and whether the replica ended with
-    the trainer's bytes and the last version."""
+    built-in server app on rank 1 (``cfg`` picks protocol and transport), then
+    as many through ``push(wait=False)`` + ``wait_for``. Returns the medians
+    after the first of the whole push, of its transfer (the push less the
+    trainer's host stall, ``time/push_stall_s``; on GPUs the snapshot's device
+    copy is mostly still inside) and of the async push from the trainer's
+    return to the replica serving it, and whether the replica ended with the
+    trainer's bytes and the last version."""
     push_times: list[float] = []
     transfer_times: list[float] = []
+    async_times: list[float] = []
+    last = 2 * (reps + 1)
     if r.rank == 0:
         from torchtitan_grpo.weight_sync.pusher import Pusher
 
@@ -445,6 +450,14 @@ def _push(r: Ranks, tensors: dict[str, torch.Tensor], names: list[str], expected
                 transfer_times.append(push_times[-1] - m["time/push_stall_s"])
                 if TRACE is not None:
                     TRACE.events.append((f"trainer snapshot (host stall) v{v}", t0, t0 + m["time/push_stall_s"]))
+            traced, async_start = t0, time.perf_counter()
+            for v in range(reps + 2, last + 1):  # async mode: published once staged
+                m = pusher.push(tensors, version=v, wait=False)
+                t1 = time.perf_counter()
+                if "push/bytes" not in m:
+                    raise RuntimeError(f"async version {v} was skipped: {m}")
+                pusher.wait_for(v, timeout_s=cfg.deadline_s)
+                async_times.append(time.perf_counter() - t1)
         finally:
             pusher.close()
             del pusher
@@ -454,7 +467,7 @@ def _push(r: Ranks, tensors: dict[str, torch.Tensor], names: list[str], expected
         if TRACE is not None:
             theirs = r.share(None, src=1)
             name = f"{cfg.protocol if cfg.backend != 'disk' else 'disk'} push of version {reps + 1}"
-            print_trace(name, t0, TRACE.since(t0) + [e for e in theirs if e[2] >= t0])
+            print_trace(name, traced, [e for e in TRACE.events + theirs if traced <= e[2] and e[1] < async_start])
             TRACE.events.clear()
     else:
         holder = LoopThread("bench-replica")
@@ -463,7 +476,7 @@ def _push(r: Ranks, tensors: dict[str, torch.Tensor], names: list[str], expected
         r.share(f"http://127.0.0.1:{http_port}", src=1)
         dist.barrier(group=r.ctrl)  # rank 0 pushes meanwhile
         r.sync()
-        ok = checksum(tensors, names) == expected and engine.weight_version == str(reps + 1)
+        ok = checksum(tensors, names) == expected and engine.weight_version == str(last)
         holder.run(runner.cleanup())
         holder.close()
         if TRACE is not None:
@@ -473,8 +486,9 @@ def _push(r: Ranks, tensors: dict[str, torch.Tensor], names: list[str], expected
             t.zero_()
     ok = _all_ok(r, ok)
     if r.rank != 0:
-        return 0.0, 0.0, ok
-    return statistics.median(push_times[1:]), statistics.median(transfer_times[1:]), ok
+        return 0.0, 0.0, 0.0, ok
+    return (statistics.median(push_times[1:]), statistics.median(transfer_times[1:]),
+            statistics.median(async_times[1:]), ok)
 
 
 def _all_ok(r: Ranks, ok: bool) -> bool:
@@ -494,10 +508,10 @@ def _format_row(row: dict) -> str:
              f"{row['bucketed']:.1f}"]
     for path in PATHS:
         if path in row:
-            cells += [f"{row[path]:.1f}", f"{row[path] / row['raw']:.2f}", f"{row[path + '_transfer']:.1f}",
-                      f"{row[path + '_transfer'] / row['raw']:.2f}"]
+            for key in (path, path + "_transfer", path + "_async"):
+                cells += [f"{row[key]:.1f}", f"{row[key] / row['raw']:.2f}"]
         else:
-            cells += ["-", "-", "-", "-"]
+            cells += ["-"] * 6
     cells += [f"{row['snapshot_ms']:.1f}", row["check"]]
     return "| " + " | ".join(cells) + " |"
 
@@ -509,13 +523,14 @@ def print_table(rows: list[dict], backend: str, devices: str, reps: int, staging
           "receive_weights + install; <path> push = Pusher.push(wait=True) over HTTP to the built-in server's "
           "routes, snapshot included; <path> xfer = the same less the trainer's host stall (on GPUs the snapshot's "
           "device copy, overlapped with the broadcasts bucket by bucket, stays inside; the senders' HTTP up to the "
-          "first receive runs during the stall, so xfer = trainer's return -> replica serving); sglang: one update request per bucket; vllm: one request, packed chunks of 'bucket MiB'; "
+          "first receive runs during the stall, so xfer = trainer's return -> replica serving); <path> async = "
+          "Pusher.push(wait=False) (published once staged), from its return to the replica serving it; sglang: one update request per bucket; vllm: one request, packed chunks of 'bucket MiB'; "
           "disk: safetensors in a local folder + update_weights_from_disk; snapshot = staging copy alone; "
           "staging host: snapshot = the copy to pinned host memory, bucketed = uploads to the GPU overlapped with "
           "the broadcasts")
     heads = ["set", "GB", "bucket MiB", "buckets", "raw GiB/s", "bucketed GiB/s"]
     for path in PATHS:
-        heads += [f"{path} push GiB/s", f"{path} push / raw", f"{path} xfer GiB/s", f"{path} xfer / raw"]
+        heads += [f"{path} {what}{unit}" for what in ("push", "xfer", "async") for unit in (" GiB/s", " / raw")]
     heads += ["snapshot ms", "check"]
     print("| " + " | ".join(heads) + " |")
     print("| --- | " + " | ".join(["---:"] * (len(heads) - 2)) + " | --- |")
