@@ -1,7 +1,8 @@
-# Sourced (not run) by scripts/device_multirank.sh and scripts/device_parity.sh,
+# Sourced (not run) by the scripts/device_*.sh that run tests and benchmarks,
 # from the repo root, with OUT and BUDGET set: the wheels of
 # ../shared/tools/device-wheels.sh (in .whl/, carried) installed into
-# /tmp/site, the environment recorded in $OUT/env.log, and the time budget.
+# /tmp/site, the environment recorded in $OUT/env.log, the time budget, and
+# test_models for the gather test's checkpoints.
 T0=$SECONDS
 left() { echo $(( BUDGET - (SECONDS - T0) )); }
 # budgeted LOG CMD...: CMD under the time left, output to $OUT/LOG (timeout 0 would mean no limit)
@@ -21,3 +22,15 @@ fi
 export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
 { date -u +%FT%TZ; nvidia-smi --query-gpu=name --format=csv,noheader;
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), 'transformers', transformers.__version__)"; } 2>&1 | tee "$OUT/env.log"
+
+# test_models DIR: write tests/test_parallel_parity.py's tiny checkpoints under
+# DIR and set MODELS to the matching --model=NAME=PATH flags of
+# tests/test_gather.py (empty, and a non-zero status, if writing them failed).
+test_models() {
+  MODELS=""
+  python3 -c "
+import json, sys
+from tests.test_parallel_parity import write_models
+print(json.dumps(write_models(sys.argv[1])))" "$1" > "$1.json" 2> "$OUT/models.log" || return 1
+  MODELS=$(python3 -c "import json,sys; print(' '.join(f'--model={k}={v}' for k,v in json.load(open(sys.argv[1])).items()))" "$1.json")
+}

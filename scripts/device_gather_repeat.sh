@@ -27,11 +27,7 @@ source scripts/device_env.sh
 if [[ -n "${PATCH:-}" ]]; then
   patch -p1 < "$PATCH" > "$OUT/patch.log" 2>&1 || exit 4
 fi
-python3 -c "
-import json, sys
-from tests.test_parallel_parity import write_models
-print(json.dumps(write_models(sys.argv[1])))" "$WORK/models" > "$WORK/models.json" 2> "$OUT/models.log" || exit 5
-MODELS=$(python3 -c "import json,sys; print(' '.join(f'--model={k}={v}' for k,v in json.load(open(sys.argv[1])).items()))" "$WORK/models.json")
+test_models "$WORK/models" || exit 5
 
 for variant in $VARIANTS; do
   name=${variant%%:*}; envs=${variant#*:}

@@ -21,11 +21,7 @@ mkdir -p "$OUT" "$WORK/gather"
 source scripts/device_env.sh
 
 rc=0
-python3 -c "
-import json, sys
-from tests.test_parallel_parity import write_models
-print(json.dumps(write_models(sys.argv[1])))" "$WORK/models" > "$WORK/models.json" 2> "$OUT/models.log" || rc=1
-MODELS=$(python3 -c "import json,sys; print(' '.join(f'--model={k}={v}' for k,v in json.load(open(sys.argv[1])).items()))" "$WORK/models.json")
+test_models "$WORK/models" || rc=1
 budgeted gather.log torchrun --standalone --nproc_per_node=2 tests/test_gather.py --out "$WORK/gather" \
   --layouts fsdp,tp,ddp $MODELS || { rc=1; tail -40 "$OUT/gather.log"; }
 python3 tests/test_gather.py --out "$WORK/gather" --check | tee "$OUT/gather_check.log" || rc=1
