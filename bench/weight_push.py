@@ -450,7 +450,7 @@ def _push(r: Ranks, tensors: dict[str, torch.Tensor], names: list[str], expected
                 transfer_times.append(push_times[-1] - m["time/push_stall_s"])
                 if TRACE is not None:
                     TRACE.events.append((f"trainer snapshot (host stall) v{v}", t0, t0 + m["time/push_stall_s"]))
-            traced, async_start = t0, time.perf_counter()
+            async_start = time.perf_counter()  # the trace below is of the last waited push, from t0
             for v in range(reps + 2, last + 1):  # async mode: published once staged
                 m = pusher.push(tensors, version=v, wait=False)
                 t1 = time.perf_counter()
@@ -467,7 +467,7 @@ def _push(r: Ranks, tensors: dict[str, torch.Tensor], names: list[str], expected
         if TRACE is not None:
             theirs = r.share(None, src=1)
             name = f"{cfg.protocol if cfg.backend != 'disk' else 'disk'} push of version {reps + 1}"
-            print_trace(name, traced, [e for e in TRACE.events + theirs if traced <= e[2] and e[1] < async_start])
+            print_trace(name, t0, [e for e in TRACE.events + theirs if t0 <= e[2] and e[1] < async_start])
             TRACE.events.clear()
     else:
         holder = LoopThread("bench-replica")

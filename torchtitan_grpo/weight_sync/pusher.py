@@ -32,9 +32,9 @@ When the caller waits for the replicas (sync mode), a version is handed to
 the senders as soon as its staging buffer is chosen, before the trainer has
 copied anything into it: pause, begin and the first update request (and the
 replica's parsing of it) then run while the trainer's thread stages, and only
-the broadcasts wait, each until the copies of its own bucket are queued. In async mode it is handed
-over once staged, so that the trainer's thread never competes with the
-senders for the GIL during its snapshot.
+the broadcasts wait, each until the copies of its own bucket are queued. In
+async mode it is handed over once staged, so that the trainer's thread never
+competes with the senders for the GIL during its snapshot.
 """
 
 from __future__ import annotations
@@ -464,11 +464,12 @@ class Pusher:
         # A caller that waits for the replicas anyway (sync mode, a run's last
         # push) gets the version published before it is written: the senders'
         # control plane then runs during the snapshot and only the broadcasts
-        # wait for ``written``. Without ``wait`` the trainer's thread goes back
-        # to training right after the snapshot, and a sender busy on the event
-        # loop meanwhile would make every torch call of the snapshot wait for
-        # the GIL: on 2 H200s the async step's stall went from 0.6-1.0 ms to
-        # 2.7 ms that way (docs/PERFORMANCE.md, run 27), so it publishes after.
+        # wait, each for its bucket's copies. Without ``wait`` the trainer's
+        # thread goes back to training right after the snapshot, and a sender
+        # busy on the event loop meanwhile would make every torch call of the
+        # snapshot wait for the GIL: on 2 H200s the async step's stall went
+        # from 0.6-1.0 ms to 2.7 ms that way (docs/PERFORMANCE.md, run 27), so
+        # it publishes after.
         if wait:
             self._publish(staged, version)
         try:
