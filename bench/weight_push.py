@@ -247,9 +247,18 @@ TRACE: Trace | None = None
 
 
 def _trace_trainer() -> None:
-    from torchtitan_grpo.weight_sync import pusher
+    from torchtitan_grpo.weight_sync import control, pusher
 
     TRACE.wrap(pusher, "_post", lambda session, url, *a: "trainer POST " + url.split("/", 3)[-1])
+    real_pipelined = control.PipelinedConnection.post
+
+    def pipelined(conn, path, body, params=None):  # from its write to its reply
+        t0 = time.perf_counter()
+        fut = real_pipelined(conn, path, body, params)
+        fut.add_done_callback(lambda f: TRACE.add("trainer POST (pipelined) " + path.lstrip("/"), t0))
+        return fut
+
+    control.PipelinedConnection.post = pipelined
     TRACE.wrap(pusher.Pusher, "_broadcast_all",
                lambda r, staged, ks, stop:
                f"trainer broadcast x{len(ks)} ({sum(staged.buffers[k].numel() for k in ks) >> 20} MiB)")
@@ -397,13 +406,14 @@ def _measure_set(r: Ranks, flavor: str, bucket_mbs: list[int], reps: int, backen
         # push: Pusher (trainer side) -> HTTP + broadcasts -> the server's routes, per protocol
         from torchtitan_grpo.weight_sync.pusher import PushConfig
 
-        pushes = {proto: _push(r, tensors, names, expected, loop, reps, PushConfig(
-            mode="sync", backend=backend, protocol=proto, bucket_bytes=mb << 20, packed_buffer_bytes=mb << 20,
-            num_staging_buffers=1, deadline_s=300, init_timeout_s=120, staging=staging)) for proto in protocols}
+        pushes = {path: _push(r, tensors, names, expected, loop, reps, PushConfig(
+            mode="sync", backend=backend, protocol=path.split("-")[0], bucket_bytes=mb << 20,
+            packed_buffer_bytes=mb << 20, num_staging_buffers=1, deadline_s=300, init_timeout_s=120, staging=staging,
+            pipelined=not path.endswith("-seq")), path) for path in protocols}
         if k == 0 and flavor in disk_sets:
             with tempfile.TemporaryDirectory(prefix="weight_push_disk_") as folder:
                 pushes["disk"] = _push(r, tensors, names, expected, loop, reps, PushConfig(
-                    mode="sync", backend="disk", disk_folder=r.share(folder), deadline_s=600))
+                    mode="sync", backend="disk", disk_folder=r.share(folder), deadline_s=600), "disk")
         wrong = [path for path, (_, _, _, ok) in pushes.items() if not ok]
         if not _all_ok(r, ok_bucketed):
             wrong.insert(0, "bucketed")
@@ -413,7 +423,7 @@ def _measure_set(r: Ranks, flavor: str, bucket_mbs: list[int], reps: int, backen
                 row[proto + "_transfer"] = nbytes / t_transfer / 2**30
                 row[proto + "_async"] = nbytes / t_async / 2**30
             row["check"] = "MISMATCH " + "+".join(wrong) if wrong else "ok"
-            print("row: " + _format_row(row), flush=True)
+            print("row: " + _format_row(row, [p for p in PATHS if p in row]), flush=True)
         rows.append(row)
     del tensors
     gc.collect()  # the last pusher's staging buffers
@@ -423,7 +433,7 @@ def _measure_set(r: Ranks, flavor: str, bucket_mbs: list[int], reps: int, backen
 
 
 def _push(r: Ranks, tensors: dict[str, torch.Tensor], names: list[str], expected: list[int], loop,
-          reps: int, cfg) -> tuple[float, float, float, bool]:
+          reps: int, cfg, path: str) -> tuple[float, float, float, bool]:
     """``reps`` + 1 versions through ``Pusher.push(wait=True)`` from rank 0 to a
     built-in server app on rank 1 (``cfg`` picks protocol and transport), then
     as many through ``push(wait=False)`` + ``wait_for``. Returns the medians
@@ -452,10 +462,13 @@ def _push(r: Ranks, tensors: dict[str, torch.Tensor], names: list[str], expected
                     TRACE.events.append((f"trainer snapshot (host stall) v{v}", t0, t0 + m["time/push_stall_s"]))
             async_start = time.perf_counter()  # the trace below is of the last waited push, from t0
             for v in range(reps + 2, last + 1):  # async mode: published once staged
+                ta0 = time.perf_counter()
                 m = pusher.push(tensors, version=v, wait=False)
                 t1 = time.perf_counter()
                 if "push/bytes" not in m:
                     raise RuntimeError(f"async version {v} was skipped: {m}")
+                if TRACE is not None:
+                    TRACE.events.append((f"trainer snapshot (host stall, async) v{v}", ta0, t1))
                 pusher.wait_for(v, timeout_s=cfg.deadline_s)
                 async_times.append(time.perf_counter() - t1)
         finally:
@@ -466,8 +479,10 @@ def _push(r: Ranks, tensors: dict[str, torch.Tensor], names: list[str], expected
         ok = True  # judged by the replica
         if TRACE is not None:
             theirs = r.share(None, src=1)
-            name = f"{cfg.protocol if cfg.backend != 'disk' else 'disk'} push of version {reps + 1}"
+            name = f"{path} push of version {reps + 1}"
             print_trace(name, t0, [e for e in TRACE.events + theirs if t0 <= e[2] and e[1] < async_start])
+            print_trace(f"{path} async push of version {last}", ta0,
+                        [e for e in TRACE.events + theirs if ta0 <= e[2]])
             TRACE.events.clear()
     else:
         holder = LoopThread("bench-replica")
@@ -500,13 +515,16 @@ def _all_ok(r: Ranks, ok: bool) -> bool:
 # ----------------------------------------------------------------------- output
 
 
-PATHS = ("sglang", "vllm", "disk")
+PUSH_PATHS = ("sglang", "sglang-seq", "vllm", "vllm-seq")
+"""``-seq``: to the same built-in server without pipelined requests (``PushConfig.pipelined``
+off: each request after the reply it must follow), the way a real SGLang or vLLM is sent to."""
+PATHS = PUSH_PATHS + ("disk",)
 
 
-def _format_row(row: dict) -> str:
+def _format_row(row: dict, paths: list[str] | None = None) -> str:
     cells = [row["set"], f"{row['GB']:.2f}", str(row["bucket_mb"]), str(row["buckets"]), f"{row['raw']:.1f}",
              f"{row['bucketed']:.1f}"]
-    for path in PATHS:
+    for path in paths or PATHS:
         if path in row:
             for key in (path, path + "_transfer", path + "_async"):
                 cells += [f"{row[key]:.1f}", f"{row[key] / row['raw']:.2f}"]
@@ -529,13 +547,14 @@ def print_table(rows: list[dict], backend: str, devices: str, reps: int, staging
           "staging host: snapshot = the copy to pinned host memory, bucketed = uploads to the GPU overlapped with "
           "the broadcasts")
     heads = ["set", "GB", "bucket MiB", "buckets", "raw GiB/s", "bucketed GiB/s"]
-    for path in PATHS:
+    paths = [p for p in PATHS if any(p in row for row in rows)]
+    for path in paths:
         heads += [f"{path} {what}{unit}" for what in ("push", "xfer", "async") for unit in (" GiB/s", " / raw")]
     heads += ["snapshot ms", "check"]
     print("| " + " | ".join(heads) + " |")
     print("| --- | " + " | ".join(["---:"] * (len(heads) - 2)) + " | --- |")
     for row in rows:
-        print(_format_row(row))
+        print(_format_row(row, paths))
 
 
 # ------------------------------------------------------------------------- main
@@ -595,7 +614,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bucket-mb", default=None, help=f"bucket sizes in MiB (GPU: {GPU_BUCKETS_MB}; "
                                                       f"--cpu: {CPU_BUCKETS_MB})")
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions per path (after one warm-up)")
-    ap.add_argument("--protocols", default="sglang,vllm", help="push protocols to measure, comma-separated")
+    ap.add_argument("--protocols", default="sglang,vllm",
+                    help="push paths to measure, comma-separated, of " + ", ".join(PUSH_PATHS)
+                    + " (-seq: pipelined requests off)")
     ap.add_argument("--disk-sets", default=None, help="sets also pushed through the disk transport (GPU: "
                                                        f"{GPU_DISK_SETS}; --cpu: {CPU_SETS}); 'none' for none")
     ap.add_argument("--trace", action="store_true", help="print a timeline of the last version of each push")
@@ -604,8 +625,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     args.sets = (args.sets or (CPU_SETS if args.cpu else GPU_SETS)).split(",")
     args.protocols = [p for p in args.protocols.split(",") if p]
-    if set(args.protocols) - {"sglang", "vllm"}:
-        sys.exit(f"--protocols: sglang and/or vllm, got {args.protocols}")
+    if set(args.protocols) - set(PUSH_PATHS):
+        sys.exit(f"--protocols: some of {', '.join(PUSH_PATHS)}, got {args.protocols}")
     disk = args.disk_sets or (CPU_SETS if args.cpu else GPU_DISK_SETS)
     args.disk_sets = [] if disk == "none" else disk.split(",")
     args.bucket_mb = [int(x) for x in (args.bucket_mb or (CPU_BUCKETS_MB if args.cpu else GPU_BUCKETS_MB)).split(",")]

@@ -299,71 +299,13 @@ def test_disk_transport_writes_each_version_once(tmp_path, tiny_model_dir, loop)
             stop_process(s.proc)
 
 
-@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
-def test_control_plane_runs_while_the_trainer_stages(tmp_path, tiny_model_dir, loop, monkeypatch, protocol):
-    """A version reaches its sender before the trainer's snapshot is done:
-    the session is opened (SGLang begin, vLLM start) and the first update
-    request posted while the trainer is still staging; the bytes are sent
-    only once it is written, so the replica serves exactly the new version."""
-    import threading
+def _record_requests(monkeypatch, events: list, lock) -> None:
+    """Append ("post", path) when the pusher sends a control request and
+    ("reply", path) when its reply is in, for requests of their own
+    (``_post``) and pipelined ones (``PipelinedConnection.post``) alike."""
+    from torchtitan_grpo.weight_sync import control, pusher as pusher_mod
 
-    from torchtitan_grpo.weight_sync import pusher as pusher_mod
-
-    opened = threading.Event()
-    opener = "/begin_weight_update" if protocol == "sglang" else "/start_weight_update"
-    real_post = pusher_mod._post
-
-    async def post(session, url, body, timeout_s, params=None):
-        out = await real_post(session, url, body, timeout_s, params)
-        if url.endswith(opener):
-            opened.set()
-        return out
-
-    monkeypatch.setattr(pusher_mod, "_post", post)
-    (srv,) = _servers(tmp_path, tiny_model_dir, [0.0])
-    pusher = Pusher(loop, [srv.url], PushConfig(mode="sync", protocol=protocol, bucket_bytes=32 << 10,
-                                                packed_buffer_bytes=20_000), torch.device("cpu"))
-    stage_real = pusher._stage
-    during: list[bool] = []
-
-    def stage(s, t):
-        during.append(opened.wait(10))  # the session opens while this waits
-        time.sleep(0.3)  # and the first update request is in: the replica waits on its receive
-        stage_real(s, t)
-
-    try:
-        pusher.connect(initial_version=0)
-        names = list(_weights(tiny_model_dir, 0.0))
-        pusher._stage = stage
-        for v in (1, 2):
-            opened.clear()
-            pusher.push(_weights(tiny_model_dir, float(v)), version=v)
-            assert _served_markers(srv.url, names) == {float(v)}
-            assert _version(srv.url) == str(v)
-        assert during == [True, True]
-    finally:
-        pusher.close()
-        stop_process(srv.proc)
-
-
-@pytest.mark.parametrize("builtin", [True, False])
-@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
-def test_session_end_goes_out_with_the_last_byte_only_to_the_builtin_server(
-        tmp_path, tiny_model_dir, loop, monkeypatch, protocol, builtin):
-    """The built-in server (its /model_info says so) takes a session's end
-    after the update in flight, so the pusher posts the end (SGLang end, vLLM
-    finish) as soon as the last bucket has arrived, before that update's reply;
-    anything else (a real SGLang or vLLM: the same routes without the marker)
-    gets it only after the reply. Either way the version is loaded whole."""
-    import threading
-
-    from torchtitan_grpo.weight_sync import pusher as pusher_mod
-
-    update = "/update_weights_from_distributed" if protocol == "sglang" else "/update_weights"
-    end = "/end_weight_update" if protocol == "sglang" else "/finish_weight_update"
-    events: list[tuple[str, str]] = []
-    lock = threading.Lock()
-    real_post = pusher_mod._post
+    real_post, real_pipelined = pusher_mod._post, control.PipelinedConnection.post
 
     async def post(session, url, body, timeout_s, params=None):
         path = url[url.rindex("/"):]
@@ -374,7 +316,82 @@ def test_session_end_goes_out_with_the_last_byte_only_to_the_builtin_server(
             events.append(("reply", path))
         return out
 
+    def pipelined(self, path, body, params=None):
+        with lock:
+            events.append(("post", path))
+        fut = real_pipelined(self, path, body, params)
+
+        def replied(f):
+            if not f.cancelled() and f.exception() is None:
+                with lock:
+                    events.append(("reply", path))
+
+        fut.add_done_callback(replied)
+        return fut
+
     monkeypatch.setattr(pusher_mod, "_post", post)
+    monkeypatch.setattr(control.PipelinedConnection, "post", pipelined)
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+def test_control_plane_runs_while_the_trainer_stages(tmp_path, tiny_model_dir, loop, monkeypatch, protocol,
+                                                     pipelined):
+    """A version reaches its sender before the trainer's snapshot is done:
+    the session is opened (SGLang begin, vLLM start) and the first update
+    request posted while the trainer is still staging; the bytes are sent
+    only once it is written, so the replica serves exactly the new version."""
+    import threading
+
+    events: list[tuple[str, str]] = []
+    _record_requests(monkeypatch, events, threading.Lock())
+    opener = "/begin_weight_update" if protocol == "sglang" else "/start_weight_update"
+    (srv,) = _servers(tmp_path, tiny_model_dir, [0.0])
+    pusher = Pusher(loop, [srv.url], PushConfig(mode="sync", protocol=protocol, bucket_bytes=32 << 10,
+                                                packed_buffer_bytes=20_000, pipelined=pipelined),
+                    torch.device("cpu"))
+    stage_real = pusher._stage
+    during: list[bool] = []
+
+    def stage(s, t):
+        deadline = time.monotonic() + 10
+        while ("reply", opener) not in events and time.monotonic() < deadline:
+            time.sleep(0.01)
+        during.append(("reply", opener) in events)  # the session opens while this waits
+        time.sleep(0.3)  # and the first update request is in: the replica waits on its receive
+        stage_real(s, t)
+
+    try:
+        pusher.connect(initial_version=0)
+        names = list(_weights(tiny_model_dir, 0.0))
+        pusher._stage = stage
+        for v in (1, 2):
+            events.clear()
+            pusher.push(_weights(tiny_model_dir, float(v)), version=v)
+            assert _served_markers(srv.url, names) == {float(v)}
+            assert _version(srv.url) == str(v)
+        assert during == [True, True]
+    finally:
+        pusher.close()
+        stop_process(srv.proc)
+
+
+@pytest.mark.parametrize("builtin,pipelined", [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+def test_session_end_goes_out_with_the_last_byte_only_to_the_builtin_server(
+        tmp_path, tiny_model_dir, loop, monkeypatch, protocol, builtin, pipelined):
+    """The built-in server (its /model_info says so) takes a session's end
+    after the update in flight, so the pusher posts the end (SGLang end, vLLM
+    finish) as soon as the last bucket has arrived (pipelined: with the last
+    update request), before that update's reply; anything else (a real SGLang
+    or vLLM: the same routes without the marker) gets it only after the
+    reply, pipelining asked for or not. Either way the version is loaded whole."""
+    import threading
+
+    update = "/update_weights_from_distributed" if protocol == "sglang" else "/update_weights"
+    end = "/end_weight_update" if protocol == "sglang" else "/finish_weight_update"
+    events: list[tuple[str, str]] = []
+    _record_requests(monkeypatch, events, threading.Lock())
     if not builtin:
         async def not_builtin(self, r):
             return False
@@ -383,7 +400,8 @@ def test_session_end_goes_out_with_the_last_byte_only_to_the_builtin_server(
     # 0.5 s per update after its bytes arrived (inside the server's update lock).
     (srv,) = _servers(tmp_path, tiny_model_dir, [0.5])
     pusher = Pusher(loop, [srv.url], PushConfig(mode="sync", protocol=protocol, bucket_bytes=32 << 10,
-                                                packed_buffer_bytes=20_000), torch.device("cpu"))
+                                                packed_buffer_bytes=20_000, pipelined=pipelined),
+                    torch.device("cpu"))
     try:
         pusher.connect(initial_version=0)
         assert pusher.replicas[0].builtin is builtin
@@ -394,6 +412,104 @@ def test_session_end_goes_out_with_the_last_byte_only_to_the_builtin_server(
         last_reply = max(i for i, e in enumerate(events) if e == ("reply", update))
         end_post = events.index(("post", end))
         assert (end_post < last_reply) is builtin, events
+    finally:
+        pusher.close()
+        stop_process(srv.proc)
+
+
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+def test_pipelined_requests_go_out_before_the_replies_they_follow(tmp_path, tiny_model_dir, loop, monkeypatch,
+                                                                  protocol):
+    """To the built-in server a transfer's requests go out on one connection
+    without waiting for each other's replies (vLLM: all five at once; SGLang:
+    pause, begin and the first update at once, end and continue with the last
+    update), while the broadcasts still wait for the opened session; the
+    connection is kept for the next transfer, and every version is whole."""
+    import threading
+
+    from torchtitan_grpo.weight_sync import control
+
+    events: list[tuple[str, str]] = []
+    lock = threading.Lock()
+    _record_requests(monkeypatch, events, lock)
+    real_broadcast, real_open = Pusher._broadcast_all, control.PipelinedConnection.open
+    opened: list[str] = []
+
+    def broadcast(r, staged, buckets, stop):
+        with lock:
+            events.append(("broadcast", str(buckets[0])))
+        return real_broadcast(r, staged, buckets, stop)
+
+    async def open_(self, timeout_s):
+        opened.append(self.url)
+        return await real_open(self, timeout_s)
+
+    monkeypatch.setattr(Pusher, "_broadcast_all", staticmethod(broadcast))
+    monkeypatch.setattr(control.PipelinedConnection, "open", open_)
+    (srv,) = _servers(tmp_path, tiny_model_dir, [0.0])
+    pusher = Pusher(loop, [srv.url], PushConfig(mode="sync", protocol=protocol, bucket_bytes=32 << 10,
+                                                packed_buffer_bytes=20_000, pause_mode="abort"),
+                    torch.device("cpu"))
+    try:
+        pusher.connect(initial_version=0)
+        names = list(_weights(tiny_model_dir, 0.0))
+        for v in (1, 2):
+            events.clear()
+            pusher.push(_weights(tiny_model_dir, float(v)), version=v)
+            assert _served_markers(srv.url, names) == {float(v)} and _version(srv.url) == str(v)
+            first_reply = next(i for i, e in enumerate(events) if e[0] == "reply")
+            first_broadcast = events.index(("broadcast", "0"))
+            if protocol == "vllm":
+                posted = ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "/resume"]
+                assert [p for kind, p in events[:first_reply] if kind == "post"] == posted, events
+                assert events.index(("reply", "/start_weight_update")) < first_broadcast, events
+            else:
+                posted = ["/pause_generation", "/begin_weight_update", "/update_weights_from_distributed"]
+                assert [p for kind, p in events[:first_reply] if kind == "post"] == posted, events
+                assert events.index(("reply", "/begin_weight_update")) < first_broadcast, events
+                updates = [i for i, e in enumerate(events) if e == ("reply", "/update_weights_from_distributed")]
+                assert len(updates) > 2  # several buckets
+                assert events.index(("post", "/end_weight_update")) < updates[-1], events
+                assert events.index(("post", "/continue_generation")) < updates[-1], events
+        assert opened == [srv.url]  # one connection for both transfers
+    finally:
+        pusher.close()
+        stop_process(srv.proc)
+
+
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+def test_a_refused_pipelined_update_leaves_the_replica_whole_and_generating(tmp_path, tiny_model_dir, loop,
+                                                                           protocol):
+    """An update the replica refuses once its bytes are in (a tensor of the
+    wrong shape) fails the pipelined transfer: the replica keeps the version
+    it had, is not left paused, is ejected, and is readmitted once a good
+    version has reached it."""
+    (srv,) = _servers(tmp_path, tiny_model_dir, [0.0])
+    rec = Recorder()
+    pusher = Pusher(loop, [srv.url], PushConfig(mode="sync", protocol=protocol, bucket_bytes=32 << 10,
+                                                packed_buffer_bytes=20_000, pause_mode="abort", deadline_s=30,
+                                                reconnect_interval_s=0.2),
+                    torch.device("cpu"), on_eject=rec.eject, on_readmit=rec.readmit)
+    try:
+        pusher.connect(initial_version=0)
+        good = _weights(tiny_model_dir, 1.0)
+        names = list(good)
+        pusher.push(good, version=1)
+        bad = _weights(tiny_model_dir, 2.0)
+        bad[names[-1]] = torch.full((3, 5), 2.0)  # not the model's shape
+        pusher.push(bad, version=2)  # returns: the only replica was ejected
+        assert rec.ejected == [srv.url]
+        assert "shape mismatch" in pusher.replicas[0].eject_reason, pusher.replicas[0].eject_reason
+        assert _served_markers(srv.url, names) == {1.0} and _version(srv.url) == "1"
+        if protocol == "vllm":
+            assert requests.get(srv.url + "/is_paused", timeout=10).json() == {"is_paused": False}
+        else:  # a paused SGLang server would hold this request until /continue_generation
+            out = requests.post(srv.url + "/generate", json={"input_ids": [1, 2, 3],
+                                                            "sampling_params": {"max_new_tokens": 2}}, timeout=20)
+            assert out.status_code == 200, out.text
+        pusher.push(_weights(tiny_model_dir, 3.0), version=3)
+        _wait(lambda: rec.readmitted == [srv.url], 60, "readmission")
+        assert _served_markers(srv.url, names) == {3.0} and _version(srv.url) == "3"
     finally:
         pusher.close()
         stop_process(srv.proc)

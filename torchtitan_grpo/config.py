@@ -210,6 +210,14 @@ class WeightSync:
     """How a replica treats running generations during an update (SGLang's
     /pause_generation mode); "none" lets the update wait for them to finish."""
 
+    pipeline_requests: bool = True
+    """Built-in servers: a push writes its HTTP requests (pause, session,
+    updates, end, resume) on one connection without waiting for each reply,
+    and the server takes them in order, so the version is served one or two
+    round trips sooner per request (docs/PERFORMANCE.md). The broadcasts
+    wait for the same replies either way. SGLang and vLLM always get one
+    request after another's reply, as their documentation orders them."""
+
     master_address: str = "127.0.0.1"
     """Address the trainer's weight-group stores listen on (reachable by every replica)."""
 

@@ -22,11 +22,16 @@ admitted replica serves the new version (the on-policy baseline).
 
 For SGLang's order: pause -> begin -> (update request in flight while the
 trainer broadcasts) x buckets -> end -> continue. An update request is posted
-before its broadcast and only after ``begin`` was confirmed, so a receive is
-always waiting when the bytes arrive. The request for bucket k+1 is posted as
-soon as bucket k has arrived; its broadcast starts after the reply to k.
-The built-in server takes a session's end after the update in flight, so to
-it the end goes out with the last byte, not after the last reply.
+before its broadcast, and the first broadcast waits until ``begin`` was
+confirmed, so a receive is always waiting when the bytes arrive. The request
+for bucket k+1 is posted as soon as bucket k has arrived; its broadcast
+starts after the reply to k. A real SGLang or vLLM gets each request that
+must follow another only after the other's reply. The built-in server takes
+them pipelined on one connection (``control.PipelinedConnection``) and
+handles them in order, so there every request goes out as soon as it can be
+written (vLLM: pause, start, update, finish and resume at once) and only the
+broadcasts wait for replies; with pipelining off it still gets a session's
+end with the last byte rather than after the last reply.
 
 When the caller waits for the replicas (sync mode), a version is handed to
 the senders as soon as its staging buffer is chosen, before the trainer has
@@ -54,6 +59,7 @@ from torchtitan_grpo.inference import sglang, vllm
 from torchtitan_grpo.inference.launcher import free_port
 from torchtitan_grpo.inference.types import BUILTIN_ENGINE
 from torchtitan_grpo.weight_sync import buckets as bk
+from torchtitan_grpo.weight_sync.control import PipelinedConnection, PushError, read_reply
 from torchtitan_grpo.weight_sync.group import WeightGroup, init_weight_group
 from torchtitan_grpo.weight_sync.upload import Uploader
 
@@ -77,10 +83,6 @@ class NoPush:
 
     def close(self) -> None:
         pass
-
-
-class PushError(RuntimeError):
-    pass
 
 
 @dataclass
@@ -120,6 +122,12 @@ class PushConfig:
     uploads bucket by bucket through two device buffers of its own
     (``upload.Uploader``), so the push runs at PCIe speed. gloo and disk
     always stage on the host (pinned with "host")."""
+    pipelined: bool = True
+    """Built-in servers only: write a transfer's control requests on one
+    HTTP/1.1 connection without waiting for the replies in between (the
+    server handles them in order), instead of one request after another's
+    reply (``control.PipelinedConnection``). The broadcasts still wait for the
+    same replies (a confirmed session, the previous bucket) either way."""
     large_tensor_bytes: int = 16 << 20
     """Tensors of at least this many bytes are staged with a copy of their own,
     the others with one ``_foreach_copy_`` per bucket: a launch per tensor
@@ -230,7 +238,10 @@ class _Replica:
     builtin: bool = False
     """The built-in server (its /model_info says so): its end of a session
     (SGLang end, vLLM finish) waits for the update in flight, so the end can be
-    posted as soon as the last byte has arrived instead of after the reply."""
+    posted as soon as the last byte has arrived instead of after the reply,
+    and it takes pipelined requests (``conn``)."""
+    conn: PipelinedConnection | None = None
+    """The pipelined connection of the last transfer (``PushConfig.pipelined``), reused while usable."""
     world_size: int = 2  # trainer + the replica's ranks (its TP*PP*DP workers)
     version: int = -1
     admitted: bool = True
@@ -247,19 +258,39 @@ class _Replica:
 async def _post(session: aiohttp.ClientSession, url: str, body: dict | None, timeout_s: float,
                 params: dict | None = None) -> dict:
     async with session.post(url, json=body, params=params, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
-        text = await r.text()
-        if r.status == 404:
-            raise FileNotFoundError(url)
-        try:
-            import json
+        return read_reply(url, r.status, await r.text())
 
-            data = json.loads(text) if text else {}
-        except ValueError:
-            data = {"message": text[:300]}
-        msg = data.get("message", text[:300]) if isinstance(data, dict) else text[:300]
-        if r.status != 200 or (isinstance(data, dict) and data.get("success") is False):
-            raise PushError(f"POST {url} -> HTTP {r.status}: {msg}")
-        return data if isinstance(data, dict) else {}
+
+CONN_MAX_IDLE_S = 30.0
+"""A pipelined connection idle for longer is replaced, not reused: servers
+close idle connections (aiohttp after 75 s or more), and one closed while a
+transfer's first request is on its way would fail that transfer."""
+
+
+class _Requests:
+    """How one transfer posts its control requests. On a pipelined connection
+    (``in_order``) each is written at once and the server handles them in
+    that order; otherwise each is a request of its own, so one that must
+    follow another is posted only after the other's reply (``ordered``).
+    Either way ``post`` returns a future of the reply; a pipelined request
+    has no timeout of its own (the transfer's deadline bounds it)."""
+
+    def __init__(self, session: aiohttp.ClientSession, url: str, conn: PipelinedConnection | None):
+        self.session, self.url, self.conn = session, url, conn
+
+    @property
+    def in_order(self) -> bool:
+        return self.conn is not None
+
+    def post(self, path: str, body: dict | None, timeout_s: float, params: dict | None = None) -> asyncio.Future:
+        if self.conn is not None:
+            return self.conn.post(path, body, params)
+        return asyncio.ensure_future(_post(self.session, self.url + path, body, timeout_s, params))
+
+    async def ordered(self, reply: asyncio.Future | None) -> None:
+        """Call before posting what must be handled after ``reply``'s request."""
+        if reply is not None and self.conn is None:
+            await reply
 
 
 class Pusher:
@@ -682,7 +713,9 @@ class Pusher:
             r.group.abort()  # unblocks a hung NCCL receive; the trainer never waits on it
         if r.executor is not None:
             r.executor.shutdown(wait=False, cancel_futures=True)  # a stuck gloo thread is abandoned
-        r.group, r.executor, r.stream, r.uploader = None, None, None, None
+        if r.conn is not None:
+            r.conn.close()  # replies still due on it belong to the abandoned transfer
+        r.group, r.executor, r.stream, r.uploader, r.conn = None, None, None, None, None
         if r.admitted:
             r.admitted = False
             self.on_eject(r.url)
@@ -762,26 +795,50 @@ class Pusher:
         await self._answered(answers)
         await _post(self._session, r.url + path, body, self.cfg.deadline_s)
 
-    async def _begin_session(self, r: _Replica) -> None:
+    async def _requests(self, r: _Replica) -> _Requests:
+        """A transfer's way to post requests: pipelined to a built-in server
+        (its connection kept from the last transfer while usable)."""
+        if not (r.builtin and self.cfg.pipelined):
+            return _Requests(self._session, r.url, None)
+        if r.conn is None or not r.conn.usable(CONN_MAX_IDLE_S):
+            if r.conn is not None:
+                r.conn.close()
+            r.conn = None
+            conn = PipelinedConnection(r.url)
+            await conn.open(30)
+            r.conn = conn
+        return _Requests(self._session, r.url, r.conn)
+
+    async def _begin_session(self, r: _Replica, req: _Requests) -> asyncio.Future | None:
         """SGLang >= 0.5.23 needs an update session; older builds answer 404
-        (probed once per replica, then skipped)."""
-        if r.sessionful:
-            try:
-                await _post(self._session, r.url + "/begin_weight_update", {"selector": "all"}, 30)
-            except FileNotFoundError:
-                r.sessionful = False
+        (probed once per replica, then skipped). Returns begin's reply (None:
+        no session), which the first broadcast waits for: an update without
+        a session posts no receive."""
+        if not r.sessionful:
+            return None
+        begin = req.post("/begin_weight_update", {"selector": "all"}, 30)
+        try:
+            await req.ordered(begin)
+        except FileNotFoundError:
+            r.sessionful = False
+            return None
+        return begin
 
     async def _transfer_sglang(self, r: _Replica, staged: _Staged) -> None:
         """pause -> begin -> (update request + broadcast) per bucket -> end -> continue."""
-        s = self._session
-        paused = False
-        if self.cfg.pause_mode != "none":
-            await _post(s, r.url + "/pause_generation", {"mode": self.cfg.pause_mode}, 30)
-            paused = True
+        req = await self._requests(r)
+        pausing = self.cfg.pause_mode != "none"
+        answered = False
         try:
-            await self._begin_session(r)
+            watched: list[asyncio.Future] = []  # every request so far: the first failure stops the transfer
+            if pausing:
+                watched.append(req.post("/pause_generation", {"mode": self.cfg.pause_mode}, 30))
+                await req.ordered(watched[-1])
+            begin = await self._begin_session(r, req)
+            if begin is not None:
+                watched.append(begin)
             n = len(staged.plan)
-            answers: list[asyncio.Task] = []
+            updates: list[asyncio.Future] = []
             for k, bucket in enumerate(staged.plan):
                 last = k == n - 1
                 body = sglang.update_request(
@@ -792,23 +849,34 @@ class Pusher:
                 # Request k goes out once bucket k-1 has arrived, before the
                 # reply to k-1: the replica then already holds request k-1 (its
                 # receive was posted), so k queues behind it (SGLang's and our
-                # update lock) and is parsed while k-1 finishes.
-                answers.append(asyncio.create_task(_post(s, r.url + "/update_weights_from_distributed", body,
-                                                         self.cfg.deadline_s)))
+                # update lock, or the pipelined connection) and is parsed while k-1 finishes.
+                updates.append(req.post("/update_weights_from_distributed", body, self.cfg.deadline_s))
+                watched.append(updates[-1])
+                if last and req.in_order:  # handled after the last update: no round trip after it
+                    if r.sessionful:
+                        watched.append(req.post("/end_weight_update", {}, self.cfg.deadline_s))
+                    if pausing:
+                        watched.append(req.post("/continue_generation", {}, 30))
+                if k == 0 and begin is not None:
+                    await self._until(begin, watched)  # a session, or the update posts no receive
                 if k > 0:
                     # Bucket k is broadcast only after the reply to k-1, when the
                     # replica is about to post its receive: an NCCL broadcast
                     # launched earlier spins on the trainer's GPU until then
                     # (2 H200s: a replica slowed 10x made the async step 1.30x
                     # slower that way, docs/PERFORMANCE.md runs 10-11).
-                    await self._until(answers[k - 1], answers)
-                await self._with_broadcasts(r, answers, staged, [k])
+                    await self._until(updates[k - 1], watched)
+                await self._with_broadcasts(r, watched, staged, [k])
             # The replica loads a session's buckets as one version at its end.
-            await self._close_session(r, answers, "/end_weight_update", {} if r.sessionful else None)
+            if req.in_order:
+                await self._answered(watched)
+            else:
+                await self._close_session(r, updates, "/end_weight_update", {} if r.sessionful else None)
+            answered = True
         finally:
-            if paused:
+            if pausing and not (answered and req.in_order):
                 try:
-                    await _post(s, r.url + "/continue_generation", {}, 30)
+                    await _post(self._session, r.url + "/continue_generation", {}, 30)
                 except Exception as e:  # the eject path reports the transfer error
                     logger.warning("continue_generation on %s failed: %s", r.url, e)
 
@@ -848,7 +916,7 @@ class Pusher:
         """begin -> /update_weights_from_disk(folder of the version) -> end."""
         s = self._session
         path = await self._version_on_disk(staged)
-        await self._begin_session(r)
+        await self._begin_session(r, _Requests(s, r.url, None))
         body = {"model_path": path, "load_format": "safetensors", "weight_version": str(staged.version),
                 "flush_cache": self.cfg.pause_mode != "in_place", "abort_all_requests": False}
         await _post(s, r.url + "/update_weights_from_disk", body, self.cfg.deadline_s)
@@ -858,24 +926,41 @@ class Pusher:
     async def _transfer_vllm(self, r: _Replica, staged: _Staged) -> None:
         """pause -> start -> one update_weights call while every packed chunk
         is broadcast -> finish(version) -> resume."""
-        s = self._session
+        req = await self._requests(r)
         # Our "none" (let running requests finish) is vLLM's "wait"; in_place keeps them, as "keep" does.
         mode = {"none": "wait", "abort": "abort", "retract": "abort", "in_place": "keep"}[self.cfg.pause_mode]
-        await _post(s, r.url + vllm.PAUSE, None, 30, params=vllm.pause_query(mode))
+        answered = False
         try:
-            await _post(s, r.url + vllm.START_WEIGHT_UPDATE, None, 30)
+            watched = [req.post(vllm.PAUSE, None, 30, params=vllm.pause_query(mode))]
+            await req.ordered(watched[0])
+            start = req.post(vllm.START_WEIGHT_UPDATE, None, 30)
+            watched.append(start)
+            await req.ordered(start)
             specs = [b for chunk in staged.plan for b in chunk]
             body = vllm.update_weights_request([b.name for b in specs], [bk.dtype_name(b.dtype) for b in specs],
                                                [list(b.shape) for b in specs])
-            answers = [asyncio.create_task(_post(s, r.url + vllm.UPDATE_WEIGHTS, body, self.cfg.deadline_s))]
-            await self._with_broadcasts(r, answers, staged, list(range(len(staged.buffers))))
-            await self._close_session(r, answers, vllm.FINISH_WEIGHT_UPDATE,
-                                      vllm.finish_weight_update_request(str(staged.version)))
+            update = req.post(vllm.UPDATE_WEIGHTS, body, self.cfg.deadline_s)
+            watched.append(update)
+            if req.in_order:
+                watched.append(req.post(vllm.FINISH_WEIGHT_UPDATE,
+                                        vllm.finish_weight_update_request(str(staged.version)), self.cfg.deadline_s))
+                watched.append(req.post(vllm.RESUME, None, 30))
+                # The pause done (it may wait for running requests) and the
+                # update next in line: no broadcast spins while a replica drains.
+                await self._until(start, watched)
+            await self._with_broadcasts(r, watched, staged, list(range(len(staged.buffers))))
+            if req.in_order:
+                await self._answered(watched)
+            else:
+                await self._close_session(r, [update], vllm.FINISH_WEIGHT_UPDATE,
+                                          vllm.finish_weight_update_request(str(staged.version)))
+            answered = True
         finally:
-            try:
-                await _post(s, r.url + vllm.RESUME, None, 30)
-            except Exception as e:
-                logger.warning("resume on %s failed: %s", r.url, e)
+            if not (answered and req.in_order):
+                try:
+                    await _post(self._session, r.url + vllm.RESUME, None, 30)
+                except Exception as e:
+                    logger.warning("resume on %s failed: %s", r.url, e)
 
     @staticmethod
     def _broadcast_all(r: _Replica, staged: _Staged, buckets: list[int], stop: threading.Event) -> None:
@@ -925,6 +1010,9 @@ class Pusher:
             for t in self._tasks:
                 t.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
+            for r in self.replicas:
+                if r.conn is not None:
+                    r.conn.close()
             if self._session:
                 await self._session.close()
 
