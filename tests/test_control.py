@@ -63,7 +63,7 @@ def test_requests_written_at_once_are_handled_and_answered_in_order():
         try:
             a = conn.post("/slow", {"k": [1, 2]})
             b = conn.post("/refuse", None, params={"mode": "wait"})
-            c = conn.post("/fast", {"x": "é"})
+            c = conn.post("/fast", json.dumps({"x": "é"}).encode())  # already encoded
             assert not conn.usable(30)  # replies still due
             out_a = await a
             with pytest.raises(PushError, match=r"POST http://127\.0\.0\.1:\d+/refuse -> HTTP 400: no session"):

@@ -420,11 +420,11 @@ def test_session_end_goes_out_with_the_last_byte_only_to_the_builtin_server(
 @pytest.mark.parametrize("protocol", ["sglang", "vllm"])
 def test_pipelined_requests_go_out_before_the_replies_they_follow(tmp_path, tiny_model_dir, loop, monkeypatch,
                                                                   protocol):
-    """To the built-in server a transfer's requests go out on one connection
-    without waiting for each other's replies (vLLM: all five at once; SGLang:
-    pause, begin and the first update at once, end and continue with the last
-    update), while the broadcasts still wait for the opened session; the
-    connection is kept for the next transfer, and every version is whole."""
+    """To the built-in server a transfer's requests all go out at once on one
+    connection (vLLM: pause, start, update, finish, resume; SGLang: pause,
+    begin, every bucket's update, end, continue), while the broadcasts still
+    wait for the opened session (and SGLang's bucket k for the reply to k-1);
+    the connection is kept for the next transfer, and every version is whole."""
     import threading
 
     from torchtitan_grpo.weight_sync import control
@@ -464,13 +464,15 @@ def test_pipelined_requests_go_out_before_the_replies_they_follow(tmp_path, tiny
                 assert [p for kind, p in events[:first_reply] if kind == "post"] == posted, events
                 assert events.index(("reply", "/start_weight_update")) < first_broadcast, events
             else:
-                posted = ["/pause_generation", "/begin_weight_update", "/update_weights_from_distributed"]
+                n = len(pusher._plan)
+                assert n > 2  # several buckets
+                posted = (["/pause_generation", "/begin_weight_update"] + ["/update_weights_from_distributed"] * n
+                          + ["/end_weight_update", "/continue_generation"])
                 assert [p for kind, p in events[:first_reply] if kind == "post"] == posted, events
                 assert events.index(("reply", "/begin_weight_update")) < first_broadcast, events
-                updates = [i for i, e in enumerate(events) if e == ("reply", "/update_weights_from_distributed")]
-                assert len(updates) > 2  # several buckets
-                assert events.index(("post", "/end_weight_update")) < updates[-1], events
-                assert events.index(("post", "/continue_generation")) < updates[-1], events
+                replies = [i for i, e in enumerate(events) if e == ("reply", "/update_weights_from_distributed")]
+                for k in range(1, n):  # bucket k is broadcast after the reply to k-1
+                    assert replies[k - 1] < events.index(("broadcast", str(k))), events
         assert opened == [srv.url]  # one connection for both transfers
     finally:
         pusher.close()

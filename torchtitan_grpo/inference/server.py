@@ -238,6 +238,7 @@ class SGLangRoutes:
         # Receives and copies run here, off the event loop and one at a time.
         self._transfer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weight-transfer")
         self._update_lock = asyncio.Lock()
+        self._specs_seen: dict[bytes, list[TensorSpec]] = {}
 
     def register(self, app: web.Application) -> None:
         r = app.router
@@ -502,7 +503,15 @@ class SGLangRoutes:
             # Everything that can be refused is refused before the first receive:
             # a receive posted for a refused update would desynchronise the group.
             self._require_session()
-            specs = _tensor_specs(names, dtypes, shapes)
+            # A trainer sends the same buckets every version: their specs are
+            # built once (the first receive of each bucket goes out sooner).
+            key = await request.read()  # read once already: the bytes the lists came from
+            specs = self._specs_seen.get(key)
+            if specs is None:
+                specs = _tensor_specs(names, dtypes, shapes)
+                if len(self._specs_seen) >= 256:
+                    self._specs_seen.clear()
+                self._specs_seen[key] = specs
             if load_format not in (None, "flattened_bucket"):
                 raise _Refused(f"field 'load_format' must be null or 'flattened_bucket', got {load_format!r}")
             group = self.groups.get(group_name)

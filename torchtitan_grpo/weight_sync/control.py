@@ -85,16 +85,17 @@ class PipelinedConnection:
         return (self._writer is not None and not self._broken and not self._waiting
                 and not self._reader.at_eof() and time.monotonic() - self.last_used < max_idle_s)
 
-    def post(self, path: str, body: dict | None, params: dict | None = None) -> asyncio.Future:
-        """Write ``POST path`` (JSON ``body``, query ``params``) now; the
-        future resolves to its reply once every earlier request's has come."""
+    def post(self, path: str, body: dict | bytes | None, params: dict | None = None) -> asyncio.Future:
+        """Write ``POST path`` (JSON ``body``, an object or already encoded;
+        query ``params``) now; the future resolves to its reply once every
+        earlier request's has come."""
         url = self.url + path
         fut = asyncio.get_running_loop().create_future()
         if self._broken or self._writer is None:
             fut.set_exception(PushError(f"POST {url}: {self._broken or 'connection not open'}"))
             return fut
         target = self._prefix + path + ("?" + urllib.parse.urlencode(params) if params else "")
-        data = b"" if body is None else json.dumps(body).encode()
+        data = body if isinstance(body, bytes) else b"" if body is None else json.dumps(body).encode()
         head = (f"POST {target} HTTP/1.1\r\nHost: {self._host_header}\r\n"
                 + ("Content-Type: application/json\r\n" if body is not None else "")
                 + f"Content-Length: {len(data)}\r\n\r\n")

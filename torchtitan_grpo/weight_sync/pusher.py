@@ -45,6 +45,7 @@ competes with the senders for the GIL during its snapshot.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 import time
@@ -255,10 +256,18 @@ class _Replica:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-async def _post(session: aiohttp.ClientSession, url: str, body: dict | None, timeout_s: float,
+async def _post(session: aiohttp.ClientSession, url: str, body: dict | bytes | None, timeout_s: float,
                 params: dict | None = None) -> dict:
-    async with session.post(url, json=body, params=params, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+    """``body``: JSON, as an object or already encoded."""
+    kw = ({"data": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes)
+          else {"json": body})
+    async with session.post(url, params=params, timeout=aiohttp.ClientTimeout(total=timeout_s), **kw) as r:
         return read_reply(url, r.status, await r.text())
+
+
+def _spec_lists(specs: list[bk.TensorSpec]) -> tuple[list[str], list[str], list[list[int]]]:
+    """Names, dtype names and shapes: the metadata of an update request."""
+    return [b.name for b in specs], [bk.dtype_name(b.dtype) for b in specs], [list(b.shape) for b in specs]
 
 
 CONN_MAX_IDLE_S = 30.0
@@ -282,7 +291,8 @@ class _Requests:
     def in_order(self) -> bool:
         return self.conn is not None
 
-    def post(self, path: str, body: dict | None, timeout_s: float, params: dict | None = None) -> asyncio.Future:
+    def post(self, path: str, body: dict | bytes | None, timeout_s: float,
+             params: dict | None = None) -> asyncio.Future:
         if self.conn is not None:
             return self.conn.post(path, body, params)
         return asyncio.ensure_future(_post(self.session, self.url + path, body, timeout_s, params))
@@ -325,6 +335,7 @@ class Pusher:
         # would never readmit a replica whose update outlasts a trainer step).
         self._readmit_lag = 0 if config.mode == "sync" else 1
         self.bytes_per_version = 0
+        self._bodies: tuple[list, list[bytes]] | None = None  # (plan, its update requests' JSON)
 
     @property
     def stages_async(self) -> bool:
@@ -795,6 +806,20 @@ class Pusher:
         await self._answered(answers)
         await _post(self._session, r.url + path, body, self.cfg.deadline_s)
 
+    def _update_bodies(self, plan: list[list[bk.TensorSpec]]) -> list[bytes]:
+        """The update requests' JSON for ``plan``, the same every version, so
+        encoded once per plan (~0.6 ms for 399 tensors): vLLM's one request;
+        SGLang's requests of every bucket but the last (which carries the
+        version and flushes the cache)."""
+        if self._bodies is None or self._bodies[0] is not plan:
+            if self.cfg.protocol == "sglang":
+                bodies = [sglang.update_request(*_spec_lists(bucket), GROUP_NAME, flattened=True, flush_cache=False,
+                                                weight_version=None) for bucket in plan[:-1]]
+            else:
+                bodies = [vllm.update_weights_request(*_spec_lists([b for chunk in plan for b in chunk]))]
+            self._bodies = (plan, [json.dumps(b).encode() for b in bodies])
+        return self._bodies[1]
+
     async def _requests(self, r: _Replica) -> _Requests:
         """A transfer's way to post requests: pipelined to a built-in server
         (its connection kept from the last transfer while usable)."""
@@ -838,25 +863,33 @@ class Pusher:
             if begin is not None:
                 watched.append(begin)
             n = len(staged.plan)
+            bodies = self._update_bodies(staged.plan)
+
+            def post_update(k: int) -> asyncio.Future:
+                body: dict | bytes = bodies[k] if k < n - 1 else sglang.update_request(
+                    *_spec_lists(staged.plan[k]), GROUP_NAME, flattened=True,
+                    flush_cache=self.cfg.pause_mode != "in_place", weight_version=str(staged.version))
+                return req.post("/update_weights_from_distributed", body, self.cfg.deadline_s)
+
             updates: list[asyncio.Future] = []
-            for k, bucket in enumerate(staged.plan):
-                last = k == n - 1
-                body = sglang.update_request(
-                    [b.name for b in bucket], [bk.dtype_name(b.dtype) for b in bucket],
-                    [list(b.shape) for b in bucket], GROUP_NAME, flattened=True,
-                    flush_cache=last and self.cfg.pause_mode != "in_place",
-                    weight_version=str(staged.version) if last else None)
-                # Request k goes out once bucket k-1 has arrived, before the
-                # reply to k-1: the replica then already holds request k-1 (its
-                # receive was posted), so k queues behind it (SGLang's and our
-                # update lock, or the pipelined connection) and is parsed while k-1 finishes.
-                updates.append(req.post("/update_weights_from_distributed", body, self.cfg.deadline_s))
-                watched.append(updates[-1])
-                if last and req.in_order:  # handled after the last update: no round trip after it
-                    if r.sessionful:
-                        watched.append(req.post("/end_weight_update", {}, self.cfg.deadline_s))
-                    if pausing:
-                        watched.append(req.post("/continue_generation", {}, 30))
+            if req.in_order:
+                # Handled in this order, each after the one before: every
+                # update, then the end and continue, go out now, and the
+                # replica goes from one to the next without a round trip.
+                updates = [post_update(k) for k in range(n)]
+                watched += updates
+                if r.sessionful:
+                    watched.append(req.post("/end_weight_update", {}, self.cfg.deadline_s))
+                if pausing:
+                    watched.append(req.post("/continue_generation", {}, 30))
+            for k in range(n):
+                if not req.in_order:
+                    # Request k goes out once bucket k-1 has arrived, before the
+                    # reply to k-1: the replica then already holds request k-1
+                    # (its receive was posted), so k queues behind it (SGLang's
+                    # and our update lock) and is parsed while k-1 finishes.
+                    updates.append(post_update(k))
+                    watched.append(updates[-1])
                 if k == 0 and begin is not None:
                     await self._until(begin, watched)  # a session, or the update posts no receive
                 if k > 0:
@@ -936,10 +969,7 @@ class Pusher:
             start = req.post(vllm.START_WEIGHT_UPDATE, None, 30)
             watched.append(start)
             await req.ordered(start)
-            specs = [b for chunk in staged.plan for b in chunk]
-            body = vllm.update_weights_request([b.name for b in specs], [bk.dtype_name(b.dtype) for b in specs],
-                                               [list(b.shape) for b in specs])
-            update = req.post(vllm.UPDATE_WEIGHTS, body, self.cfg.deadline_s)
+            update = req.post(vllm.UPDATE_WEIGHTS, self._update_bodies(staged.plan)[0], self.cfg.deadline_s)
             watched.append(update)
             if req.in_order:
                 watched.append(req.post(vllm.FINISH_WEIGHT_UPDATE,
