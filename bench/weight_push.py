@@ -157,12 +157,13 @@ class TensorEngine:
         self.model = SimpleNamespace(config=SimpleNamespace(model_type="qwen3"),
                                      parameters=lambda: iter(params.values()))
 
-    check_weights = Engine.check_weights  # it reads only ``_tensors`` (name -> parameter)
+    check_weights = Engine.check_weights  # they read only ``_tensors`` (name -> parameter)
+    check_received = Engine.check_received
 
-    def load_weights(self, named, weight_version: str | None = None, checked: bool = False) -> None:
+    def load_weights(self, named, weight_version: str | None = None, checked: bool = False, adopt=None) -> None:
         if not checked:
             self.check_weights([bk.TensorSpec.of(n, t) for n, t in named])
-        install_weights(self._tensors, named)
+        install_weights(self._tensors, named, adopt)
         if weight_version is not None:
             self.weight_version = weight_version
 

@@ -729,6 +729,42 @@ def test_nccl_weight_push_two_gpus(model_dir, tmp_path, pool):
     assert proc.returncode == 0, (tmp_path / "gpu-server.log").read_text()[-3000:]
 
 
+def test_adopt_decided_while_receiving_is_what_install_weights_would_decide():
+    """``adoptable`` decides from an update's specs alone (the parameter's
+    dtype, shape and device) what ``install_weights`` decides from the
+    received tensors; with those flags the load only swaps or copies, and a
+    session that received an update without flags checks at load time."""
+    from torchtitan_grpo.inference.engine import PendingVersion, adoptable, install_weights
+    from torchtitan_grpo.weight_sync.buckets import TensorSpec, unpack
+
+    params = {"a": torch.zeros(2, 3), "b": torch.zeros(4, dtype=torch.bfloat16), "c": torch.zeros(5)}
+    specs = [TensorSpec("a", torch.float32, (2, 3)), TensorSpec("b", torch.float32, (4,)),
+             TensorSpec("c", torch.float32, (5,))]
+    assert adoptable(params, specs, torch.device("cpu")) == [True, False, True]
+    assert adoptable(params, specs, torch.device("meta")) == [False, False, False]  # another device: copied
+    buf = torch.arange(15.0).view(torch.uint8)  # a flattened bucket as receive_weights gets it
+    named = list(zip(["a", "b", "c"], unpack(buf, specs)))
+    b_ptr = params["b"].data_ptr()
+    install_weights(params, named, adoptable(params, specs, torch.device("cpu")))
+    assert params["a"].data_ptr() == named[0][1].data_ptr() and params["c"].data_ptr() == named[2][1].data_ptr()
+    assert params["b"].data_ptr() == b_ptr and params["b"].tolist() == [6.0, 7.0, 8.0, 9.0]  # cast in place
+    with pytest.raises(ValueError):
+        install_weights(params, named, [True])  # one flag per tensor
+
+    class Recorder:
+        def load_weights(self, named, version, checked, adopt):
+            self.got = (named, version, checked, adopt)
+
+    session, engine = PendingVersion(), Recorder()
+    session.keep(named[:2], adopt=[True, False])
+    session.keep([named[2]], "7", adopt=[True])
+    session.load(engine)
+    assert engine.got == (named, "7", True, [True, False, True])
+    session.keep([("a", torch.ones(2, 3))])  # no flags for "a" now: decided at load time
+    session.load(engine)
+    assert engine.got[3] is None
+
+
 def test_install_weights_adopts_fresh_buffers_and_copies_the_rest(tmp_path):
     """A received tensor of the parameter's dtype/shape/device becomes its
     storage (no copy; a tied alias follows); a cast or a strided view is

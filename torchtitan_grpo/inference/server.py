@@ -50,6 +50,7 @@ from torchtitan_grpo.inference.engine import (
     Engine,
     EngineConfig,
     PendingVersion,
+    receive_check,
     ModelLoadError,
     RequestError,
     SampleResult,
@@ -473,8 +474,9 @@ class SGLangRoutes:
         return _result(True, f"weight update session closed; loaded {n} tensor(s), serving weight "
                              f"version {self.engine.weight_version!r}")
 
-    def _keep(self, named: list, version: str | None, what: str, **extra: Any) -> web.Response:
-        self.session.keep(named, version)
+    def _keep(self, named: list, version: str | None, what: str, adopt: list[bool] | None = None,
+              **extra: Any) -> web.Response:
+        self.session.keep(named, version, adopt)
         return _result(True, f"received {what}; loaded at /end_weight_update", **extra)
 
     def _refuse(self, message: str, **extra: Any) -> web.Response:
@@ -524,15 +526,15 @@ class SGLangRoutes:
                 await asyncio.to_thread(self.engine.abort_all, "aborted for a weight update")
             try:
                 # checked while the bytes arrive, refused once they have (the group stays in step)
-                named = await self._run(receive_weights, group, specs, load_format == "flattened_bucket",
-                                        self.engine.check_weights)
+                check, adopt = receive_check(self.engine, group.device)
+                named = await self._run(receive_weights, group, specs, load_format == "flattened_bucket", check)
             except WeightUpdateError as e:
                 return self._refuse(f"received, not loaded: {e}")
             except Exception as e:
                 logger.warning("weight receive on %s failed: %s", group_name, e)
                 return self._refuse(f"receiving weights on group {group_name!r} failed: {type(e).__name__}: {e}")
             await debug_update_delay(self.cfg)
-            return self._keep(named, version, f"{len(named)} tensor(s)")
+            return self._keep(named, version, f"{len(named)} tensor(s)", adopt=adopt)
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         body = await _json_body(request)

@@ -44,6 +44,7 @@ from torchtitan_grpo.inference import vllm as proto
 from torchtitan_grpo.inference.engine import (
     Engine,
     PendingVersion,
+    receive_check,
     RequestError,
     SampleResult,
     SamplingParams,
@@ -704,7 +705,7 @@ class VLLMRoutes:
         async with self._lock:
             # The metadata is checked while the bytes arrive and refused once
             # they have (``check``): the group stays in step with the sender.
-            check = self.engine.check_weights
+            check, adopt = receive_check(self.engine, group.device)
             try:
                 if info.packed:
                     named = await self._run(receive_packed, group, specs, info.packed_buffer_size_bytes,
@@ -721,7 +722,7 @@ class VLLMRoutes:
                 raise VLLMError(500, f"receiving weights failed: {type(e).__name__}: {e}") from None
             self.t.last_specs = specs
             await debug_update_delay(self.cfg)
-            self.t.update.keep(named)
+            self.t.update.keep(named, adopt=adopt)
         return web.json_response({"message": "Weights updated"})
 
     async def finish_weight_update(self, request: web.Request) -> web.Response:
