@@ -1,7 +1,7 @@
 """Weight-push bandwidth against the raw broadcast bandwidth, measured in one run.
 
     python bench/weight_push.py [--sets 0.6B,4B,8B] [--bucket-mb 256,1024] [--reps 3]
-                                [--protocols sglang,vllm] [--disk-sets 0.6B,4B]
+                                [--protocols sglang,vllm[,sglang-seq,vllm-seq]] [--disk-sets 0.6B,4B]
     python bench/weight_push.py --cpu        # gloo, a tiny set (what the tests run)
 
 Two processes: rank 0 on cuda:0 is the trainer side, rank 1 on cuda:1 is one
@@ -32,7 +32,11 @@ set the same bytes go over these paths:
     receives each chunk into a buffer of its own and keeps its tensors as
     views of it (those at unaligned offsets are copied out on a side stream);
   - ``disk`` (the sets of ``--disk-sets``, once per set): safetensors of the
-    version written to a local folder, ``/update_weights_from_disk``.
+    version written to a local folder, ``/update_weights_from_disk``;
+  - ``sglang-seq``, ``vllm-seq`` (only when named in ``--protocols``): the
+    same with ``PushConfig.pipelined`` off, each request sent after the
+    reply it must follow, as a real SGLang or vLLM gets them (the built-in
+    server otherwise takes a transfer's requests pipelined on one connection).
 
   Only the model behind the routes is a stand-in (a dict of parameters of
   the real names, shapes and dtype, with ``Engine.load_weights``' checks and
