@@ -424,7 +424,8 @@ def test_pipelined_requests_go_out_before_the_replies_they_follow(tmp_path, tiny
     connection (vLLM: pause, start, update, finish, resume; SGLang: pause,
     begin, every bucket's update, end, continue), while the broadcasts still
     wait for the opened session (and SGLang's bucket k for the reply to k-1);
-    the connection is kept for the next transfer, and every version is whole."""
+    the connection is kept for the next transfer unless it has been idle too
+    long, and every version is whole."""
     import threading
 
     from torchtitan_grpo.weight_sync import control
@@ -474,6 +475,12 @@ def test_pipelined_requests_go_out_before_the_replies_they_follow(tmp_path, tiny
                 for k in range(1, n):  # bucket k is broadcast after the reply to k-1
                     assert replies[k - 1] < events.index(("broadcast", str(k))), events
         assert opened == [srv.url]  # one connection for both transfers
+        from torchtitan_grpo.weight_sync import pusher as pusher_mod
+
+        monkeypatch.setattr(pusher_mod, "CONN_MAX_IDLE_S", 0.0)  # too old to reuse: a new one
+        pusher.push(_weights(tiny_model_dir, 3.0), version=3)
+        assert _served_markers(srv.url, names) == {3.0} and _version(srv.url) == "3"
+        assert opened == [srv.url, srv.url]
     finally:
         pusher.close()
         stop_process(srv.proc)
