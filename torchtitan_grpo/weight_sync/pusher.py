@@ -908,10 +908,7 @@ class Pusher:
             answered = True
         finally:
             if pausing and not (answered and req.in_order):
-                try:
-                    await _post(self._session, r.url + "/continue_generation", {}, 30)
-                except Exception as e:  # the eject path reports the transfer error
-                    logger.warning("continue_generation on %s failed: %s", r.url, e)
+                await self._unpause(r, "/continue_generation", {})
 
     async def _version_on_disk(self, staged: _Staged) -> str:
         """Write ``staged`` once (the first sender to need it does it, off the
@@ -987,10 +984,17 @@ class Pusher:
             answered = True
         finally:
             if not (answered and req.in_order):
-                try:
-                    await _post(self._session, r.url + vllm.RESUME, None, 30)
-                except Exception as e:
-                    logger.warning("resume on %s failed: %s", r.url, e)
+                await self._unpause(r, vllm.RESUME, None)
+
+    async def _unpause(self, r: _Replica, path: str, body: dict | None) -> None:
+        """Let ``r`` generate again after a transfer whose pipelined requests
+        did not all come back (their own unpause among them), or that had none:
+        on a request of its own, and only logged if it fails (the eject path
+        reports the transfer's error)."""
+        try:
+            await _post(self._session, r.url + path, body, 30)
+        except Exception as e:
+            logger.warning("%s on %s failed: %s", path.lstrip("/"), r.url, e)
 
     @staticmethod
     def _broadcast_all(r: _Replica, staged: _Staged, buckets: list[int], stop: threading.Event) -> None:
