@@ -265,15 +265,17 @@ def _trace_trainer() -> None:
 
     control.PipelinedConnection.post = pipelined
     TRACE.wrap(pusher.Pusher, "_broadcast_all",
-               lambda r, staged, ks, stop:
+               lambda r, staged, ks, stop, wait=True:
                f"trainer broadcast x{len(ks)} ({sum(staged.buffers[k].numel() for k in ks) >> 20} MiB)")
 
 
 def _trace_replica_receives() -> None:
-    from torchtitan_grpo.inference import server, server_vllm
+    from torchtitan_grpo.inference import engine, server, server_vllm
 
-    TRACE.wrap(server, "receive_weights", lambda group, specs, *a: f"replica receive ({len(specs)} tensors)")
-    TRACE.wrap(server_vllm, "receive_packed", lambda group, specs, *a: f"replica receive packed ({len(specs)} tensors)")
+    # The routes post the receives and answer; the session's end waits for the bytes.
+    TRACE.wrap(server, "post_receive", lambda group, specs, *a: f"replica post receive ({len(specs)} tensors)")
+    TRACE.wrap(server_vllm, "post_packed", lambda group, specs, *a: f"replica post packed ({len(specs)} tensors)")
+    TRACE.wrap(engine.PostedReceive, "wait", lambda p: f"replica wait for the bytes ({len(p.named)} tensors)")
 
 
 def _trace_replica(app, engine: "TensorEngine") -> None:

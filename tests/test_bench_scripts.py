@@ -25,7 +25,8 @@ def test_weight_push_cpu():
     r, out = _run([sys.executable, "bench/weight_push.py", "--cpu", "--reps", "2", "--trace"])
     assert r.returncode == 0, out[-4000:]
     # --trace wraps the replica's receive functions: their signatures must still fit
-    assert "replica receive (" in r.stdout and "replica receive packed (" in r.stdout, out[-4000:]
+    assert "replica post receive (" in r.stdout and "replica post packed (" in r.stdout, out[-4000:]
+    assert "replica wait for the bytes (" in r.stdout, out[-4000:]
     lines = r.stdout.splitlines()
     header = lines.index(next(line for line in lines if line.startswith("| set | GB |")))
     rows = [line for line in lines[header + 2:] if line.startswith("| ")]

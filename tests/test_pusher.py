@@ -436,10 +436,10 @@ def test_pipelined_requests_go_out_before_the_replies_they_follow(tmp_path, tiny
     real_broadcast, real_open = Pusher._broadcast_all, control.PipelinedConnection.open
     opened: list[str] = []
 
-    def broadcast(r, staged, buckets, stop):
+    def broadcast(r, staged, buckets, stop, wait=True):
         with lock:
             events.append(("broadcast", str(buckets[0])))
-        return real_broadcast(r, staged, buckets, stop)
+        return real_broadcast(r, staged, buckets, stop, wait)
 
     async def open_(self, timeout_s):
         opened.append(self.url)

@@ -770,3 +770,32 @@ def test_unique_id_rendezvous_needs_no_store():
         group.broadcast(torch.tensor([1.0, 2.0, 3.0]))
         assert torch.equal(got.result(timeout=10), torch.tensor([1.0, 2.0, 3.0]))
     assert not fabric.errors
+
+
+def test_post_packed_returns_before_the_bytes_and_wait_delivers_them():
+    """The built-in server answers a packed update once every chunk's receive
+    is posted: ``post_packed`` returns before the trainer has sent a byte
+    (several gloo receives outstanding, matched in order), and ``wait``
+    delivers every tensor exactly, the unaligned copies included."""
+    from torchtitan_grpo.inference.server_vllm import post_packed
+
+    g = torch.Generator().manual_seed(9)
+    named = [("a.bf16", torch.randn(3, generator=g).to(torch.bfloat16)),  # chunk 1 @0
+             ("a.fp32", torch.randn(5, generator=g)),  # chunk 1 @6: unaligned, copied out by wait
+             ("b.fp32", torch.randn(8, generator=g)),  # chunk 2 @0
+             ("c.fp32", torch.randn(4, 2, generator=g))]  # chunk 3 @0
+    specs = [TensorSpec.of(n, t) for n, t in named]
+    assert len(plan_packed_chunks(specs, 20)) == 3
+    trainer, server = _gloo_pair("packed-posted")
+    try:
+        posted = post_packed(server, specs, 20)  # returns with nothing sent yet
+        assert posted.in_flight() and posted.finish is not None
+        assert vg.send_weights(trainer, named, packed=True, packed_buffer_size_bytes=20) == 3
+        got = posted.wait()
+        assert not posted.in_flight()
+    finally:
+        trainer.close()
+        server.close()
+    assert [n for n, _ in got] == [n for n, _ in named]
+    for (name, sent), (_, t) in zip(named, got):
+        assert t.dtype == sent.dtype and torch.equal(t, sent), name

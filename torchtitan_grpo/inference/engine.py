@@ -998,11 +998,19 @@ class PendingVersion:
     version: str | None = None
     error: str = ""
     """The first failure; once set, the session can only fail."""
+    posted: list[PostedReceive] = field(default_factory=list)
+    """Updates kept while their bytes were still arriving, waited for at
+    ``load``. A failed session keeps them too: their buffers stay allocated
+    while a receive may still write into them, and ``in_flight`` still tells
+    a group's destroy that it must abort first."""
 
     def keep(self, named: Sequence[tuple[str, torch.Tensor]], version: str | None = None,
-             adopt: Sequence[bool] | None = None) -> None:
-        """Add a received, checked update (later tensors of a name win), with
-        ``check_received``'s flags if it ran."""
+             adopt: Sequence[bool] | None = None, posted: PostedReceive | None = None) -> None:
+        """Add a checked update (later tensors of a name win), with
+        ``check_received``'s flags if it ran; ``posted``: its receive, when
+        its bytes may still be arriving."""
+        if posted is not None and posted.posted:
+            self.posted.append(posted)
         self.received.update(named)
         if adopt is not None and len(adopt) == len(named):
             self.adopt.update(zip((n for n, _ in named), adopt))
@@ -1017,11 +1025,22 @@ class PendingVersion:
         self.received, self.adopt, self.version = {}, {}, None
         self.error = self.error or why
 
+    def in_flight(self, group: Any) -> bool:
+        """Whether a receive of this session on ``group`` is still incomplete."""
+        return any(p.group is group and p.in_flight() for p in self.posted)
+
     def load(self, engine: "Engine", version: str | None = None) -> int:
-        """Load everything received into ``engine`` under ``version`` (or the
-        one an update carried) and return how many tensors; a session that
-        received only a version just sets it (no wait for running requests).
-        Raises :class:`WeightUpdateError`, model unchanged, if the session failed."""
+        """Wait for the bytes still arriving, then load everything received
+        into ``engine`` under ``version`` (or the one an update carried) and
+        return how many tensors; a session that received only a version just
+        sets it (no wait for running requests). Raises
+        :class:`WeightUpdateError`, model unchanged, if the session failed
+        (a receive cut short by its group's abort included)."""
+        for p in self.posted if not self.error else ():  # a failed session waits for nothing
+            try:
+                p.wait()
+            except Exception as e:  # noqa: BLE001 - an aborted group, a gloo timeout
+                self.fail(f"a receive did not complete: {type(e).__name__}: {e}")
         if self.error:
             raise WeightUpdateError(f"nothing loaded (model unchanged): {self.error}")
         version = self.version if version is None else version
@@ -1111,37 +1130,70 @@ def run_check(check: SpecCheck | None, specs: Sequence[TensorSpec]) -> Exception
     return None
 
 
-def receive_weights(group: Any, specs: Sequence[TensorSpec], flattened: bool,
-                    check: SpecCheck | None = None) -> list[tuple[str, torch.Tensor]]:
-    """Receive one update from rank 0 of ``group`` (a WeightGroup).
+@dataclass
+class PostedReceive:
+    """One update whose receive is posted: ``named`` hold its values once
+    :meth:`wait` has returned. The built-in server acknowledges an update at
+    this point and loads it at the session's end, after ``wait``: a trainer
+    that sends the next bucket once the reply is in then finds its receive
+    already posted, and the link never idles between buckets."""
 
-    Per-tensor mode posts one broadcast per spec, in order; flattened mode
-    posts a single uint8 broadcast of all bytes and slices it (offsets must be
-    itemsize-aligned). ``check`` (``Engine.check_weights``) runs on the
-    metadata while the bytes arrive (flattened, on GPUs), and what it raises
-    is raised only once they have: the collective sequence stays in step with
-    the sender even when the update is then refused.
+    named: list[tuple[str, torch.Tensor]]
+    group: Any
+    posted: list[Any] = field(default_factory=list)
+    """``Posted`` handles of the receives (and copies) still to wait for."""
+    finish: Callable[[], None] | None = None
+    """Work that needs the bytes and could not be queued behind them (on
+    CPU: copying unaligned tensors out of a packed chunk); run by ``wait``."""
+
+    def in_flight(self) -> bool:
+        """Whether some receive of it has not completed yet (never blocks)."""
+        return any(not p.done() for p in self.posted)
+
+    def wait(self) -> list[tuple[str, torch.Tensor]]:
+        """Block until every byte is in and return ``named``; raise
+        RuntimeError if the group was aborted meanwhile (what arrived is
+        incomplete)."""
+        for p in self.posted:
+            p.wait()
+        self.posted = []
+        if self.finish is not None:
+            finish, self.finish = self.finish, None
+            finish()
+        check_not_aborted(self.group)
+        return self.named
+
+
+def post_receive(group: Any, specs: Sequence[TensorSpec], flattened: bool,
+                 check: SpecCheck | None = None) -> PostedReceive:
+    """Post the receive of one update from rank 0 of ``group`` (a
+    WeightGroup) and return without waiting for its bytes where it can.
+
+    Flattened mode posts a single uint8 broadcast of all bytes and slices it
+    (offsets must be itemsize-aligned); it returns once the broadcast is
+    posted, the views cut and ``check`` (``Engine.check_weights``) passed.
+    An update refused by ``check`` or by its offsets still receives its
+    bytes, then raises: the collective sequence stays in step with the
+    sender, which sends a bucket only after the reply to the one before.
+    Per-tensor mode (one broadcast per spec, in order) returns complete.
     """
     if flattened:
         buf = torch.empty(packed_nbytes(specs), dtype=torch.uint8, device=group.device)
-        cuda = buf.device.type == "cuda"
-        stream = torch.cuda.current_stream(buf.device) if cuda else None
-        # On GPUs the views are cut and the metadata checked while the bytes
-        # arrive (a few ms of Python for a few hundred tensors), then the host
-        # waits for the receive.
-        group.broadcast(buf, src=0, stream=stream, wait=not cuda)
+        stream = torch.cuda.current_stream(buf.device) if buf.device.type == "cuda" else None
+        posted = group.post_broadcast(buf, src=0, stream=stream)
+        # The views are cut and the metadata checked while the bytes arrive
+        # (a few ms of Python for a few hundred tensors).
         try:
             views = unpack(buf, specs)
         except ValueError as e:
             error: Exception | None = WeightUpdateError(str(e))
         else:
             error = run_check(check, specs)
-        if cuda:
-            stream.synchronize()  # even when refused: nothing returns before the receive is done
-        check_not_aborted(group)
         if error is not None:
+            posted.wait()  # nothing returns before a refused receive is done
+            check_not_aborted(group)
             raise error
-        return list(zip([s.name for s in specs], views))
+        return PostedReceive(list(zip([s.name for s in specs], views)), group, [posted])
     out = []
     for s in specs:
         t = torch.empty(s.shape, dtype=s.dtype, device=group.device)
@@ -1151,7 +1203,14 @@ def receive_weights(group: Any, specs: Sequence[TensorSpec], flattened: bool,
     error = run_check(check, specs)
     if error is not None:
         raise error
-    return out
+    return PostedReceive(out, group)
+
+
+def receive_weights(group: Any, specs: Sequence[TensorSpec], flattened: bool,
+                    check: SpecCheck | None = None) -> list[tuple[str, torch.Tensor]]:
+    """Receive one update from rank 0 of ``group`` completely
+    (:func:`post_receive`, then its ``wait``)."""
+    return post_receive(group, specs, flattened, check).wait()
 
 
 def check_not_aborted(group: Any) -> None:

@@ -50,6 +50,8 @@ from torchtitan_grpo.inference.engine import (
     Engine,
     EngineConfig,
     PendingVersion,
+    PostedReceive,
+    post_receive,
     receive_check,
     ModelLoadError,
     RequestError,
@@ -57,7 +59,6 @@ from torchtitan_grpo.inference.engine import (
     SamplingParams,
     WeightUpdateError,
     read_safetensors_dir,
-    receive_weights,
 )
 
 from torchtitan_grpo.inference.server_vllm import VLLMRoutes, debug_update_delay
@@ -434,7 +435,8 @@ class SGLangRoutes:
         body = await _json_body(request)
         group_name = _get(body, "group_name", "str", "weight_update_group")
         stuck = self.groups.get(group_name)
-        if stuck is not None and self._update_lock.locked():
+        if stuck is not None and (self._update_lock.locked()
+                                  or (self.session is not None and self.session.in_flight(stuck))):
             # An update may be stuck in a receive on this group (its trainer
             # gone, or its transfer abandoned at a deadline): aborting ends an
             # NCCL receive at once; a gloo one only ends at its timeout
@@ -475,8 +477,8 @@ class SGLangRoutes:
                              f"version {self.engine.weight_version!r}")
 
     def _keep(self, named: list, version: str | None, what: str, adopt: list[bool] | None = None,
-              **extra: Any) -> web.Response:
-        self.session.keep(named, version, adopt)
+              posted: PostedReceive | None = None, **extra: Any) -> web.Response:
+        self.session.keep(named, version, adopt, posted)
         return _result(True, f"received {what}; loaded at /end_weight_update", **extra)
 
     def _refuse(self, message: str, **extra: Any) -> web.Response:
@@ -527,14 +529,18 @@ class SGLangRoutes:
             try:
                 # checked while the bytes arrive, refused once they have (the group stays in step)
                 check, adopt = receive_check(self.engine, group.device)
-                named = await self._run(receive_weights, group, specs, load_format == "flattened_bucket", check)
+                # Replied to once posted and checked: the bytes arrive while the
+                # trainer reads this reply and sends the next bucket, whose
+                # receive the next request posts behind this one; the session's
+                # end waits for them (a refused update is answered after them).
+                posted = await self._run(post_receive, group, specs, load_format == "flattened_bucket", check)
             except WeightUpdateError as e:
                 return self._refuse(f"received, not loaded: {e}")
             except Exception as e:
                 logger.warning("weight receive on %s failed: %s", group_name, e)
                 return self._refuse(f"receiving weights on group {group_name!r} failed: {type(e).__name__}: {e}")
             await debug_update_delay(self.cfg)
-            return self._keep(named, version, f"{len(named)} tensor(s)", adopt=adopt)
+            return self._keep(posted.named, version, f"{len(posted.named)} tensor(s)", adopt=adopt, posted=posted)
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         body = await _json_body(request)

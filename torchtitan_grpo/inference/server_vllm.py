@@ -51,10 +51,11 @@ from torchtitan_grpo.inference.engine import (
     parse_stop,
     SpecCheck,
     WeightUpdateError,
-    check_not_aborted,
-    receive_weights,
+    PostedReceive,
+    post_receive,
     run_check,
 )
+from torchtitan_grpo.weight_sync.group import Posted
 from torchtitan_grpo.weight_sync.buckets import (
     SpecError,
     TensorSpec,
@@ -321,12 +322,14 @@ def _parse_update_info(info: Any, previous: list[TensorSpec] | None) -> list[Ten
         raise _bad(str(e), e.field or "update_info") from None
 
 
-def receive_packed(group: Any, specs: list[TensorSpec], buffer_bytes: int,
-                   num_buffers: int = proto.DEFAULT_PACKED_NUM_BUFFERS,
-                   check: SpecCheck | None = None,
-                   chunks: list[list[TensorSpec]] | None = None) -> list[tuple[str, torch.Tensor]]:
-    """Receive vLLM packed-mode chunks: one uint8 broadcast per chunk, cut
-    exactly as the sender cuts (``plan_packed_chunks``).
+def post_packed(group: Any, specs: list[TensorSpec], buffer_bytes: int,
+                num_buffers: int = proto.DEFAULT_PACKED_NUM_BUFFERS,
+                check: SpecCheck | None = None,
+                chunks: list[list[TensorSpec]] | None = None) -> PostedReceive:
+    """Post the receives of vLLM packed-mode chunks: one uint8 broadcast per
+    chunk, cut exactly as the sender cuts (``plan_packed_chunks``). Returns
+    once every receive is posted, the views cut and ``check`` passed; the
+    bytes arrive meanwhile (``PostedReceive.wait``).
 
     Each chunk is received into a buffer of its own, and a tensor whose byte
     offset in its chunk is a multiple of its itemsize is returned as a typed
@@ -334,11 +337,10 @@ def receive_packed(group: Any, specs: list[TensorSpec], buffer_bytes: int,
     the parameter's storage. Only the others (offsets made odd by mixed
     itemsizes, e.g. an fp32 tensor after a bf16 one of odd length) are copied
     out into tensors of their own once their chunk is in: on GPUs on a second
-    CUDA stream that waits for the chunk, on CPU (gloo, whose receives return
-    complete) right away. Every receive is posted before any view is cut or
-    copy queued, and nothing waits on the host until the end, so the link is
-    never idle between chunks; only the last chunk's copies (if any) follow
-    its receive.
+    CUDA stream that waits for the chunk, on CPU (gloo) by ``wait``. Every
+    receive is posted before any view is cut or copy queued, and nothing
+    waits on the host, so the link is never idle between chunks; only the
+    last chunk's copies (if any) follow its receive.
 
     Memory: the chunk buffers add up to the update's bytes, plus a copy of
     each unaligned tensor (in practice the few odd-sized small ones between
@@ -349,13 +351,13 @@ def receive_packed(group: Any, specs: list[TensorSpec], buffer_bytes: int,
     ``num_buffers`` means nothing here: a real vLLM worker double-buffers its
     receives with it, so it stays for protocol compatibility. ``check``
     (``Engine.check_weights``) runs while the chunks arrive; what it raises is
-    raised once every chunk is in. ``chunks``: ``plan_packed_chunks(specs,
+    raised once every chunk is in (the group stays in step with the sender). ``chunks``: ``plan_packed_chunks(specs,
     buffer_bytes)`` when the caller has it already.
     """
     if chunks is None:
         chunks = plan_packed_chunks(specs, buffer_bytes)
     if not chunks:
-        return []
+        return PostedReceive([], group)
     cuda = group.device.type == "cuda"
     # Streams named by device: this runs on a worker thread, whose current
     # device need not be the group's (an event recorded on "the current
@@ -364,51 +366,73 @@ def receive_packed(group: Any, specs: list[TensorSpec], buffer_bytes: int,
     received = [_post_chunk(group, chunk, main) for chunk in chunks]
     side = torch.cuda.Stream(group.device) if cuda and any(r.spills for r in received) else None
     out: list[tuple[str, torch.Tensor]] = []
+    later: list[tuple[torch.Tensor, torch.Tensor]] = []
     for r in received:
-        out.extend(_chunk_tensors(r, side))
+        out.extend(_chunk_tensors(r, side, later))
     error = run_check(check, specs)
-    if cuda:
-        if side is not None:
-            side.synchronize()  # every copy
-        received[-1].ready.synchronize()  # every receive (they run in order on ``main``)
-    check_not_aborted(group)
+    posted = [r.posted for r in received]
+    if side is not None:  # every copy of an unaligned tensor
+        copied = torch.cuda.Event()
+        copied.record(side)
+        posted.append(Posted(event=copied))
+
+    def copy_out() -> None:  # gloo: each unaligned tensor, once its chunk is in
+        for dest, slot in later:
+            dest.view(-1).view(torch.uint8).copy_(slot)
+
+    receive = PostedReceive(out, group, posted, copy_out if later else None)
     if error is not None:
+        receive.wait()
         raise error
-    return out
+    return receive
+
+
+def receive_packed(group: Any, specs: list[TensorSpec], buffer_bytes: int,
+                   num_buffers: int = proto.DEFAULT_PACKED_NUM_BUFFERS,
+                   check: SpecCheck | None = None,
+                   chunks: list[list[TensorSpec]] | None = None) -> list[tuple[str, torch.Tensor]]:
+    """Receive vLLM packed-mode chunks completely (:func:`post_packed`, then
+    its ``wait``)."""
+    return post_packed(group, specs, buffer_bytes, num_buffers, check, chunks).wait()
 
 
 @dataclass
 class _PostedChunk:
-    """A chunk whose receive is posted (and, off GPUs, complete)."""
+    """A chunk whose receive is posted."""
 
     specs: list[TensorSpec]
     buf: torch.Tensor
     spills: list[torch.Tensor]
     """Where the chunk's unaligned tensors go, in order."""
-    ready: Any
-    """CUDA event after the receive and the allocation of ``spills``; None off GPUs."""
+    posted: Posted
+    """Done once the chunk is in."""
+    ready: Any = None
+    """GPUs: a CUDA event after the receive and the allocation of ``spills``
+    (``posted`` waits for it; the copies out of the chunk too)."""
 
 
 def _post_chunk(group: Any, chunk: list[TensorSpec], main: Any) -> _PostedChunk:
     pos = offsets(chunk)
     buf = torch.empty(pos[-1], dtype=torch.uint8, device=group.device)
-    group.broadcast(buf, src=0, stream=main, wait=main is None)  # gloo: returns once the chunk is here
+    posted = group.post_broadcast(buf, src=0, stream=main)
     # Allocated after the receive is posted (the first receive goes out sooner)
     # and before ``ready``: a block the allocator hands out on ``main`` may still
     # be in use by work queued there earlier (another thread's generation, say),
     # so the copies into it, on another stream, must wait for an event after it.
     spills = [torch.empty(s.shape, dtype=s.dtype, device=group.device)
               for s, p in zip(chunk, pos) if p % s.itemsize]
-    ready = None
-    if main is not None:
-        ready = torch.cuda.Event()
-        ready.record(main)
-    return _PostedChunk(chunk, buf, spills, ready)
+    if main is None:
+        return _PostedChunk(chunk, buf, spills, posted)
+    ready = torch.cuda.Event()
+    ready.record(main)
+    return _PostedChunk(chunk, buf, spills, Posted(event=ready), ready)
 
 
-def _chunk_tensors(r: _PostedChunk, side: Any) -> list[tuple[str, torch.Tensor]]:
+def _chunk_tensors(r: _PostedChunk, side: Any,
+                   later: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
     """The tensors of a posted chunk: views of its buffer where aligned, else
-    its spill tensors, filled on ``side`` (GPU) once the chunk is in."""
+    its spill tensors, filled on ``side`` (GPU) once the chunk is in, or (CPU)
+    listed in ``later`` as (spill, raw bytes) to copy once it is."""
     spills = iter(r.spills)
     out: list[tuple[str, torch.Tensor]] = []
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
@@ -417,7 +441,10 @@ def _chunk_tensors(r: _PostedChunk, side: Any) -> list[tuple[str, torch.Tensor]]
         for spec, slot in zip(r.specs, slots(r.buf, r.specs)):
             if slot.dtype != spec.dtype:  # unaligned: ``slot`` holds the raw bytes
                 dest = next(spills)
-                dest.view(-1).view(torch.uint8).copy_(slot)
+                if side is not None:
+                    dest.view(-1).view(torch.uint8).copy_(slot)
+                else:
+                    later.append((dest, slot))
                 slot = dest
             out.append((spec.name, slot))
     return out
@@ -707,11 +734,14 @@ class VLLMRoutes:
             # they have (``check``): the group stays in step with the sender.
             check, adopt = receive_check(self.engine, group.device)
             try:
+                # Replied to once posted and checked (a refused update once its
+                # bytes are in): /finish_weight_update, next on the trainer's
+                # connection, then waits for the bytes, not for this reply.
                 if info.packed:
-                    named = await self._run(receive_packed, group, specs, info.packed_buffer_size_bytes,
+                    posted = await self._run(post_packed, group, specs, info.packed_buffer_size_bytes,
                                              info.packed_num_buffers, check, chunks)
                 else:
-                    named = await self._run(receive_weights, group, specs, False, check)
+                    posted = await self._run(post_receive, group, specs, False, check)
             except WeightUpdateError as e:
                 self.t.last_specs = specs
                 self.t.update.fail(str(e))
@@ -722,7 +752,7 @@ class VLLMRoutes:
                 raise VLLMError(500, f"receiving weights failed: {type(e).__name__}: {e}") from None
             self.t.last_specs = specs
             await debug_update_delay(self.cfg)
-            self.t.update.keep(named, adopt=adopt)
+            self.t.update.keep(posted.named, adopt=adopt, posted=posted)
         return web.json_response({"message": "Weights updated"})
 
     async def finish_weight_update(self, request: web.Request) -> web.Response:
@@ -740,7 +770,8 @@ class VLLMRoutes:
         return web.json_response({"message": "Weight update finished"})
 
     async def shutdown_weight_transfer_engine(self, request: web.Request) -> web.Response:
-        if self._lock.locked() and self.t.group is not None:
+        if self.t.group is not None and (self._lock.locked() or (
+                self.t.update is not None and self.t.update.in_flight(self.t.group))):
             # An update is stuck in a receive (trainer gone): aborting the group
             # ends an NCCL receive at once; a gloo one only ends at its timeout
             # (--weight-group-timeout), and the shutdown waits for it.
@@ -761,8 +792,10 @@ class VLLMRoutes:
 
 async def debug_update_delay(cfg: Any) -> None:
     """``--debug-update-delay-s``: a test knob that makes every weight update
-    slow (after the bytes arrived, before loading) to simulate a lagging
-    replica in fault tests and benchmarks. Never set it in production."""
+    slow (its reply comes this much later; the built-in server replies once
+    the receive is posted, so a trainer sends the next bucket or the
+    session's end that much later) to simulate a lagging replica in fault
+    tests and benchmarks. Never set it in production."""
     delay = getattr(cfg, "debug_update_delay_s", 0.0) or 0.0
     if delay > 0:
         await asyncio.sleep(delay)

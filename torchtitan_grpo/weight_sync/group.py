@@ -123,6 +123,25 @@ def _make_backend(
     return pg
 
 
+class Posted:
+    """A collective posted without a host wait (``WeightGroup.post_broadcast``):
+    a CUDA event after it (NCCL) or the backend's work handle (gloo)."""
+
+    def __init__(self, event: "torch.cuda.Event | None" = None, work: Any = None):
+        self._event, self._work = event, work
+
+    def done(self) -> bool:
+        """Whether it has completed (never blocks)."""
+        return self._event.query() if self._event is not None else self._work.is_completed()
+
+    def wait(self) -> None:
+        """Block until it has completed; a gloo failure (its timeout, an abort) raises."""
+        if self._event is not None:
+            self._event.synchronize()
+        else:
+            self._work.wait()
+
+
 @dataclass
 class WeightGroup:
     """One weight-transfer group (rank 0 = trainer, others = inference ranks).
@@ -173,6 +192,30 @@ class WeightGroup:
         else:
             self._pg.broadcast([tensor], opts).wait()
         return tensor
+
+    def post_broadcast(self, tensor: torch.Tensor, src: int = 0,
+                       stream: "torch.cuda.Stream | None" = None) -> "Posted":
+        """Post a broadcast of ``tensor`` from ``src`` and return at once: the
+        receiver's side of an update that is acknowledged before its bytes are
+        in. NCCL orders it on ``stream`` (or the current stream) like
+        :meth:`broadcast` with ``wait=False``; gloo runs it on its own threads,
+        each collective matched to the sender's by its sequence number, so
+        several may be posted in a row. ``Posted.wait`` blocks until it is done."""
+        if self._closed:
+            raise RuntimeError(f"weight group {self.group_name!r} is closed")
+        if not tensor.is_contiguous():
+            raise ValueError("broadcast needs a contiguous tensor")
+        opts = torch.distributed.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        if self.backend_name != "nccl":
+            return Posted(work=self._pg.broadcast([tensor], opts))
+        on = stream if stream is not None else torch.cuda.current_stream(tensor.device)
+        with torch.cuda.stream(on):
+            self._pg.broadcast([tensor], opts).wait()  # orders ``on`` after the collective
+            done = torch.cuda.Event()
+            done.record(on)
+        return Posted(event=done)
 
     def abort(self) -> None:
         """Tear the group down without waiting for peers (unblocks a hung receive

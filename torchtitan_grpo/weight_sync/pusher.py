@@ -741,17 +741,19 @@ class Pusher:
             await self._transfer_vllm(r, staged)
 
     async def _with_broadcasts(self, r: _Replica, answers: list[asyncio.Task], staged: _Staged,
-                               buckets: list[int]) -> None:
+                               buckets: list[int], wait: bool = True) -> None:
         """Broadcast ``staged``'s ``buckets`` (indices) to ``r`` while its update requests ``answers``
         are in flight; return once the broadcasts are done (the replica has
-        the bytes; its replies may still be coming). If a request fails
+        the bytes; its replies may still be coming), or with ``wait=False``
+        once they are queued on the sender's stream. If a request fails
         meanwhile (a refused update posts no receive), stop at once."""
         stop = threading.Event()
         # One hop to the replica's thread for all of them, not one per buffer
         # through the event loop (on 2 H200s this made no measurable
         # difference to push bandwidth: docs/PERFORMANCE.md, runs 4 and 5).
         send = asyncio.ensure_future(
-            asyncio.get_running_loop().run_in_executor(r.executor, self._broadcast_all, r, staged, buckets, stop))
+            asyncio.get_running_loop().run_in_executor(r.executor, self._broadcast_all, r, staged, buckets, stop,
+                                                       wait))
         try:
             await self._until(send, answers)
         except BaseException:
@@ -899,7 +901,13 @@ class Pusher:
                     # (2 H200s: a replica slowed 10x made the async step 1.30x
                     # slower that way, docs/PERFORMANCE.md runs 10-11).
                     await self._until(updates[k - 1], watched)
-                await self._with_broadcasts(r, watched, staged, [k])
+                # Pipelined, bucket k is queued behind k-1 on the stream without
+                # waiting for it: the built-in server replies to k-1 once its
+                # receive is posted, and posts k's right after, so the link goes
+                # from one bucket to the next with no gap (any other server's
+                # reply to k-1 comes after k-1's bytes anyway). Otherwise request
+                # k+1 goes out once bucket k is in: it must not overtake k.
+                await self._with_broadcasts(r, watched, staged, [k], wait=k == n - 1 or not req.in_order)
             # The replica loads a session's buckets as one version at its end.
             if req.in_order:
                 await self._answered(watched)
@@ -997,7 +1005,8 @@ class Pusher:
             logger.warning("%s on %s failed: %s", path.lstrip("/"), r.url, e)
 
     @staticmethod
-    def _broadcast_all(r: _Replica, staged: _Staged, buckets: list[int], stop: threading.Event) -> None:
+    def _broadcast_all(r: _Replica, staged: _Staged, buckets: list[int], stop: threading.Event,
+                       wait: bool = True) -> None:
         group, stream = r.group, r.stream  # an ejection clears them while this thread may still run
         up = None
         if stream is not None and staged.buffers[0].device.type == "cpu":  # staging "host" over nccl
@@ -1011,7 +1020,7 @@ class Pusher:
         for i, k in enumerate(buckets):
             if stop.is_set():
                 return
-            last = i == len(buckets) - 1
+            last = wait and i == len(buckets) - 1
             if up is not None:
                 group.broadcast(up.take(k, stream), src=0, stream=stream, wait=False)
                 up.sent(k, stream)  # bucket k+1 uploads while k is sent
