@@ -33,6 +33,9 @@ set the same bytes go over these paths:
     views of it (those at unaligned offsets are copied out on a side stream);
   - ``disk`` (the sets of ``--disk-sets``, once per set): safetensors of the
     version written to a local folder, ``/update_weights_from_disk``;
+  - ``sglang-ack``, ``vllm-ack`` (only when named): pipelined with
+    ``ack_posted`` (each broadcast after its own update's reply, which the
+    built-in server sends once the receive is posted).
   - ``sglang-seq``, ``vllm-seq`` (only when named in ``--protocols``): the
     same with ``PushConfig.pipelined`` off, each request sent after the
     reply it must follow, as a real SGLang or vLLM gets them (the built-in
@@ -416,7 +419,7 @@ def _measure_set(r: Ranks, flavor: str, bucket_mbs: list[int], reps: int, backen
         pushes = {path: _push(r, tensors, names, expected, loop, reps, PushConfig(
             mode="sync", backend=backend, protocol=path.split("-")[0], bucket_bytes=mb << 20,
             packed_buffer_bytes=mb << 20, num_staging_buffers=1, deadline_s=300, init_timeout_s=120, staging=staging,
-            pipelined=not path.endswith("-seq")), path) for path in protocols}
+            pipelined=not path.endswith("-seq"), ack_posted=path.endswith("-ack")), path) for path in protocols}
         if k == 0 and flavor in disk_sets:
             with tempfile.TemporaryDirectory(prefix="weight_push_disk_") as folder:
                 pushes["disk"] = _push(r, tensors, names, expected, loop, reps, PushConfig(
@@ -522,7 +525,7 @@ def _all_ok(r: Ranks, ok: bool) -> bool:
 # ----------------------------------------------------------------------- output
 
 
-PUSH_PATHS = ("sglang", "sglang-seq", "vllm", "vllm-seq")
+PUSH_PATHS = ("sglang", "sglang-seq", "sglang-ack", "vllm", "vllm-seq", "vllm-ack")
 """``-seq``: to the same built-in server without pipelined requests (``PushConfig.pipelined``
 off: each request after the reply it must follow), the way a real SGLang or vLLM is sent to."""
 PATHS = PUSH_PATHS + ("disk",)

@@ -394,9 +394,9 @@ def test_session_end_goes_out_with_the_last_byte_only_to_the_builtin_server(
     _record_requests(monkeypatch, events, threading.Lock())
     if not builtin:
         async def not_builtin(self, r):
-            return False
+            return False, False
 
-        monkeypatch.setattr(Pusher, "_is_builtin", not_builtin)
+        monkeypatch.setattr(Pusher, "_builtin", not_builtin)
     # 0.5 s per update after its bytes arrived (inside the server's update lock).
     (srv,) = _servers(tmp_path, tiny_model_dir, [0.5])
     pusher = Pusher(loop, [srv.url], PushConfig(mode="sync", protocol=protocol, bucket_bytes=32 << 10,

@@ -699,22 +699,38 @@ def test_nccl_weight_push_two_gpus(model_dir, tmp_path, pool):
         after = generate(url, {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 4, **GREEDY}})
         assert after["meta_info"]["weight_version"] == "gpu-v1"
         assert len(out) == len(PROMPTS)
-        # A transfer abandoned mid-bucket (the trainer stops sending): the bucket
-        # was answered once its receive was posted; destroying the group ends
-        # that NCCL receive at once, not at the group timeout, and nothing of
-        # the session is loaded.
+        # ?ack=posted: answered with no byte sent, loaded at the end once they are in.
+        bucket_tensors = {n: -t for n, t in bucket_tensors.items()}
+        flat = pack([bucket_tensors[sp.name].cuda(0) for sp in bucket])
         assert http(url, "/begin_weight_update", {})[1]["success"]
-        status, body = http(url, "/update_weights_from_distributed",
+        status, body = http(url, "/update_weights_from_distributed?ack=posted",
                             {"names": [sp.name for sp in bucket], "dtypes": [dtype_name(sp.dtype) for sp in bucket],
                              "shapes": [list(sp.shape) for sp in bucket], "group_name": "nccl-wg",
-                             "load_format": "flattened_bucket", "weight_version": "gpu-v2"}, timeout=30)
-        assert status == 200 and body["success"], body  # posted, no byte sent
-        time.sleep(1)
+                             "load_format": "flattened_bucket", "weight_version": "gpu-v1"}, timeout=30)
+        assert status == 200 and body["success"], body
+        ended = pool.submit(http, url, "/end_weight_update", {})
+        time.sleep(0.5)
+        assert not ended.done()  # waits for the bytes
+        group.broadcast(flat, src=0, stream=stream)
+        assert ended.result(timeout=60)[1]["success"]
+        for n, t in {**new, **bucket_tensors}.items():
+            assert torch.equal(_weights(url, n), t.to(torch.bfloat16).float()), n
+        # A transfer abandoned mid-bucket (the trainer stops sending): destroying
+        # the group ends the replica's stuck NCCL receive at once, not at the
+        # group timeout, and nothing of the session is loaded.
+        assert http(url, "/begin_weight_update", {})[1]["success"]
+        stuck = pool.submit(http, url, "/update_weights_from_distributed",
+                            {"names": [sp.name for sp in bucket], "dtypes": [dtype_name(sp.dtype) for sp in bucket],
+                             "shapes": [list(sp.shape) for sp in bucket], "group_name": "nccl-wg",
+                             "load_format": "flattened_bucket", "weight_version": "gpu-v2"})
+        time.sleep(2)  # the replica is now in its receive
         t0 = time.monotonic()
-        assert http(url, "/destroy_weights_update_group", {"group_name": "nccl-wg"}, timeout=30)[1]["success"]
-        status, body = http(url, "/end_weight_update", {}, timeout=30)
-        assert time.monotonic() - t0 < 20, "destroy or end waited for the receive's timeout"
-        assert not body["success"] and "nothing loaded" in body["message"] and "nccl-wg" in body["message"], body
+        assert http(url, "/destroy_weights_update_group", {"group_name": "nccl-wg"})[1]["success"]
+        status, body = stuck.result(timeout=30)
+        assert time.monotonic() - t0 < 20, "destroy waited for the receive's timeout"
+        assert not body["success"] and "nccl-wg" in body["message"], body
+        status, body = http(url, "/end_weight_update", {})
+        assert not body["success"] and "nothing loaded" in body["message"], body
         for n, t in {**new, **bucket_tensors}.items():
             assert torch.equal(_weights(url, n), t.to(torch.bfloat16).float()), n
         assert http(url, "/model_info")[1]["weight_version"] == "gpu-v1"
@@ -796,13 +812,14 @@ def test_install_weights_adopts_fresh_buffers_and_copies_the_rest(tmp_path):
     assert name == "norm.weight" and float(t.sum()) == 1000.0
 
 
-def test_flattened_update_is_answered_once_posted_and_loaded_after_its_bytes(server, model_dir, pool):
-    """A flattened bucket is answered once its receive is posted and its
-    metadata checked, before the trainer sends a byte: a trainer then queues
-    the next bucket behind the one in flight. The session's end waits for the
-    bytes; a refused bucket is still answered only after its bytes (the group
-    stays in step); a group destroyed while bytes are due ends the session
-    at once, loading nothing."""
+def test_ack_posted_answers_an_update_once_its_receive_is_posted(server, model_dir, pool):
+    """``?ack=posted``: a flattened bucket is answered once its receive is
+    posted, before the trainer sends a byte, so a trainer can queue the next
+    bucket behind the one in flight; the session's end waits for the bytes.
+    Its metadata is checked first: a refused bucket posts nothing (the group
+    stays in step). Without the parameter the reply follows the bytes, as
+    from SGLang. A group destroyed while bytes are due ends the session at
+    once, loading nothing."""
     port = free_port()
     init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
             "group_name": "posted", "backend": "gloo"}
@@ -810,6 +827,7 @@ def test_flattened_update_is_answered_once_posted_and_loaded_after_its_bytes(ser
     group = init_weight_group("127.0.0.1", port, 0, 2, backend="gloo", group_name="posted", timeout_s=60)
     assert reply.result(timeout=60)[1]["success"]
     g = torch.Generator().manual_seed(7)
+    route = "/update_weights_from_distributed"
 
     def bucket(names_shapes: list, version: str | None = None) -> tuple[dict, torch.Tensor, dict]:
         tensors = [torch.randn(shape, generator=g) for _, shape in names_shapes]
@@ -822,15 +840,29 @@ def test_flattened_update_is_answered_once_posted_and_loaded_after_its_bytes(ser
     body2, flat2, new2 = bucket([("lm_head.weight", (128, 64))], "posted-1")
     try:
         assert http(server, "/begin_weight_update", {})[1]["success"]
+        status, out = http(server, route + "?ack=later", body1, timeout=20)
+        assert status == 400 and "'ack'" in out["message"], out
+        # Without ?ack: the reply waits for the bytes.
+        waiting = pool.submit(http, server, route, body1)
+        time.sleep(0.3)
+        assert not waiting.done()
+        group.broadcast(flat1, src=0)
+        assert waiting.result(timeout=60)[1]["success"]
+        # Refused first (a wrong shape): nothing posted, nothing to send.
+        bad, _, _ = bucket([("model.norm.weight", (32,))])
+        status, out = http(server, route + "?ack=posted", bad, timeout=20)
+        assert status == 400 and "model.norm.weight" in out["message"] and "nothing received" in out["message"], out
+        assert http(server, "/end_weight_update", {})[0] == 400  # the session failed
         # Both answered with nothing sent: two receives posted, in order.
+        assert http(server, "/begin_weight_update", {})[1]["success"]
         for body in (body1, body2):
-            status, out = http(server, "/update_weights_from_distributed", body, timeout=20)
+            status, out = http(server, route + "?ack=posted", body, timeout=20)
             assert status == 200 and out["success"], out
         assert http(server, "/model_info")[1]["weight_version"] != "posted-1"
         ended = pool.submit(http, server, "/end_weight_update", {})
         time.sleep(0.3)
         assert not ended.done()  # the end waits for the bytes
-        group.broadcast(flat1, src=0)
+        group.broadcast(flat1, src=0)  # the group is in step: the refused bucket posted nothing
         group.broadcast(flat2, src=0)
         status, out = ended.result(timeout=60)
         assert status == 200 and "loaded 2 tensor(s)" in out["message"], out
@@ -838,21 +870,9 @@ def test_flattened_update_is_answered_once_posted_and_loaded_after_its_bytes(ser
             assert torch.equal(_weights(server, n), t)
         assert http(server, "/model_info")[1]["weight_version"] == "posted-1"
 
-        # Refused (a wrong shape): answered after its bytes, the session loads nothing.
-        assert http(server, "/begin_weight_update", {})[1]["success"]
-        bad, flat_bad, _ = bucket([("model.norm.weight", (32,))])
-        refused = pool.submit(http, server, "/update_weights_from_distributed", bad)
-        time.sleep(0.3)
-        assert not refused.done()
-        group.broadcast(flat_bad, src=0)
-        status, out = refused.result(timeout=60)
-        assert status == 400 and "model.norm.weight" in out["message"], out
-        assert http(server, "/end_weight_update", {})[0] == 400
-        assert torch.equal(_weights(server, "model.norm.weight"), new1["model.norm.weight"])
-
         # The trainer gives up with a receive posted and no bytes sent.
         assert http(server, "/begin_weight_update", {})[1]["success"]
-        assert http(server, "/update_weights_from_distributed", body1, timeout=20)[1]["success"]
+        assert http(server, route + "?ack=posted", body1, timeout=20)[1]["success"]
         t0 = time.monotonic()
         assert http(server, "/destroy_weights_update_group", {"group_name": "posted"}, timeout=20)[1]["success"]
         status, out = http(server, "/end_weight_update", {}, timeout=20)

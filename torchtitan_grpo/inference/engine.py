@@ -1165,45 +1165,63 @@ class PostedReceive:
 
 
 def post_receive(group: Any, specs: Sequence[TensorSpec], flattened: bool,
-                 check: SpecCheck | None = None) -> PostedReceive:
+                 check: SpecCheck | None = None, check_first: bool = False) -> PostedReceive:
     """Post the receive of one update from rank 0 of ``group`` (a
     WeightGroup) and return without waiting for its bytes where it can.
 
     Flattened mode posts a single uint8 broadcast of all bytes and slices it
     (offsets must be itemsize-aligned); it returns once the broadcast is
     posted, the views cut and ``check`` (``Engine.check_weights``) passed.
-    An update refused by ``check`` or by its offsets still receives its
-    bytes, then raises: the collective sequence stays in step with the
-    sender, which sends a bucket only after the reply to the one before.
-    Per-tensor mode (one broadcast per spec, in order) returns complete.
+    By default the check runs while the bytes arrive, and an update it
+    refuses still receives its bytes, then raises: a sender that broadcasts
+    once the request is out stays in step. ``check_first``: for a sender
+    that broadcasts only once the update is answered, the update is refused
+    before anything is posted. Per-tensor mode (one broadcast per spec, in
+    order) returns complete.
     """
     if flattened:
+        if check_first:
+            error = _unpack_check(torch.empty(packed_nbytes(specs), dtype=torch.uint8, device="meta"), specs, check)
+            if error is not None:
+                raise error  # nothing posted
+            check = None
         buf = torch.empty(packed_nbytes(specs), dtype=torch.uint8, device=group.device)
         stream = torch.cuda.current_stream(buf.device) if buf.device.type == "cuda" else None
         posted = group.post_broadcast(buf, src=0, stream=stream)
         # The views are cut and the metadata checked while the bytes arrive
         # (a few ms of Python for a few hundred tensors).
-        try:
-            views = unpack(buf, specs)
-        except ValueError as e:
-            error: Exception | None = WeightUpdateError(str(e))
-        else:
-            error = run_check(check, specs)
+        views: list[torch.Tensor] = []
+        error = _unpack_check(buf, specs, check, views)
         if error is not None:
             posted.wait()  # nothing returns before a refused receive is done
             check_not_aborted(group)
             raise error
         return PostedReceive(list(zip([s.name for s in specs], views)), group, [posted])
+    if check_first and (error := run_check(check, specs)) is not None:
+        raise error
     out = []
     for s in specs:
         t = torch.empty(s.shape, dtype=s.dtype, device=group.device)
         group.broadcast(t, src=0)
         out.append((s.name, t))
     check_not_aborted(group)
-    error = run_check(check, specs)
+    error = run_check(check, specs) if not check_first else None
     if error is not None:
         raise error
     return PostedReceive(out, group)
+
+
+def _unpack_check(buf: torch.Tensor, specs: Sequence[TensorSpec], check: SpecCheck | None,
+                  views: list[torch.Tensor] | None = None) -> Exception | None:
+    """Cut ``buf`` into ``specs``' views (into ``views``) and run ``check``:
+    the first exception, returned."""
+    try:
+        cut = unpack(buf, specs)
+    except ValueError as e:
+        return WeightUpdateError(str(e))
+    if views is not None:
+        views.extend(cut)
+    return run_check(check, specs)
 
 
 def receive_weights(group: Any, specs: Sequence[TensorSpec], flattened: bool,

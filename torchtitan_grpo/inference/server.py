@@ -61,7 +61,7 @@ from torchtitan_grpo.inference.engine import (
     read_safetensors_dir,
 )
 
-from torchtitan_grpo.inference.server_vllm import VLLMRoutes, debug_update_delay
+from torchtitan_grpo.inference.server_vllm import VLLMRoutes, ack_posted, debug_update_delay, receive_update
 from torchtitan_grpo.inference.types import BUILTIN_ENGINE
 from torchtitan_grpo.weight_sync.buckets import TensorSpec, specs_from_lists
 
@@ -241,6 +241,8 @@ class SGLangRoutes:
         self._transfer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weight-transfer")
         self._update_lock = asyncio.Lock()
         self._specs_seen: dict[bytes, list[TensorSpec]] = {}
+        self._checked: dict[int, tuple[list[TensorSpec], list[bool]]] = {}
+        """id(specs) -> (specs, adopt flags) of buckets accepted with ``?ack=posted``."""
 
     def register(self, app: web.Application) -> None:
         r = app.router
@@ -506,6 +508,10 @@ class SGLangRoutes:
         try:
             # Everything that can be refused is refused before the first receive:
             # a receive posted for a refused update would desynchronise the group.
+            try:
+                ack = ack_posted(request)
+            except ValueError as e:
+                raise _Refused(str(e)) from None
             self._require_session()
             # A trainer sends the same buckets every version: their specs are
             # built once (the first receive of each bucket goes out sooner).
@@ -527,15 +533,24 @@ class SGLangRoutes:
             if abort_all:
                 await asyncio.to_thread(self.engine.abort_all, "aborted for a weight update")
             try:
-                # checked while the bytes arrive, refused once they have (the group stays in step)
+                # Checked while the bytes arrive, refused once they have (the
+                # group stays in step). ``?ack=posted``: checked first, answered
+                # once posted; the session's end waits for the bytes.
                 check, adopt = receive_check(self.engine, group.device)
-                # Replied to once posted and checked: the bytes arrive while the
-                # trainer reads this reply and sends the next bucket, whose
-                # receive the next request posts behind this one; the session's
-                # end waits for them (a refused update is answered after them).
-                posted = await self._run(post_receive, group, specs, load_format == "flattened_bucket", check)
+                known = self._checked.get(id(specs)) if ack else None
+                if known is not None and known[0] is specs:
+                    # Checked first, this would hold the receive back by a few ms
+                    # per bucket; the parameters' names, shapes and dtypes never
+                    # change, so a bucket once accepted stays accepted.
+                    check, adopt = None, known[1]
+                posted = await self._run(receive_update, post_receive, ack, group, specs,
+                                         load_format == "flattened_bucket", check)
+                if ack and check is not None:
+                    if len(self._checked) >= 256:
+                        self._checked.clear()
+                    self._checked[id(specs)] = (specs, adopt)
             except WeightUpdateError as e:
-                return self._refuse(f"received, not loaded: {e}")
+                return self._refuse(f"{'refused, nothing received' if ack else 'received, not loaded'}: {e}")
             except Exception as e:
                 logger.warning("weight receive on %s failed: %s", group_name, e)
                 return self._refuse(f"receiving weights on group {group_name!r} failed: {type(e).__name__}: {e}")
@@ -631,6 +646,8 @@ class SGLangRoutes:
                 "dtype": str(next(self.engine.model.parameters()).dtype).removeprefix("torch."),
                 "max_batch_size": self.cfg.max_batch_size,
                 "engine": BUILTIN_ENGINE,
+                # the update routes take ?ack=posted (server_vllm.ack_posted)
+                "update_ack_posted": True,
             }
         )
 

@@ -325,7 +325,7 @@ def _parse_update_info(info: Any, previous: list[TensorSpec] | None) -> list[Ten
 def post_packed(group: Any, specs: list[TensorSpec], buffer_bytes: int,
                 num_buffers: int = proto.DEFAULT_PACKED_NUM_BUFFERS,
                 check: SpecCheck | None = None,
-                chunks: list[list[TensorSpec]] | None = None) -> PostedReceive:
+                chunks: list[list[TensorSpec]] | None = None, check_first: bool = False) -> PostedReceive:
     """Post the receives of vLLM packed-mode chunks: one uint8 broadcast per
     chunk, cut exactly as the sender cuts (``plan_packed_chunks``). Returns
     once every receive is posted, the views cut and ``check`` passed; the
@@ -351,9 +351,16 @@ def post_packed(group: Any, specs: list[TensorSpec], buffer_bytes: int,
     ``num_buffers`` means nothing here: a real vLLM worker double-buffers its
     receives with it, so it stays for protocol compatibility. ``check``
     (``Engine.check_weights``) runs while the chunks arrive; what it raises is
-    raised once every chunk is in (the group stays in step with the sender). ``chunks``: ``plan_packed_chunks(specs,
+    raised once every chunk is in (the group stays in step with the sender);
+    with ``check_first`` (a sender that broadcasts only once the update is
+    answered) it runs before anything is posted. ``chunks``: ``plan_packed_chunks(specs,
     buffer_bytes)`` when the caller has it already.
     """
+    if check_first:
+        error = run_check(check, specs)
+        if error is not None:
+            raise error  # nothing posted
+        check = None
     if chunks is None:
         chunks = plan_packed_chunks(specs, buffer_bytes)
     if not chunks:
@@ -465,6 +472,8 @@ class _Transfer:
     """Metadata of the last /update_weights (an all-empty update_info reuses it)."""
     parsed: tuple[bytes, list[TensorSpec], list[list[TensorSpec]] | None] | None = None
     """The last /update_weights body parsed: its bytes, specs and packed chunks."""
+    checked: tuple[list[TensorSpec], list[bool]] | None = None
+    """Specs accepted with ``?ack=posted`` and their adopt flags (not checked again)."""
 
 
 class VLLMRoutes:
@@ -729,19 +738,24 @@ class VLLMRoutes:
             specs = _parse_update_info((await _json(request)).get("update_info"), self.t.last_specs)
             chunks = plan_packed_chunks(specs, info.packed_buffer_size_bytes) if info.packed else None
             self.t.parsed = (raw, specs, chunks)
+        try:
+            ack = ack_posted(request)
+        except ValueError as e:
+            raise _bad(str(e), "ack") from None
         async with self._lock:
             # The metadata is checked while the bytes arrive and refused once
             # they have (``check``): the group stays in step with the sender.
+            # ``?ack=posted``: checked first, then answered once every receive
+            # is posted, and /finish_weight_update waits for the bytes.
             check, adopt = receive_check(self.engine, group.device)
+            if ack and self.t.checked is not None and self.t.checked[0] is specs:
+                check, adopt = None, self.t.checked[1]  # accepted before: parameters never change shape
             try:
-                # Replied to once posted and checked (a refused update once its
-                # bytes are in): /finish_weight_update, next on the trainer's
-                # connection, then waits for the bytes, not for this reply.
                 if info.packed:
-                    posted = await self._run(post_packed, group, specs, info.packed_buffer_size_bytes,
-                                             info.packed_num_buffers, check, chunks)
+                    posted = await self._run(receive_update, post_packed, ack, group, specs,
+                                             info.packed_buffer_size_bytes, info.packed_num_buffers, check, chunks)
                 else:
-                    posted = await self._run(post_receive, group, specs, False, check)
+                    posted = await self._run(receive_update, post_receive, ack, group, specs, False, check)
             except WeightUpdateError as e:
                 self.t.last_specs = specs
                 self.t.update.fail(str(e))
@@ -751,6 +765,8 @@ class VLLMRoutes:
                 self.t.update.fail(f"{type(e).__name__}: {e}")
                 raise VLLMError(500, f"receiving weights failed: {type(e).__name__}: {e}") from None
             self.t.last_specs = specs
+            if ack and check is not None:
+                self.t.checked = (specs, adopt)
             await debug_update_delay(self.cfg)
             self.t.update.keep(posted.named, adopt=adopt, posted=posted)
         return web.json_response({"message": "Weights updated"})
@@ -788,6 +804,29 @@ class VLLMRoutes:
     async def get_world_size(self, request: web.Request) -> web.Response:
         # One worker (no TP/PP/DP); include_dp makes no difference.
         return web.json_response({"world_size": 1})
+
+
+def receive_update(post: Callable[..., PostedReceive], ack: bool, *args: Any) -> PostedReceive:
+    """``post(*args, check_first=ack)``, then, unless ``ack``, its wait: one
+    hop to the transfer thread either way."""
+    posted = post(*args, check_first=ack)
+    if not ack:
+        posted.wait()
+    return posted
+
+
+def ack_posted(request: web.Request) -> bool:
+    """Our extension of both protocols' update routes: ``?ack=posted`` asks
+    for the reply once the receive is posted, the metadata checked first
+    (refused with nothing posted), so that a sender that broadcasts only
+    after the reply can queue the next bucket while one is in flight; the
+    session's end (SGLang) or finish (vLLM) then waits for the bytes. Without
+    it the reply comes after the bytes, as from SGLang and vLLM. Raises
+    ValueError naming the parameter for any other value."""
+    ack = request.query.get("ack")
+    if ack not in (None, "posted"):
+        raise ValueError(f"query parameter 'ack' must be 'posted' or absent, got {ack!r}")
+    return ack == "posted"
 
 
 async def debug_update_delay(cfg: Any) -> None:

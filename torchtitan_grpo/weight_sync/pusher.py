@@ -129,6 +129,11 @@ class PushConfig:
     server handles them in order), instead of one request after another's
     reply (``control.PipelinedConnection``). The broadcasts still wait for the
     same replies (a confirmed session, the previous bucket) either way."""
+    ack_posted: bool = False
+    """Pipelined to a built-in server: ask for each update's reply once its
+    receive is posted (``?ack=posted``) and send each broadcast then, queued
+    behind the one before. Off by default: on 2 H200s it was slower (the
+    server checks the metadata before posting; docs/PERFORMANCE.md run 46)."""
     large_tensor_bytes: int = 16 << 20
     """Tensors of at least this many bytes are staged with a copy of their own,
     the others with one ``_foreach_copy_`` per bucket: a launch per tensor
@@ -237,6 +242,15 @@ class _Replica:
     uploader: Uploader | None = None  # staging "host" over nccl: the device buffers buckets are sent from
     sessionful: bool = True  # False: pre-0.5.23 SGLang without begin/end_weight_update
     builtin: bool = False
+    ack_posted: bool = False
+    """The built-in server answers an update with ``?ack=posted`` once its
+    receive is posted: pipelined, each broadcast then follows its own update's
+    reply, never spinning, and the next one queues behind it."""
+    comm_ready: bool = False
+    """``group`` has carried a broadcast. NCCL creates a communicator in its
+    first collective, on both sides at once: until then the server's post of
+    a receive blocks in that creation, so no reply can come before the
+    trainer's first broadcast, which therefore follows the opened session."""
     """The built-in server (its /model_info says so): its end of a session
     (SGLang end, vLLM finish) waits for the update in flight, so the end can be
     posted as soon as the last byte has arrived instead of after the reply,
@@ -269,6 +283,10 @@ def _spec_lists(specs: list[bk.TensorSpec]) -> tuple[list[str], list[str], list[
     """Names, dtype names and shapes: the metadata of an update request."""
     return [b.name for b in specs], [bk.dtype_name(b.dtype) for b in specs], [list(b.shape) for b in specs]
 
+
+ACK_POSTED = {"ack": "posted"}
+"""The built-in server's extension of both update routes: reply once the
+receive is posted (``server_vllm.ack_posted``)."""
 
 CONN_MAX_IDLE_S = 30.0
 """A pipelined connection idle for longer is replaced, not reused: servers
@@ -381,7 +399,7 @@ class Pusher:
         once (each blocks until the other side has joined)."""
         port = free_port(self.cfg.master_address)
         r.world_size = 1 + await self._replica_ranks(r)
-        r.builtin = await self._is_builtin(r)  # before the vLLM handshake is chosen below
+        r.builtin, r.ack_posted = await self._builtin(r)  # before the vLLM handshake is chosen below
         join_fn = lambda: init_weight_group(  # noqa: E731
             self.cfg.master_address, port, 0, r.world_size, backend=self.cfg.backend,
             group_name=GROUP_NAME if self.cfg.protocol == "sglang" else VLLM_GROUP_NAME,
@@ -413,7 +431,7 @@ class Pusher:
         if self.cfg.backend == "nccl":
             r.stream = await asyncio.get_running_loop().run_in_executor(
                 executor, lambda: torch.cuda.Stream(device=self.device))
-        r.group, r.executor = group, executor
+        r.group, r.executor, r.comm_ready = group, executor, False
 
     async def _get(self, url: str) -> dict | None:
         try:
@@ -439,11 +457,13 @@ class Pusher:
         tp = info.get("tp_size") if isinstance(info, dict) else None
         return int(tp) if isinstance(tp, int) and tp >= 1 else 1
 
-    async def _is_builtin(self, r: _Replica) -> bool:
-        """The built-in server's /model_info names it (a real vLLM has no
-        /model_info; a real SGLang's has no ``engine`` field)."""
+    async def _builtin(self, r: _Replica) -> tuple[bool, bool]:
+        """Whether ``r`` is the built-in server, whose /model_info names it
+        (a real vLLM has no /model_info; a real SGLang's has no ``engine``
+        field), and whether its update routes take ``?ack=posted``."""
         info = await self._get(r.url + "/model_info")
-        return isinstance(info, dict) and info.get("engine") == BUILTIN_ENGINE
+        builtin = isinstance(info, dict) and info.get("engine") == BUILTIN_ENGINE
+        return builtin, builtin and info.get("update_ack_posted") is True
 
     def add_replica(self, url: str) -> bool:
         """A replica that joined the fleet (e.g. through the pool's replica
@@ -866,12 +886,14 @@ class Pusher:
                 watched.append(begin)
             n = len(staged.plan)
             bodies = self._update_bodies(staged.plan)
+            ack = req.in_order and r.ack_posted and self.cfg.ack_posted
 
             def post_update(k: int) -> asyncio.Future:
                 body: dict | bytes = bodies[k] if k < n - 1 else sglang.update_request(
                     *_spec_lists(staged.plan[k]), GROUP_NAME, flattened=True,
                     flush_cache=self.cfg.pause_mode != "in_place", weight_version=str(staged.version))
-                return req.post("/update_weights_from_distributed", body, self.cfg.deadline_s)
+                return req.post("/update_weights_from_distributed", body, self.cfg.deadline_s,
+                                params=ACK_POSTED if ack else None)
 
             updates: list[asyncio.Future] = []
             if req.in_order:
@@ -892,22 +914,23 @@ class Pusher:
                     # and our update lock) and is parsed while k-1 finishes.
                     updates.append(post_update(k))
                     watched.append(updates[-1])
-                if k == 0 and begin is not None:
+                if ack and (k > 0 or r.comm_ready):
+                    # The built-in server answers update k once its receive is
+                    # posted: bucket k goes out then, so it never spins on the
+                    # trainer's GPU, and is queued behind k-1 with no host wait
+                    # (the replica posts k while k-1 is in flight): no gap.
+                    await self._until(updates[k], watched)
+                elif k == 0 and begin is not None:
                     await self._until(begin, watched)  # a session, or the update posts no receive
-                if k > 0:
+                elif k > 0:
                     # Bucket k is broadcast only after the reply to k-1, when the
                     # replica is about to post its receive: an NCCL broadcast
                     # launched earlier spins on the trainer's GPU until then
                     # (2 H200s: a replica slowed 10x made the async step 1.30x
                     # slower that way, docs/PERFORMANCE.md runs 10-11).
                     await self._until(updates[k - 1], watched)
-                # Pipelined, bucket k is queued behind k-1 on the stream without
-                # waiting for it: the built-in server replies to k-1 once its
-                # receive is posted, and posts k's right after, so the link goes
-                # from one bucket to the next with no gap (any other server's
-                # reply to k-1 comes after k-1's bytes anyway). Otherwise request
-                # k+1 goes out once bucket k is in: it must not overtake k.
-                await self._with_broadcasts(r, watched, staged, [k], wait=k == n - 1 or not req.in_order)
+                await self._with_broadcasts(r, watched, staged, [k], wait=k == n - 1 or not ack)
+                r.comm_ready = True
             # The replica loads a session's buckets as one version at its end.
             if req.in_order:
                 await self._answered(watched)
@@ -974,7 +997,9 @@ class Pusher:
             start = req.post(vllm.START_WEIGHT_UPDATE, None, 30)
             watched.append(start)
             await req.ordered(start)
-            update = req.post(vllm.UPDATE_WEIGHTS, self._update_bodies(staged.plan)[0], self.cfg.deadline_s)
+            ack = req.in_order and r.ack_posted and self.cfg.ack_posted
+            update = req.post(vllm.UPDATE_WEIGHTS, self._update_bodies(staged.plan)[0], self.cfg.deadline_s,
+                              params=ACK_POSTED if ack else None)
             watched.append(update)
             if req.in_order:
                 watched.append(req.post(vllm.FINISH_WEIGHT_UPDATE,
@@ -982,8 +1007,10 @@ class Pusher:
                 watched.append(req.post(vllm.RESUME, None, 30))
                 # The pause done (it may wait for running requests) and the
                 # update next in line: no broadcast spins while a replica drains.
-                await self._until(start, watched)
+                # With ``ack`` the update's reply says every receive is posted.
+                await self._until(update if ack and r.comm_ready else start, watched)
             await self._with_broadcasts(r, watched, staged, list(range(len(staged.buffers))))
+            r.comm_ready = True
             if req.in_order:
                 await self._answered(watched)
             else:
