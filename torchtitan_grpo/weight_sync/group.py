@@ -175,13 +175,7 @@ class WeightGroup:
         wait (NCCL only): the next collective can be posted at once and work
         queued on the stream afterwards still sees the received bytes.
         """
-        if self._closed:
-            raise RuntimeError(f"weight group {self.group_name!r} is closed")
-        if not tensor.is_contiguous():
-            raise ValueError("broadcast needs a contiguous tensor")
-        opts = torch.distributed.BroadcastOptions()
-        opts.rootRank = src
-        opts.rootTensor = 0
+        opts = self._broadcast_options(tensor, src)
         if self.backend_name == "nccl":
             ctx = torch.cuda.stream(stream) if stream is not None else nullcontext()
             with ctx:
@@ -201,13 +195,7 @@ class WeightGroup:
         :meth:`broadcast` with ``wait=False``; gloo runs it on its own threads,
         each collective matched to the sender's by its sequence number, so
         several may be posted in a row. ``Posted.wait`` blocks until it is done."""
-        if self._closed:
-            raise RuntimeError(f"weight group {self.group_name!r} is closed")
-        if not tensor.is_contiguous():
-            raise ValueError("broadcast needs a contiguous tensor")
-        opts = torch.distributed.BroadcastOptions()
-        opts.rootRank = src
-        opts.rootTensor = 0
+        opts = self._broadcast_options(tensor, src)
         if self.backend_name != "nccl":
             return Posted(work=self._pg.broadcast([tensor], opts))
         on = stream if stream is not None else torch.cuda.current_stream(tensor.device)
@@ -216,6 +204,17 @@ class WeightGroup:
             done = torch.cuda.Event()
             done.record(on)
         return Posted(event=done)
+
+    def _broadcast_options(self, tensor: torch.Tensor, src: int) -> Any:
+        """What both kinds of broadcast check first, and their options."""
+        if self._closed:
+            raise RuntimeError(f"weight group {self.group_name!r} is closed")
+        if not tensor.is_contiguous():
+            raise ValueError("broadcast needs a contiguous tensor")
+        opts = torch.distributed.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        return opts
 
     def abort(self) -> None:
         """Tear the group down without waiting for peers (unblocks a hung receive

@@ -856,6 +856,11 @@ class Pusher:
             r.conn = conn
         return _Requests(self._session, r.url, r.conn)
 
+    def _acks_posted(self, r: _Replica, req: _Requests) -> bool:
+        """Whether this transfer's updates ask for ``?ack=posted``: pipelined
+        to a built-in server that takes it, with ``PushConfig.ack_posted``."""
+        return req.in_order and r.ack_posted and self.cfg.ack_posted
+
     async def _begin_session(self, r: _Replica, req: _Requests) -> asyncio.Future | None:
         """SGLang >= 0.5.23 needs an update session; older builds answer 404
         (probed once per replica, then skipped). Returns begin's reply (None:
@@ -886,7 +891,7 @@ class Pusher:
                 watched.append(begin)
             n = len(staged.plan)
             bodies = self._update_bodies(staged.plan)
-            ack = req.in_order and r.ack_posted and self.cfg.ack_posted
+            ack = self._acks_posted(r, req)
 
             def post_update(k: int) -> asyncio.Future:
                 body: dict | bytes = bodies[k] if k < n - 1 else sglang.update_request(
@@ -997,7 +1002,7 @@ class Pusher:
             start = req.post(vllm.START_WEIGHT_UPDATE, None, 30)
             watched.append(start)
             await req.ordered(start)
-            ack = req.in_order and r.ack_posted and self.cfg.ack_posted
+            ack = self._acks_posted(r, req)
             update = req.post(vllm.UPDATE_WEIGHTS, self._update_bodies(staged.plan)[0], self.cfg.deadline_s,
                               params=ACK_POSTED if ack else None)
             watched.append(update)
