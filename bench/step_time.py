@@ -343,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="grow the batch (up to 8x) until an off step takes about this long (GPU 150; 0 = keep)")
     ap.add_argument("--bucket-mb", type=int, default=1024, help="weight_sync.bucket_size_mb")
     ap.add_argument("--staging", default="device", choices=["device", "host"], help="weight_sync.staging")
+    ap.add_argument("--ack-posted", action="store_true", help="weight_sync.ack_posted (pipelined updates answered "
+                    "once their receive is posted)")
     ap.add_argument("--push-dtype", default="model", choices=["model", "bfloat16", "float32"],
                     help="weight_sync.dtype: the dtype the weights are sent in")
     ap.add_argument("--slow-factor", type=float, default=10.0, help="the slow replica's extra time per version, "
@@ -397,7 +399,7 @@ def _run(args, model_dir: str, gpu: bool) -> int:
     def new_pusher(urls: list[str], initial_version: int):
         p = Pusher(loop, urls, PushConfig(mode="async", backend=backend, bucket_bytes=args.bucket_mb << 20,
                                           num_staging_buffers=2, deadline_s=args.deadline_s, init_timeout_s=120,
-                                          reconnect_interval_s=1.0, staging=args.staging,
+                                          reconnect_interval_s=1.0, staging=args.staging, ack_posted=args.ack_posted,
                                           dtype=None if args.push_dtype == "model" else getattr(torch, args.push_dtype)),
                    device=device, on_eject=events.eject, on_readmit=events.readmit)
         p.connect(initial_version=initial_version)
@@ -536,8 +538,9 @@ def _run(args, model_dir: str, gpu: bool) -> int:
               f"latest {latest}{problem}")
         p2.close()
 
+        ack = ", ack_posted" if args.ack_posted else ""
         print_table(results, f"# step time: trainer on {device}, {backend} push to built-in servers on "
-                             f"{server_device} ({server_dtype}), staging {args.staging}; vs off = median / median(off); r0, r1 = the "
+                             f"{server_device} ({server_dtype}), staging {args.staging}{ack}; vs off = median / median(off); r0, r1 = the "
                              f"run's first and second replica (slowed / killed: r1)", lags)
         for ok, msg in checks:
             print(("PASS " if ok else "FAIL ") + msg)
