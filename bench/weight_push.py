@@ -220,9 +220,10 @@ class Trace:
     def add(self, label: str, t0: float) -> None:
         self.events.append((label, t0, time.perf_counter()))
 
-    def wrap(self, owner, attr: str, label) -> None:
+    def wrap(self, owner, attr: str, label, only_if=None) -> None:
         """Replace ``owner.attr`` (a function, sync or async) with a timed
-        wrapper; ``label(*args)`` names each call."""
+        wrapper; ``label(*args)`` names each call; ``only_if(result)``: which
+        calls of a sync function to record."""
         import functools
         import inspect
 
@@ -244,10 +245,13 @@ class Trace:
             @functools.wraps(fn)
             def timed(*a, **k):
                 t0 = time.perf_counter()
+                out = None
                 try:
-                    return fn(*a, **k)
+                    out = fn(*a, **k)
+                    return out
                 finally:
-                    self.add(label(*a), t0)
+                    if only_if is None or only_if(out):
+                        self.add(label(*a), t0)
         setattr(owner, attr, staticmethod(timed) if static else timed)
 
 
@@ -279,6 +283,9 @@ def _trace_replica_receives() -> None:
     TRACE.wrap(server, "post_receive", lambda group, specs, *a: f"replica post receive ({len(specs)} tensors)")
     TRACE.wrap(server_vllm, "post_packed", lambda group, specs, *a: f"replica post packed ({len(specs)} tensors)")
     TRACE.wrap(engine.PostedReceive, "wait", lambda p: f"replica wait for the bytes ({len(p.named)} tensors)")
+    # ?ack=posted: the views cut after the reply (the calls that found nothing to cut are left out)
+    TRACE.wrap(engine.PostedReceive, "cut_views", lambda p: f"replica cut views ({len(p.named)} tensors)",
+               only_if=bool)
 
 
 def _trace_replica(app, engine: "TensorEngine") -> None:

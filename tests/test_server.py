@@ -852,6 +852,11 @@ def test_ack_posted_answers_an_update_once_its_receive_is_posted(server, model_d
         bad, _, _ = bucket([("model.norm.weight", (32,))])
         status, out = http(server, route + "?ack=posted", bad, timeout=20)
         assert status == 400 and "model.norm.weight" in out["message"] and "nothing received" in out["message"], out
+        # A bucket its views could not be cut from (an fp32 tensor at byte 2): refused first too.
+        odd = dict(body1, names=["lm_head.weight", "model.norm.weight"], dtypes=["bfloat16", "float32"],
+                   shapes=[[1], [64]])
+        status, out = http(server, route + "?ack=posted", odd, timeout=20)
+        assert status == 400 and "starts at byte 2" in out["message"] and "nothing received" in out["message"], out
         assert http(server, "/end_weight_update", {})[0] == 400  # the session failed
         # Both answered with nothing sent: two receives posted, in order.
         assert http(server, "/begin_weight_update", {})[1]["success"]

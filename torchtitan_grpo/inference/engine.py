@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from torchtitan_grpo.weight_sync.buckets import TensorSpec, packed_nbytes, unpack
+from torchtitan_grpo.weight_sync.buckets import TensorSpec, misaligned_message, packed_nbytes, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -992,9 +992,10 @@ class PendingVersion:
     never runs on half of a version, and a session with a failed update
     loads nothing. Costs one model copy of memory while the session is open."""
 
-    received: dict[str, torch.Tensor] = field(default_factory=dict)
-    adopt: dict[str, bool] = field(default_factory=dict)
-    """Per received name, ``adoptable``'s decision, when the update had one."""
+    parts: list[tuple[Any, Sequence[bool] | None]] = field(default_factory=list)
+    """The checked updates in arrival order, each ``(named, adopt flags or
+    None)``; ``named`` is a :class:`PostedReceive` whose views are cut
+    after its reply (``?ack=posted``), read once it has been waited for."""
     version: str | None = None
     error: str = ""
     """The first failure; once set, the session can only fail."""
@@ -1008,21 +1009,22 @@ class PendingVersion:
              adopt: Sequence[bool] | None = None, posted: PostedReceive | None = None) -> None:
         """Add a checked update (later tensors of a name win), with
         ``check_received``'s flags if it ran; ``posted``: its receive, when
-        its bytes may still be arriving."""
+        its bytes may still be arriving (its ``named`` are read at ``load``:
+        they may not be cut yet)."""
         if posted is not None and posted.posted:
             self.posted.append(posted)
-        self.received.update(named)
-        if adopt is not None and len(adopt) == len(named):
-            self.adopt.update(zip((n for n, _ in named), adopt))
-        else:
-            for n, _ in named:
-                self.adopt.pop(n, None)
+        self.parts.append((posted if posted is not None else named, adopt))
         if version is not None:
             self.version = version
 
+    @property
+    def received_any(self) -> bool:
+        """Whether any update has been kept since the session began (or failed)."""
+        return bool(self.parts)
+
     def fail(self, why: str) -> None:
         """Forget what was received; the first failure is the one reported."""
-        self.received, self.adopt, self.version = {}, {}, None
+        self.parts, self.version = [], None
         self.error = self.error or why
 
     def in_flight(self, group: Any) -> bool:
@@ -1044,13 +1046,23 @@ class PendingVersion:
         if self.error:
             raise WeightUpdateError(f"nothing loaded (model unchanged): {self.error}")
         version = self.version if version is None else version
-        if self.received:  # each update was checked when it was received
-            named = list(self.received.items())
-            adopt = [self.adopt[n] for n, _ in named] if len(self.adopt) == len(named) else None
-            engine.load_weights(named, version, checked=True, adopt=adopt)
+        received: dict[str, torch.Tensor] = {}
+        flags: dict[str, bool] = {}
+        for part, adopt in self.parts:
+            named = part.named if isinstance(part, PostedReceive) else part
+            received.update(named)
+            if adopt is not None and len(adopt) == len(named):
+                flags.update(zip((n for n, _ in named), adopt))
+            else:
+                for n, _ in named:
+                    flags.pop(n, None)
+        if received:  # each update was checked when it was received
+            named = list(received.items())
+            engine.load_weights(named, version, checked=True,
+                                adopt=[flags[n] for n, _ in named] if len(flags) == len(named) else None)
         elif version is not None:
             engine.set_weight_version(version)
-        return len(self.received)
+        return len(received)
 
 
 def install_weights(params: dict[str, torch.Tensor], named: Sequence[tuple[str, torch.Tensor]],
@@ -1145,15 +1157,34 @@ class PostedReceive:
     finish: Callable[[], None] | None = None
     """Work that needs the bytes and could not be queued behind them (on
     CPU: copying unaligned tensors out of a packed chunk); run by ``wait``."""
+    cut: Callable[[], list[tuple[str, torch.Tensor]]] | None = None
+    """The views still to cut (``named``'s values), left for after the
+    reply: ~20 us of Python per tensor, which would hold back an update
+    answered once posted (``check_first``). :meth:`cut_views` runs it."""
+    cut_error: Exception | None = None
 
     def in_flight(self) -> bool:
         """Whether some receive of it has not completed yet (never blocks)."""
         return any(not p.done() for p in self.posted)
 
+    def cut_views(self) -> bool:
+        """Cut the views now if they were left for later (on the transfer
+        thread, while the bytes arrive); whether there were any to cut.
+        Never raises: :meth:`wait` does."""
+        if self.cut is None:
+            return False
+        cut, self.cut = self.cut, None
+        try:
+            self.named = cut()
+        except Exception as e:  # noqa: BLE001 - raised by ``wait``
+            self.cut_error = e
+        return True
+
     def wait(self) -> list[tuple[str, torch.Tensor]]:
         """Block until every byte is in and return ``named``; raise
         RuntimeError if the group was aborted meanwhile (what arrived is
         incomplete)."""
+        self.cut_views()
         for p in self.posted:
             p.wait()
         self.posted = []
@@ -1161,6 +1192,8 @@ class PostedReceive:
             finish, self.finish = self.finish, None
             finish()
         check_not_aborted(self.group)
+        if self.cut_error is not None:
+            raise self.cut_error
         return self.named
 
 
@@ -1177,14 +1210,20 @@ def post_receive(group: Any, specs: Sequence[TensorSpec], flattened: bool,
     once the request is out stays in step. ``check_first``: for a sender
     that broadcasts only once the update is answered, the update is refused
     before anything is posted. Per-tensor mode (one broadcast per spec, in
-    order) returns complete.
+    order) returns complete. With ``check_first`` the reply need not wait
+    for the views either: they are cut by ``PostedReceive.cut_views`` (the
+    server queues it on the transfer thread after the reply) or ``wait``.
     """
     if flattened:
         if check_first:
-            error = _unpack_check(torch.empty(packed_nbytes(specs), dtype=torch.uint8, device="meta"), specs, check)
+            error = misaligned(specs) or run_check(check, specs)
             if error is not None:
                 raise error  # nothing posted
-            check = None
+            buf = torch.empty(packed_nbytes(specs), dtype=torch.uint8, device=group.device)
+            stream = torch.cuda.current_stream(buf.device) if buf.device.type == "cuda" else None
+            posted = group.post_broadcast(buf, src=0, stream=stream)
+            names = [s.name for s in specs]
+            return PostedReceive([], group, [posted], cut=lambda: list(zip(names, unpack(buf, specs))))
         buf = torch.empty(packed_nbytes(specs), dtype=torch.uint8, device=group.device)
         stream = torch.cuda.current_stream(buf.device) if buf.device.type == "cuda" else None
         posted = group.post_broadcast(buf, src=0, stream=stream)
@@ -1209,6 +1248,18 @@ def post_receive(group: Any, specs: Sequence[TensorSpec], flattened: bool,
     if error is not None:
         raise error
     return PostedReceive(out, group)
+
+
+def misaligned(specs: Sequence[TensorSpec]) -> WeightUpdateError | None:
+    """The error of a flattened bucket that ``unpack`` could not cut into
+    views (a tensor at an offset that is no multiple of its itemsize), found
+    by arithmetic alone: no buffer, no view."""
+    pos = 0
+    for s in specs:
+        if pos % s.itemsize:
+            return WeightUpdateError(misaligned_message(s, pos))
+        pos += s.nbytes
+    return None
 
 
 def _unpack_check(buf: torch.Tensor, specs: Sequence[TensorSpec], check: SpecCheck | None,

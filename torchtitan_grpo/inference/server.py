@@ -61,7 +61,13 @@ from torchtitan_grpo.inference.engine import (
     read_safetensors_dir,
 )
 
-from torchtitan_grpo.inference.server_vllm import VLLMRoutes, ack_posted, debug_update_delay, receive_update
+from torchtitan_grpo.inference.server_vllm import (
+    VLLMRoutes,
+    ack_posted,
+    cut_views_later,
+    debug_update_delay,
+    receive_update,
+)
 from torchtitan_grpo.inference.types import BUILTIN_ENGINE
 from torchtitan_grpo.weight_sync.buckets import TensorSpec, specs_from_lists
 
@@ -449,7 +455,7 @@ class SGLangRoutes:
             if group is None:
                 return _result(False, f"no weight update group named {group_name!r}")
             await asyncio.to_thread(group.close)
-            if self.session is not None and (self.session.received or self.session.version is not None):
+            if self.session is not None and (self.session.received_any or self.session.version is not None):
                 self.session.fail(f"group {group_name!r} was destroyed during the session")
         return _result(True, f"weight update group {group_name!r} destroyed")
 
@@ -545,6 +551,7 @@ class SGLangRoutes:
                     check, adopt = None, known[1]
                 posted = await self._run(receive_update, post_receive, ack, group, specs,
                                          load_format == "flattened_bucket", check)
+                cut_views_later(self._transfer, posted)
                 if ack and check is not None:
                     if len(self._checked) >= 256:
                         self._checked.clear()
