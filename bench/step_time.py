@@ -343,8 +343,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="grow the batch (up to 8x) until an off step takes about this long (GPU 150; 0 = keep)")
     ap.add_argument("--bucket-mb", type=int, default=1024, help="weight_sync.bucket_size_mb")
     ap.add_argument("--staging", default="device", choices=["device", "host"], help="weight_sync.staging")
-    ap.add_argument("--ack-posted", action="store_true", help="weight_sync.ack_posted (pipelined updates answered "
-                    "once their receive is posted)")
+    ap.add_argument("--ack-posted", action=argparse.BooleanOptionalAction, default=True,
+                    help="weight_sync.ack_posted (SGLang updates answered once their receive is posted)")
     ap.add_argument("--push-dtype", default="model", choices=["model", "bfloat16", "float32"],
                     help="weight_sync.dtype: the dtype the weights are sent in")
     ap.add_argument("--slow-factor", type=float, default=10.0, help="the slow replica's extra time per version, "
@@ -538,7 +538,7 @@ def _run(args, model_dir: str, gpu: bool) -> int:
               f"latest {latest}{problem}")
         p2.close()
 
-        ack = ", ack_posted" if args.ack_posted else ""
+        ack = "" if args.ack_posted else ", ack_posted off"
         print_table(results, f"# step time: trainer on {device}, {backend} push to built-in servers on "
                              f"{server_device} ({server_dtype}), staging {args.staging}{ack}; vs off = median / median(off); r0, r1 = the "
                              f"run's first and second replica (slowed / killed: r1)", lags)

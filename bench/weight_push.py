@@ -1,7 +1,7 @@
 """Weight-push bandwidth against the raw broadcast bandwidth, measured in one run.
 
     python bench/weight_push.py [--sets 0.6B,4B,8B] [--bucket-mb 256,1024] [--reps 3]
-                                [--protocols sglang,vllm[,sglang-seq,vllm-seq]] [--disk-sets 0.6B,4B]
+                                [--protocols sglang,vllm[,sglang-seq,sglang-noack,vllm-seq]] [--disk-sets 0.6B,4B]
     python bench/weight_push.py --cpu        # gloo, a tiny set (what the tests run)
 
 Two processes: rank 0 on cuda:0 is the trainer side, rank 1 on cuda:1 is one
@@ -25,17 +25,18 @@ set the same bytes go over these paths:
   vLLM routes) served by rank 1:
 
   - ``sglang``: snapshot into flattened buckets, then begin / one
-    ``/update_weights_from_distributed`` per bucket / end over HTTP while the
-    same broadcasts run;
+    ``/update_weights_from_distributed?ack=posted`` per bucket / end over
+    HTTP while the same broadcasts run, each bucket sent once its update is
+    answered (its receive posted), queued behind the one in flight;
   - ``vllm``: pause / start / one ``/update_weights`` while every packed
     chunk (of 'bucket MiB') is broadcast / finish / resume; the server
     receives each chunk into a buffer of its own and keeps its tensors as
     views of it (those at unaligned offsets are copied out on a side stream);
   - ``disk`` (the sets of ``--disk-sets``, once per set): safetensors of the
     version written to a local folder, ``/update_weights_from_disk``;
-  - ``sglang-ack``, ``vllm-ack`` (only when named): pipelined with
-    ``ack_posted`` (each broadcast after its own update's reply, which the
-    built-in server sends once the receive is posted).
+  - ``sglang-noack`` (only when named): the same without ``ack_posted``:
+    each update answered after its bytes, bucket k sent after the reply to
+    k-1 (the default until run 48).
   - ``sglang-seq``, ``vllm-seq`` (only when named in ``--protocols``): the
     same with ``PushConfig.pipelined`` off, each request sent after the
     reply it must follow, as a real SGLang or vLLM gets them (the built-in
@@ -426,7 +427,7 @@ def _measure_set(r: Ranks, flavor: str, bucket_mbs: list[int], reps: int, backen
         pushes = {path: _push(r, tensors, names, expected, loop, reps, PushConfig(
             mode="sync", backend=backend, protocol=path.split("-")[0], bucket_bytes=mb << 20,
             packed_buffer_bytes=mb << 20, num_staging_buffers=1, deadline_s=300, init_timeout_s=120, staging=staging,
-            pipelined=not path.endswith("-seq"), ack_posted=path.endswith("-ack")), path) for path in protocols}
+            pipelined=not path.endswith("-seq"), ack_posted=not path.endswith("-noack")), path) for path in protocols}
         if k == 0 and flavor in disk_sets:
             with tempfile.TemporaryDirectory(prefix="weight_push_disk_") as folder:
                 pushes["disk"] = _push(r, tensors, names, expected, loop, reps, PushConfig(
@@ -532,7 +533,7 @@ def _all_ok(r: Ranks, ok: bool) -> bool:
 # ----------------------------------------------------------------------- output
 
 
-PUSH_PATHS = ("sglang", "sglang-seq", "sglang-ack", "vllm", "vllm-seq", "vllm-ack")
+PUSH_PATHS = ("sglang", "sglang-seq", "sglang-noack", "vllm", "vllm-seq")
 """``-seq``: to the same built-in server without pipelined requests (``PushConfig.pipelined``
 off: each request after the reply it must follow), the way a real SGLang or vLLM is sent to."""
 PATHS = PUSH_PATHS + ("disk",)

@@ -890,3 +890,44 @@ def test_ack_posted_answers_an_update_once_its_receive_is_posted(server, model_d
         http(server, "/begin_weight_update", {})
         http(server, "/update_weights_from_disk", {"model_path": model_dir, "weight_version": "disk"})
         http(server, "/end_weight_update", {})
+
+
+def test_post_receive_check_first_posts_at_once_and_cuts_the_views_later():
+    """What ``?ack=posted`` answers after: with ``check_first`` a flattened
+    receive is posted before any view is cut (``cut`` left for the transfer
+    thread, ``cut_views`` runs it once), ``wait`` delivers every tensor
+    exactly, and a bucket whose views could not be cut, or that the check
+    refuses, is refused with nothing posted."""
+    from torchtitan_grpo.inference.engine import WeightUpdateError, post_receive
+
+    g = torch.Generator().manual_seed(11)
+    named = [("w.fp32", torch.randn(4, 3, generator=g)), ("b.bf16", torch.randn(5, generator=g).to(torch.bfloat16)),
+             ("s.bf16", torch.randn((), generator=g).to(torch.bfloat16))]
+    specs = [TensorSpec.of(n, t) for n, t in named]
+    port = free_port()
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        peer = ex.submit(init_weight_group, "127.0.0.1", port, 1, 2, "gloo", "cut-later", 30)
+        trainer = init_weight_group("127.0.0.1", port, 0, 2, "gloo", "cut-later", 30)
+        server = peer.result(timeout=30)
+    try:
+        odd = [TensorSpec("b", torch.bfloat16, (1,)), TensorSpec("w", torch.float32, (2,))]  # fp32 at byte 2
+        with pytest.raises(WeightUpdateError, match="starts at byte 2"):
+            post_receive(server, odd, True, check_first=True)
+
+        def refuse(specs):
+            raise WeightUpdateError("no such parameter")
+
+        with pytest.raises(WeightUpdateError, match="no such parameter"):
+            post_receive(server, specs, True, check=refuse, check_first=True)
+        checked = []
+        posted = post_receive(server, specs, True, check=checked.append, check_first=True)
+        assert checked == [specs] and posted.named == [] and posted.cut is not None and posted.in_flight()
+        assert posted.cut_views() and posted.cut is None and not posted.cut_views()
+        assert [n for n, _ in posted.named] == [n for n, _ in named]
+        trainer.broadcast(pack([t for _, t in named]), src=0)  # the first bytes since: nothing was posted before
+        got = posted.wait()
+    finally:
+        trainer.close()
+        server.close()
+    for (name, sent), (_, t) in zip(named, got):
+        assert t.dtype == sent.dtype and t.shape == sent.shape and torch.equal(t, sent), name

@@ -772,14 +772,11 @@ def test_unique_id_rendezvous_needs_no_store():
     assert not fabric.errors
 
 
-@pytest.mark.parametrize("check_first", [False, True])
-def test_post_packed_returns_before_the_bytes_and_wait_delivers_them(check_first):
-    """The built-in server answers a packed update once every chunk's receive
-    is posted: ``post_packed`` returns before the trainer has sent a byte
-    (several gloo receives outstanding, matched in order), and ``wait``
-    delivers every tensor exactly, the unaligned copies included. With
-    ``check_first`` (``?ack=posted``) the views are not cut yet when it
-    returns: ``cut_views`` cuts them (while the bytes arrive), once."""
+def test_post_packed_returns_before_the_bytes_and_wait_delivers_them():
+    """``post_packed`` returns once every chunk's receive is posted, before
+    the trainer has sent a byte (several gloo receives outstanding, matched
+    in order), and ``wait`` delivers every tensor exactly, the unaligned
+    copies included."""
     from torchtitan_grpo.inference.server_vllm import post_packed
 
     g = torch.Generator().manual_seed(9)
@@ -791,13 +788,8 @@ def test_post_packed_returns_before_the_bytes_and_wait_delivers_them(check_first
     assert len(plan_packed_chunks(specs, 20)) == 3
     trainer, server = _gloo_pair("packed-posted")
     try:
-        posted = post_packed(server, specs, 20, check_first=check_first)  # returns with nothing sent yet
-        assert posted.in_flight()
-        if check_first:
-            assert posted.cut is not None and posted.named == [] and posted.finish is None
-            posted.cut_views()
-            assert posted.cut is None and len(posted.named) == 4
-        assert posted.finish is not None
+        posted = post_packed(server, specs, 20)  # returns with nothing sent yet
+        assert posted.in_flight() and posted.finish is not None
         assert vg.send_weights(trainer, named, packed=True, packed_buffer_size_bytes=20) == 3
         got = posted.wait()
         assert not posted.in_flight()

@@ -61,13 +61,7 @@ from torchtitan_grpo.inference.engine import (
     read_safetensors_dir,
 )
 
-from torchtitan_grpo.inference.server_vllm import (
-    VLLMRoutes,
-    ack_posted,
-    cut_views_later,
-    debug_update_delay,
-    receive_update,
-)
+from torchtitan_grpo.inference.server_vllm import VLLMRoutes, debug_update_delay
 from torchtitan_grpo.inference.types import BUILTIN_ENGINE
 from torchtitan_grpo.weight_sync.buckets import TensorSpec, specs_from_lists
 
@@ -549,8 +543,8 @@ class SGLangRoutes:
                     # per bucket; the parameters' names, shapes and dtypes never
                     # change, so a bucket once accepted stays accepted.
                     check, adopt = None, known[1]
-                posted = await self._run(receive_update, post_receive, ack, group, specs,
-                                         load_format == "flattened_bucket", check)
+                posted = await self._run(receive_update, ack, group, specs, load_format == "flattened_bucket",
+                                         check)
                 cut_views_later(self._transfer, posted)
                 if ack and check is not None:
                     if len(self._checked) >= 256:
@@ -705,6 +699,41 @@ def _tensor_specs(names: list, dtypes: list, shapes: list) -> list[TensorSpec]:
         return specs_from_lists(names, dtypes, shapes)
     except ValueError as e:
         raise _Refused(str(e)) from None
+
+
+def receive_update(ack: bool, group: Any, specs: list[TensorSpec], flattened: bool,
+                   check: Any) -> PostedReceive:
+    """One update's receive on the transfer thread (one hop either way):
+    posted, then, unless ``ack``, waited for."""
+    posted = post_receive(group, specs, flattened, check, check_first=ack)
+    if not ack:
+        posted.wait()
+    return posted
+
+
+def cut_views_later(transfer: concurrent.futures.Executor, posted: PostedReceive) -> None:
+    """After the reply to an update answered once posted: its views are cut
+    on the (one) transfer thread while its bytes arrive, ahead of the next
+    update's post. ``wait`` cuts them if this never ran."""
+    if posted.cut is not None:
+        try:
+            transfer.submit(posted.cut_views)
+        except RuntimeError:  # shut down: ``wait``, if it ever comes, cuts them
+            pass
+
+
+def ack_posted(request: web.Request) -> bool:
+    """Our extension of SGLang's update route: ``?ack=posted`` asks for the
+    reply once the receive is posted, the metadata checked first (refused
+    with nothing posted), so that a sender that broadcasts only after the
+    reply can queue the next bucket behind the one in flight; the session's
+    end then waits for the bytes. Without it the reply comes after the
+    bytes, as from SGLang. Raises ValueError naming the parameter for any
+    other value."""
+    ack = request.query.get("ack")
+    if ack not in (None, "posted"):
+        raise ValueError(f"query parameter 'ack' must be 'posted' or absent, got {ack!r}")
+    return ack == "posted"
 
 
 def _shielded(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):

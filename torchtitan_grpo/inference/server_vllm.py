@@ -52,7 +52,7 @@ from torchtitan_grpo.inference.engine import (
     SpecCheck,
     WeightUpdateError,
     PostedReceive,
-    post_receive,
+    receive_weights,
     run_check,
 )
 from torchtitan_grpo.weight_sync.group import Posted
@@ -325,7 +325,7 @@ def _parse_update_info(info: Any, previous: list[TensorSpec] | None) -> list[Ten
 def post_packed(group: Any, specs: list[TensorSpec], buffer_bytes: int,
                 num_buffers: int = proto.DEFAULT_PACKED_NUM_BUFFERS,
                 check: SpecCheck | None = None,
-                chunks: list[list[TensorSpec]] | None = None, check_first: bool = False) -> PostedReceive:
+                chunks: list[list[TensorSpec]] | None = None) -> PostedReceive:
     """Post the receives of vLLM packed-mode chunks: one uint8 broadcast per
     chunk, cut exactly as the sender cuts (``plan_packed_chunks``). Returns
     once every receive is posted, the views cut and ``check`` passed; the
@@ -351,18 +351,10 @@ def post_packed(group: Any, specs: list[TensorSpec], buffer_bytes: int,
     ``num_buffers`` means nothing here: a real vLLM worker double-buffers its
     receives with it, so it stays for protocol compatibility. ``check``
     (``Engine.check_weights``) runs while the chunks arrive; what it raises is
-    raised once every chunk is in (the group stays in step with the sender);
-    with ``check_first`` (a sender that broadcasts only once the update is
-    answered) it runs before anything is posted, and the views are left to
-    ``PostedReceive.cut_views``: the reply waits for the posts alone (cutting
-    398 views took ~8 ms on an H200 host). ``chunks``:
-    ``plan_packed_chunks(specs, buffer_bytes)`` when the caller has it already.
+    raised once every chunk is in (the group stays in step with the sender).
+    ``chunks``: ``plan_packed_chunks(specs, buffer_bytes)`` when the caller
+    has it already.
     """
-    if check_first:
-        error = run_check(check, specs)
-        if error is not None:
-            raise error  # nothing posted
-        check = None
     if chunks is None:
         chunks = plan_packed_chunks(specs, buffer_bytes)
     if not chunks:
@@ -373,31 +365,23 @@ def post_packed(group: Any, specs: list[TensorSpec], buffer_bytes: int,
     # stream" there would order nothing).
     main = torch.cuda.current_stream(group.device) if cuda else None
     received = [_post_chunk(group, chunk, main) for chunk in chunks]
-    receive = PostedReceive([], group, [r.posted for r in received])
-
-    def cut() -> list[tuple[str, torch.Tensor]]:
-        side = torch.cuda.Stream(group.device) if cuda and any(r.spills for r in received) else None
-        out: list[tuple[str, torch.Tensor]] = []
-        later: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for r in received:
-            out.extend(_chunk_tensors(r, side, later))
-        if side is not None:  # every copy of an unaligned tensor
-            copied = torch.cuda.Event()
-            copied.record(side)
-            receive.posted.append(Posted(event=copied))
-
-        def copy_out() -> None:  # gloo: each unaligned tensor, once its chunk is in
-            for dest, slot in later:
-                dest.view(-1).view(torch.uint8).copy_(slot)
-
-        receive.finish = copy_out if later else None
-        return out
-
-    if check_first:  # answered now; the views are cut after the reply
-        receive.cut = cut
-        return receive
-    receive.named = cut()
+    side = torch.cuda.Stream(group.device) if cuda and any(r.spills for r in received) else None
+    out: list[tuple[str, torch.Tensor]] = []
+    later: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for r in received:
+        out.extend(_chunk_tensors(r, side, later))
     error = run_check(check, specs)
+    posted = [r.posted for r in received]
+    if side is not None:  # every copy of an unaligned tensor
+        copied = torch.cuda.Event()
+        copied.record(side)
+        posted.append(Posted(event=copied))
+
+    def copy_out() -> None:  # gloo: each unaligned tensor, once its chunk is in
+        for dest, slot in later:
+            dest.view(-1).view(torch.uint8).copy_(slot)
+
+    receive = PostedReceive(out, group, posted, copy_out if later else None)
     if error is not None:
         receive.wait()
         raise error
@@ -482,8 +466,6 @@ class _Transfer:
     """Metadata of the last /update_weights (an all-empty update_info reuses it)."""
     parsed: tuple[bytes, list[TensorSpec], list[list[TensorSpec]] | None] | None = None
     """The last /update_weights body parsed: its bytes, specs and packed chunks."""
-    checked: tuple[list[TensorSpec], list[bool]] | None = None
-    """Specs accepted with ``?ack=posted`` and their adopt flags (not checked again)."""
 
 
 class VLLMRoutes:
@@ -748,25 +730,16 @@ class VLLMRoutes:
             specs = _parse_update_info((await _json(request)).get("update_info"), self.t.last_specs)
             chunks = plan_packed_chunks(specs, info.packed_buffer_size_bytes) if info.packed else None
             self.t.parsed = (raw, specs, chunks)
-        try:
-            ack = ack_posted(request)
-        except ValueError as e:
-            raise _bad(str(e), "ack") from None
         async with self._lock:
             # The metadata is checked while the bytes arrive and refused once
             # they have (``check``): the group stays in step with the sender.
-            # ``?ack=posted``: checked first, then answered once every receive
-            # is posted, and /finish_weight_update waits for the bytes.
             check, adopt = receive_check(self.engine, group.device)
-            if ack and self.t.checked is not None and self.t.checked[0] is specs:
-                check, adopt = None, self.t.checked[1]  # accepted before: parameters never change shape
             try:
                 if info.packed:
-                    posted = await self._run(receive_update, post_packed, ack, group, specs,
-                                             info.packed_buffer_size_bytes, info.packed_num_buffers, check, chunks)
+                    named = await self._run(receive_packed, group, specs, info.packed_buffer_size_bytes,
+                                            info.packed_num_buffers, check, chunks)
                 else:
-                    posted = await self._run(receive_update, post_receive, ack, group, specs, False, check)
-                cut_views_later(self._transfer, posted)
+                    named = await self._run(receive_weights, group, specs, False, check)
             except WeightUpdateError as e:
                 self.t.last_specs = specs
                 self.t.update.fail(str(e))
@@ -776,10 +749,8 @@ class VLLMRoutes:
                 self.t.update.fail(f"{type(e).__name__}: {e}")
                 raise VLLMError(500, f"receiving weights failed: {type(e).__name__}: {e}") from None
             self.t.last_specs = specs
-            if ack and check is not None:
-                self.t.checked = (specs, adopt)
             await debug_update_delay(self.cfg)
-            self.t.update.keep(posted.named, adopt=adopt, posted=posted)
+            self.t.update.keep(named, adopt=adopt)
         return web.json_response({"message": "Weights updated"})
 
     async def finish_weight_update(self, request: web.Request) -> web.Response:
@@ -797,8 +768,7 @@ class VLLMRoutes:
         return web.json_response({"message": "Weight update finished"})
 
     async def shutdown_weight_transfer_engine(self, request: web.Request) -> web.Response:
-        if self.t.group is not None and (self._lock.locked() or (
-                self.t.update is not None and self.t.update.in_flight(self.t.group))):
+        if self._lock.locked() and self.t.group is not None:
             # An update is stuck in a receive (trainer gone): aborting the group
             # ends an NCCL receive at once; a gloo one only ends at its timeout
             # (--weight-group-timeout), and the shutdown waits for it.
@@ -817,44 +787,10 @@ class VLLMRoutes:
         return web.json_response({"world_size": 1})
 
 
-def receive_update(post: Callable[..., PostedReceive], ack: bool, *args: Any) -> PostedReceive:
-    """``post(*args, check_first=ack)``, then, unless ``ack``, its wait: one
-    hop to the transfer thread either way."""
-    posted = post(*args, check_first=ack)
-    if not ack:
-        posted.wait()
-    return posted
-
-
-def cut_views_later(transfer: concurrent.futures.Executor, posted: PostedReceive) -> None:
-    """After the reply to an update answered once posted: its views are cut
-    on the (one) transfer thread while its bytes arrive, ahead of the next
-    update's post. ``wait`` cuts them if this never ran."""
-    if posted.cut is not None:
-        try:
-            transfer.submit(posted.cut_views)
-        except RuntimeError:  # shut down: ``wait``, if it ever comes, cuts them
-            pass
-
-
-def ack_posted(request: web.Request) -> bool:
-    """Our extension of both protocols' update routes: ``?ack=posted`` asks
-    for the reply once the receive is posted, the metadata checked first
-    (refused with nothing posted), so that a sender that broadcasts only
-    after the reply can queue the next bucket while one is in flight; the
-    session's end (SGLang) or finish (vLLM) then waits for the bytes. Without
-    it the reply comes after the bytes, as from SGLang and vLLM. Raises
-    ValueError naming the parameter for any other value."""
-    ack = request.query.get("ack")
-    if ack not in (None, "posted"):
-        raise ValueError(f"query parameter 'ack' must be 'posted' or absent, got {ack!r}")
-    return ack == "posted"
-
-
 async def debug_update_delay(cfg: Any) -> None:
     """``--debug-update-delay-s``: a test knob that makes every weight update
-    slow (its reply comes this much later; the built-in server replies once
-    the receive is posted, so a trainer sends the next bucket or the
+    slow (its reply comes this much later: after the bytes, or with SGLang's
+    ``?ack=posted`` after the post, so a trainer sends the next bucket or the
     session's end that much later) to simulate a lagging replica in fault
     tests and benchmarks. Never set it in production."""
     delay = getattr(cfg, "debug_update_delay_s", 0.0) or 0.0

@@ -129,11 +129,14 @@ class PushConfig:
     server handles them in order), instead of one request after another's
     reply (``control.PipelinedConnection``). The broadcasts still wait for the
     same replies (a confirmed session, the previous bucket) either way."""
-    ack_posted: bool = False
-    """Pipelined to a built-in server: ask for each update's reply once its
-    receive is posted (``?ack=posted``) and send each broadcast then, queued
-    behind the one before. Off by default: on 2 H200s it was slower (the
-    server checks the metadata before posting; docs/PERFORMANCE.md run 46)."""
+    ack_posted: bool = True
+    """SGLang's protocol, pipelined to a built-in server: ask for each
+    update's reply once its receive is posted (``?ack=posted``) and send each
+    bucket then, queued behind the one in flight, so the link never idles
+    between buckets and no broadcast waits on the trainer's GPU for a
+    receive (2 H200s, 8B in 1 GiB buckets: 0.73 -> 0.89 of raw NCCL;
+    docs/PERFORMANCE.md runs 47-48). vLLM's protocol sends one update per
+    version, so there is nothing to queue behind: never asked there."""
     large_tensor_bytes: int = 16 << 20
     """Tensors of at least this many bytes are staged with a copy of their own,
     the others with one ``_foreach_copy_`` per bucket: a launch per tensor
@@ -243,9 +246,9 @@ class _Replica:
     sessionful: bool = True  # False: pre-0.5.23 SGLang without begin/end_weight_update
     builtin: bool = False
     ack_posted: bool = False
-    """The built-in server answers an update with ``?ack=posted`` once its
-    receive is posted: pipelined, each broadcast then follows its own update's
-    reply, never spinning, and the next one queues behind it."""
+    """The built-in server answers an SGLang update with ``?ack=posted`` once
+    its receive is posted: pipelined, each broadcast then follows its own
+    update's reply, never spinning, and the next one queues behind it."""
     comm_ready: bool = False
     """``group`` has carried a broadcast. NCCL creates a communicator in its
     first collective, on both sides at once: until then the server's post of
@@ -285,8 +288,8 @@ def _spec_lists(specs: list[bk.TensorSpec]) -> tuple[list[str], list[str], list[
 
 
 ACK_POSTED = {"ack": "posted"}
-"""The built-in server's extension of both update routes: reply once the
-receive is posted (``server_vllm.ack_posted``)."""
+"""The built-in server's extension of SGLang's update route: reply once the
+receive is posted (``server.ack_posted``)."""
 
 CONN_MAX_IDLE_S = 30.0
 """A pipelined connection idle for longer is replaced, not reused: servers
@@ -460,7 +463,7 @@ class Pusher:
     async def _builtin(self, r: _Replica) -> tuple[bool, bool]:
         """Whether ``r`` is the built-in server, whose /model_info names it
         (a real vLLM has no /model_info; a real SGLang's has no ``engine``
-        field), and whether its update routes take ``?ack=posted``."""
+        field), and whether its SGLang update route takes ``?ack=posted``."""
         info = await self._get(r.url + "/model_info")
         builtin = isinstance(info, dict) and info.get("engine") == BUILTIN_ENGINE
         return builtin, builtin and info.get("update_ack_posted") is True
@@ -857,8 +860,8 @@ class Pusher:
         return _Requests(self._session, r.url, r.conn)
 
     def _acks_posted(self, r: _Replica, req: _Requests) -> bool:
-        """Whether this transfer's updates ask for ``?ack=posted``: pipelined
-        to a built-in server that takes it, with ``PushConfig.ack_posted``."""
+        """Whether this SGLang transfer's updates ask for ``?ack=posted``:
+        pipelined to a built-in server that takes it, with ``PushConfig.ack_posted``."""
         return req.in_order and r.ack_posted and self.cfg.ack_posted
 
     async def _begin_session(self, r: _Replica, req: _Requests) -> asyncio.Future | None:
@@ -1002,9 +1005,7 @@ class Pusher:
             start = req.post(vllm.START_WEIGHT_UPDATE, None, 30)
             watched.append(start)
             await req.ordered(start)
-            ack = self._acks_posted(r, req)
-            update = req.post(vllm.UPDATE_WEIGHTS, self._update_bodies(staged.plan)[0], self.cfg.deadline_s,
-                              params=ACK_POSTED if ack else None)
+            update = req.post(vllm.UPDATE_WEIGHTS, self._update_bodies(staged.plan)[0], self.cfg.deadline_s)
             watched.append(update)
             if req.in_order:
                 watched.append(req.post(vllm.FINISH_WEIGHT_UPDATE,
@@ -1012,10 +1013,8 @@ class Pusher:
                 watched.append(req.post(vllm.RESUME, None, 30))
                 # The pause done (it may wait for running requests) and the
                 # update next in line: no broadcast spins while a replica drains.
-                # With ``ack`` the update's reply says every receive is posted.
-                await self._until(update if ack and r.comm_ready else start, watched)
+                await self._until(start, watched)
             await self._with_broadcasts(r, watched, staged, list(range(len(staged.buffers))))
-            r.comm_ready = True
             if req.in_order:
                 await self._answered(watched)
             else:
