@@ -351,7 +351,7 @@ def _measure_set(r: Ranks, flavor: str, bucket_mbs: list[int], reps: int, backen
                  loop: LoopThread | None, protocols: list[str], disk_sets: list[str],
                  staging: str = "device") -> list[dict]:
     from torchtitan_grpo.inference.engine import receive_weights
-    from torchtitan_grpo.weight_sync.group import init_weight_group
+    from torchtitan_grpo.weight_sync.group import init_weight_group, master_store
 
     specs = qwen3_hf_specs(flavor)
     nbytes = sum(s.nbytes for s in specs)
@@ -376,9 +376,10 @@ def _measure_set(r: Ranks, flavor: str, bucket_mbs: list[int], reps: int, backen
                "raw": nbytes / t_raw / 2**30}
 
         # bucketed: staging buffers -> WeightGroup broadcasts -> receive_weights + load copy
-        port = r.share(free_port() if r.rank == 0 else None)
+        store = master_store("127.0.0.1", 2, 120) if r.rank == 0 else None
+        port = r.share(store.port if r.rank == 0 else None)
         group = init_weight_group("127.0.0.1", port, r.rank, 2, backend=backend, group_name=f"bench{k}",
-                                  timeout_s=120, device=dev if backend == "nccl" else None)
+                                  timeout_s=120, device=dev if backend == "nccl" else None, store=store)
         if r.rank == 0:
             from torchtitan_grpo.weight_sync.pusher import PushConfig, Pusher
             from torchtitan_grpo.weight_sync.upload import Uploader

@@ -486,13 +486,16 @@ def test_pipelined_requests_go_out_before_the_replies_they_follow(tmp_path, tiny
         stop_process(srv.proc)
 
 
-@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+@pytest.mark.parametrize("protocol,bad_at", [("sglang", -1), ("vllm", -1), ("sglang", 0)])
 def test_a_refused_pipelined_update_leaves_the_replica_whole_and_generating(tmp_path, tiny_model_dir, loop,
-                                                                           protocol):
-    """An update the replica refuses once its bytes are in (a tensor of the
-    wrong shape) fails the pipelined transfer: the replica keeps the version
-    it had, is not left paused, is ejected, and is readmitted once a good
-    version has reached it."""
+                                                                           protocol, bad_at):
+    """An update the replica refuses (a tensor of the wrong shape) fails the
+    pipelined transfer: the replica keeps the version it had, is not left
+    paused, is ejected, and is readmitted once a good version has reached
+    it. SGLang's updates ask for ``?ack=posted`` (refused before anything is
+    posted), yet the first bucket goes out once the session is open, before
+    its update's reply (``bad_at`` 0): that transfer fails all the same, and
+    the group is made anew before the next."""
     (srv,) = _servers(tmp_path, tiny_model_dir, [0.0])
     rec = Recorder()
     pusher = Pusher(loop, [srv.url], PushConfig(mode="sync", protocol=protocol, bucket_bytes=32 << 10,
@@ -505,7 +508,7 @@ def test_a_refused_pipelined_update_leaves_the_replica_whole_and_generating(tmp_
         names = list(good)
         pusher.push(good, version=1)
         bad = _weights(tiny_model_dir, 2.0)
-        bad[names[-1]] = torch.full((3, 5), 2.0)  # not the model's shape
+        bad[names[bad_at]] = torch.full((3, 5), 2.0)  # not the model's shape
         pusher.push(bad, version=2)  # returns: the only replica was ejected
         assert rec.ejected == [srv.url]
         assert "shape mismatch" in pusher.replicas[0].eject_reason, pusher.replicas[0].eject_reason

@@ -23,6 +23,7 @@ import math
 import os
 import pickle
 import pickletools
+import socket
 import sys
 import threading
 import time
@@ -40,7 +41,7 @@ from torchtitan_grpo.inference.server_vllm import GROUP_NAME, VLLMError, _parse_
 from torchtitan_grpo.inference.types import MalformedResponse, SamplingParams
 from torchtitan_grpo.weight_sync import vllm_group as vg
 from torchtitan_grpo.weight_sync.buckets import TensorSpec, dtype_name, plan_packed_chunks
-from torchtitan_grpo.weight_sync.group import init_weight_group
+from torchtitan_grpo.weight_sync.group import init_weight_group, master_store
 
 torch.set_num_threads(1)
 jsonschema = pytest.importorskip("jsonschema")
@@ -478,12 +479,34 @@ def test_debug_update_delay_slows_both_protocols(model_dir, tmp_path, pool):
 
 
 def _gloo_pair(group_name: str) -> tuple:
-    """(trainer rank 0, server rank 1) of a fresh two-rank gloo group."""
-    port = free_port()
+    """(trainer rank 0, server rank 1) of a fresh two-rank gloo group, hosted
+    on a store the OS gave a port (as the pusher does)."""
+    store = master_store("127.0.0.1", 2, 30)
     with concurrent.futures.ThreadPoolExecutor(1) as ex:
-        peer = ex.submit(init_weight_group, "127.0.0.1", port, 1, 2, "gloo", group_name, 30)
-        mine = init_weight_group("127.0.0.1", port, 0, 2, "gloo", group_name, 30)
+        peer = ex.submit(init_weight_group, "127.0.0.1", store.port, 1, 2, "gloo", group_name, 30)
+        mine = init_weight_group("127.0.0.1", 0, 0, 2, "gloo", group_name, 30, store=store)
         return mine, peer.result(timeout=30)
+
+
+def test_master_store_listens_before_the_join_on_a_port_the_os_picked():
+    """The pusher's store listens on its port before that port is sent to a
+    replica (no probed-free port to lose in between); only rank 0 hosts."""
+    store = master_store("127.0.0.1", 2, 10)
+    assert store.port > 0
+    with socket.create_connection(("127.0.0.1", store.port), timeout=5):
+        pass  # already listening
+    with pytest.raises(ValueError, match="rank 0"):
+        init_weight_group("127.0.0.1", store.port, 1, 2, "gloo", "not-mine", 10, store=store)
+    trainer, server = _gloo_pair("os-port")
+    try:
+        t = torch.zeros(3)
+        got = concurrent.futures.ThreadPoolExecutor(1).submit(server.broadcast, t, 0)
+        trainer.broadcast(torch.tensor([1.0, 2.0, 3.0]), src=0)
+        got.result(timeout=10)
+        assert t.tolist() == [1.0, 2.0, 3.0]
+    finally:
+        trainer.close()
+        server.close()
 
 
 def test_receive_packed_views_aligned_tensors_and_copies_the_rest():

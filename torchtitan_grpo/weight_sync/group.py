@@ -253,6 +253,17 @@ class WeightGroup:
         return self._closed
 
 
+def master_store(master_address: str, world_size: int, timeout_s: float = 300.0) -> TCPStore:
+    """Rank 0's store, already listening, on a port the OS picked (its
+    ``port``), for :func:`init_weight_group`'s ``store``. A port merely
+    probed free and bound later can be taken in between, by this process's
+    own outgoing connections among others (the HTTP calls of a join): the
+    store then cannot listen and the peer retries its connect until its
+    timeout (2 H200s: three benchmark runs stalled 120 s that way)."""
+    return TCPStore(host_name=master_address, port=0, world_size=world_size, is_master=True,
+                    timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
 def init_weight_group(
     master_address: str,
     master_port: int,
@@ -263,6 +274,7 @@ def init_weight_group(
     timeout_s: float = 300.0,
     device: torch.device | str | int | None = None,
     eager_connect: bool = False,
+    store: TCPStore | None = None,
 ) -> WeightGroup:
     """Join (rank > 0) or host (rank 0) a weight-transfer group; block until usable.
 
@@ -274,7 +286,9 @@ def init_weight_group(
     ``eager_connect``).
 
     ``device`` is the GPU the NCCL communicator is bound to (defaults to the
-    current CUDA device); gloo always works on CPU tensors.
+    current CUDA device); gloo always works on CPU tensors. ``store``
+    (rank 0): a :func:`master_store` to host the group on instead of
+    starting one on ``master_port`` (then its port).
     """
     if world_size < 2:
         raise ValueError(f"world_size must be >= 2 (trainer + at least one server), got {world_size}")
@@ -284,6 +298,10 @@ def init_weight_group(
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     if not group_name:
         raise ValueError("group_name must not be empty")
+    if store is not None:
+        if rank != 0:
+            raise ValueError(f"only rank 0 hosts the store, got a store for rank {rank}")
+        master_port = store.port
     timeout = timedelta(seconds=timeout_s)
 
     if backend == "nccl":
@@ -297,14 +315,15 @@ def init_weight_group(
 
     # Rank 0 must not wait for workers in the store constructor: the HTTP call
     # that makes a server join may only be answered after this returns.
-    store = TCPStore(
-        host_name=master_address,
-        port=master_port,
-        world_size=world_size,
-        is_master=(rank == 0),
-        timeout=timeout,
-        wait_for_workers=False,
-    )
+    if store is None:
+        store = TCPStore(
+            host_name=master_address,
+            port=master_port,
+            world_size=world_size,
+            is_master=(rank == 0),
+            timeout=timeout,
+            wait_for_workers=False,
+        )
     store = PrefixStore(group_name, store)  # SGLang's own namespace layer
     # The NCCL backend picks up the current device for its internal streams.
     ctx = torch.cuda.device(dev) if dev.type == "cuda" else nullcontext()

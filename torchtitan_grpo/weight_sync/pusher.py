@@ -61,7 +61,7 @@ from torchtitan_grpo.inference.launcher import free_port
 from torchtitan_grpo.inference.types import BUILTIN_ENGINE
 from torchtitan_grpo.weight_sync import buckets as bk
 from torchtitan_grpo.weight_sync.control import PipelinedConnection, PushError, read_reply
-from torchtitan_grpo.weight_sync.group import WeightGroup, init_weight_group
+from torchtitan_grpo.weight_sync.group import WeightGroup, init_weight_group, master_store
 from torchtitan_grpo.weight_sync.upload import Uploader
 
 logger = logging.getLogger(__name__)
@@ -249,11 +249,6 @@ class _Replica:
     """The built-in server answers an SGLang update with ``?ack=posted`` once
     its receive is posted: pipelined, each broadcast then follows its own
     update's reply, never spinning, and the next one queues behind it."""
-    comm_ready: bool = False
-    """``group`` has carried a broadcast. NCCL creates a communicator in its
-    first collective, on both sides at once: until then the server's post of
-    a receive blocks in that creation, so no reply can come before the
-    trainer's first broadcast, which therefore follows the opened session."""
     """The built-in server (its /model_info says so): its end of a session
     (SGLang end, vLLM finish) waits for the update in flight, so the end can be
     posted as soon as the last byte has arrived instead of after the reply,
@@ -400,13 +395,25 @@ class Pusher:
     async def _connect(self, r: _Replica) -> None:
         """One weight group for replica ``r``: its HTTP join and ours run at
         once (each blocks until the other side has joined)."""
-        port = free_port(self.cfg.master_address)
         r.world_size = 1 + await self._replica_ranks(r)
         r.builtin, r.ack_posted = await self._builtin(r)  # before the vLLM handshake is chosen below
+        executor = DaemonExecutor(f"push-{r.url}")
+        real_vllm_nccl = self.cfg.protocol == "vllm" and self.cfg.backend == "nccl" and not r.builtin
+        if real_vllm_nccl:
+            store, port = None, free_port(self.cfg.master_address)  # its join makes its own store
+        else:
+            try:
+                store = await asyncio.get_running_loop().run_in_executor(
+                    executor, master_store, self.cfg.master_address, r.world_size, self.cfg.init_timeout_s)
+            except BaseException:
+                executor.shutdown(wait=False, cancel_futures=True)
+                raise
+            port = store.port
         join_fn = lambda: init_weight_group(  # noqa: E731
             self.cfg.master_address, port, 0, r.world_size, backend=self.cfg.backend,
             group_name=GROUP_NAME if self.cfg.protocol == "sglang" else VLLM_GROUP_NAME,
-            timeout_s=self.cfg.init_timeout_s, device=self.device if self.cfg.backend == "nccl" else None)
+            timeout_s=self.cfg.init_timeout_s, device=self.device if self.cfg.backend == "nccl" else None,
+            store=store)
         if self.cfg.protocol == "sglang":
             path = "/init_weights_update_group"
             body = sglang.init_group_request(self.cfg.master_address, port, 1, r.world_size, GROUP_NAME,
@@ -415,14 +422,13 @@ class Pusher:
             path = vllm.INIT_WEIGHT_TRANSFER
             body = vllm.init_weight_transfer_request(r.world_size, 1, self.cfg.master_address, port, packed=True,
                                                      packed_buffer_size_bytes=self.cfg.packed_buffer_bytes)
-            if self.cfg.backend == "nccl" and not r.builtin:
+            if real_vllm_nccl:
                 # A real vLLM joins through its own store layout and PyNccl handshake.
                 from torchtitan_grpo.weight_sync.vllm_group import init_vllm_weight_group
 
                 join_fn = lambda: init_vllm_weight_group(  # noqa: E731
                     self.cfg.master_address, port, r.world_size, device=self.device,
                     timeout_s=self.cfg.init_timeout_s)
-        executor = DaemonExecutor(f"push-{r.url}")
         http = asyncio.create_task(_post(self._session, r.url + path, body, self.cfg.init_timeout_s))
         join = asyncio.get_running_loop().run_in_executor(executor, join_fn)
         try:
@@ -434,7 +440,7 @@ class Pusher:
         if self.cfg.backend == "nccl":
             r.stream = await asyncio.get_running_loop().run_in_executor(
                 executor, lambda: torch.cuda.Stream(device=self.device))
-        r.group, r.executor, r.comm_ready = group, executor, False
+        r.group, r.executor = group, executor
 
     async def _get(self, url: str) -> dict | None:
         try:
@@ -922,14 +928,19 @@ class Pusher:
                     # and our update lock) and is parsed while k-1 finishes.
                     updates.append(post_update(k))
                     watched.append(updates[-1])
-                if ack and (k > 0 or r.comm_ready):
+                if k == 0 and begin is not None:
+                    # A session, or the update posts no receive. Not update 0's
+                    # reply even with ``ack``: that would add its round trip to
+                    # every version (2 H200s: ~1.5 ms, run 48), and on a new
+                    # group it cannot come at all, NCCL making the communicator
+                    # in the first collective on both sides at once (run 45).
+                    await self._until(begin, watched)
+                elif ack and k > 0:
                     # The built-in server answers update k once its receive is
                     # posted: bucket k goes out then, so it never spins on the
                     # trainer's GPU, and is queued behind k-1 with no host wait
                     # (the replica posts k while k-1 is in flight): no gap.
                     await self._until(updates[k], watched)
-                elif k == 0 and begin is not None:
-                    await self._until(begin, watched)  # a session, or the update posts no receive
                 elif k > 0:
                     # Bucket k is broadcast only after the reply to k-1, when the
                     # replica is about to post its receive: an NCCL broadcast
@@ -938,7 +949,6 @@ class Pusher:
                     # slower that way, docs/PERFORMANCE.md runs 10-11).
                     await self._until(updates[k - 1], watched)
                 await self._with_broadcasts(r, watched, staged, [k], wait=k == n - 1 or not ack)
-                r.comm_ready = True
             # The replica loads a session's buckets as one version at its end.
             if req.in_order:
                 await self._answered(watched)
