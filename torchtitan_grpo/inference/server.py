@@ -647,7 +647,7 @@ class SGLangRoutes:
                 "dtype": str(next(self.engine.model.parameters()).dtype).removeprefix("torch."),
                 "max_batch_size": self.cfg.max_batch_size,
                 "engine": BUILTIN_ENGINE,
-                # the update routes take ?ack=posted (server_vllm.ack_posted)
+                # SGLang's update route takes ?ack=posted (see ack_posted)
                 "update_ack_posted": True,
             }
         )
