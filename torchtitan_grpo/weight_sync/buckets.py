@@ -263,7 +263,7 @@ def slots(buf: torch.Tensor, specs: Sequence[TensorSpec]) -> list[torch.Tensor]:
     if packed_nbytes(specs) > buf.numel():
         raise ValueError(f"buffer holds {buf.numel()} bytes, the tensors need {packed_nbytes(specs)}")
     out: list[torch.Tensor] = []
-    typed: dict[torch.dtype, tuple[torch.Tensor, int] | None] = {}
+    typed: dict[torch.dtype, torch.Tensor | None] = {}
     base = buf.storage_offset()
     pos = 0
     for spec in specs:
@@ -279,12 +279,11 @@ def slots(buf: torch.Tensor, specs: Sequence[TensorSpec]) -> list[torch.Tensor]:
                 # (in the storage) aligned and its length a multiple of itemsize.
                 start = -base % itemsize
                 whole = (buf.numel() - start) // itemsize * itemsize
-                typed[dtype] = (buf[start : start + whole].view(dtype), base + start) if whole > 0 else None
-            t = typed[dtype]
-            if t is None:  # nothing of this dtype fits: an empty tensor at the end
+                typed[dtype] = buf[start : start + whole].view(dtype) if whole > 0 else None
+            view = typed[dtype]
+            if view is None:  # nothing of this dtype fits: an empty tensor at the end
                 out.append(buf[pos : pos + size].view(dtype).view(shape))
             else:
-                view, first = t
                 strides, acc = [], 1
                 for d in reversed(shape):
                     strides.append(acc)

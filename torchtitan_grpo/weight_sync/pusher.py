@@ -245,14 +245,14 @@ class _Replica:
     uploader: Uploader | None = None  # staging "host" over nccl: the device buffers buckets are sent from
     sessionful: bool = True  # False: pre-0.5.23 SGLang without begin/end_weight_update
     builtin: bool = False
-    ack_posted: bool = False
-    """The built-in server answers an SGLang update with ``?ack=posted`` once
-    its receive is posted: pipelined, each broadcast then follows its own
-    update's reply, never spinning, and the next one queues behind it."""
     """The built-in server (its /model_info says so): its end of a session
     (SGLang end, vLLM finish) waits for the update in flight, so the end can be
     posted as soon as the last byte has arrived instead of after the reply,
     and it takes pipelined requests (``conn``)."""
+    ack_posted: bool = False
+    """The built-in server answers an SGLang update with ``?ack=posted`` once
+    its receive is posted: pipelined, each broadcast then follows its own
+    update's reply, never spinning, and the next one queues behind it."""
     conn: PipelinedConnection | None = None
     """The pipelined connection of the last transfer (``PushConfig.pipelined``), reused while usable."""
     world_size: int = 2  # trainer + the replica's ranks (its TP*PP*DP workers)
