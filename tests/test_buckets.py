@@ -210,3 +210,36 @@ def test_specs_from_lists_field_names_and_empty_names():
     with pytest.raises(SpecError, match=r"'update_info\.shapes\[0\]'") as e:
         specs_from_lists(["x"], ["float32"], [[None]], fields, prefix)
     assert e.value.field == "update_info.shapes"
+
+
+def test_slots_are_typed_views_of_exactly_their_bytes_at_any_storage_offset():
+    """``slots`` (one ``as_strided`` per tensor on a per-dtype view): every
+    typed slot is contiguous, of its spec's dtype and shape, and aliases
+    exactly its bytes of the buffer, for mixed itemsizes, empty and scalar
+    tensors, and buffers that start at an odd byte of their storage; a slot
+    that cannot be typed there is its raw bytes."""
+    import random
+
+    rng = random.Random(1)
+    dtypes = [torch.bfloat16, torch.float32, torch.uint8, torch.float64, torch.int16]
+    typed = 0
+    for _ in range(500):
+        specs = [TensorSpec(f"t{i}", rng.choice(dtypes), tuple(rng.choice([0, 1, 2, 3, 5])
+                                                               for _ in range(rng.randint(0, 3))))
+                 for i in range(rng.randint(0, 8))]
+        base, extra = rng.choice([0, 1, 2, 4, 8]), rng.choice([0, 3])
+        storage = torch.randint(0, 255, (base + packed_nbytes(specs) + extra,), dtype=torch.uint8)
+        buf = storage[base:]
+        pos = 0
+        for spec, slot in zip(specs, slots(buf, specs)):
+            raw = buf[pos : pos + spec.nbytes]
+            pos += spec.nbytes
+            if slot.dtype != spec.dtype:
+                assert (base + pos - spec.nbytes) % spec.itemsize and torch.equal(slot, raw)
+                continue
+            assert tuple(slot.shape) == spec.shape and slot.is_contiguous()
+            if slot.numel():
+                typed += 1
+                assert slot.data_ptr() == raw.data_ptr()
+                assert torch.equal(slot.reshape(-1).view(torch.uint8), raw)
+    assert typed > 500
