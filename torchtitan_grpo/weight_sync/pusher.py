@@ -31,7 +31,10 @@ them pipelined on one connection (``control.PipelinedConnection``) and
 handles them in order, so there every request goes out as soon as it can be
 written (vLLM: pause, start, update, finish and resume at once) and only the
 broadcasts wait for replies; with pipelining off it still gets a session's
-end with the last byte rather than after the last reply.
+end with the last byte rather than after the last reply. Its SGLang updates
+also ask for ``?ack=posted`` (``ack_posted``): update k is answered once its
+receive is posted, and bucket k then goes out, queued behind bucket k-1
+still in flight, so the link does not idle between buckets.
 
 When the caller waits for the replicas (sync mode), a version is handed to
 the senders as soon as its staging buffer is chosen, before the trainer has
