@@ -259,7 +259,7 @@ def master_store(master_address: str, world_size: int, timeout_s: float = 300.0)
     probed free and bound later can be taken in between, by this process's
     own outgoing connections among others (the HTTP calls of a join): the
     store then cannot listen and the peer retries its connect until its
-    timeout (2 H200s: three benchmark runs stalled 120 s that way)."""
+    timeout (2 H200s: two benchmark runs stalled 120 s that way, 44 and 49)."""
     return TCPStore(host_name=master_address, port=0, world_size=world_size, is_master=True,
                     timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
 
