@@ -1215,27 +1215,27 @@ def post_receive(group: Any, specs: Sequence[TensorSpec], flattened: bool,
     server queues it on the transfer thread after the reply) or ``wait``.
     """
     if flattened:
-        if check_first:
-            error = misaligned(specs) or run_check(check, specs)
-            if error is not None:
-                raise error  # nothing posted
-            buf = torch.empty(packed_nbytes(specs), dtype=torch.uint8, device=group.device)
-            stream = torch.cuda.current_stream(buf.device) if buf.device.type == "cuda" else None
-            posted = group.post_broadcast(buf, src=0, stream=stream)
-            names = [s.name for s in specs]
-            return PostedReceive([], group, [posted], cut=lambda: list(zip(names, unpack(buf, specs))))
+        if check_first and (error := misaligned(specs) or run_check(check, specs)) is not None:
+            raise error  # nothing posted
         buf = torch.empty(packed_nbytes(specs), dtype=torch.uint8, device=group.device)
         stream = torch.cuda.current_stream(buf.device) if buf.device.type == "cuda" else None
         posted = group.post_broadcast(buf, src=0, stream=stream)
+        names = [s.name for s in specs]
+        if check_first:
+            return PostedReceive([], group, [posted], cut=lambda: list(zip(names, unpack(buf, specs))))
         # The views are cut and the metadata checked while the bytes arrive
         # (a few ms of Python for a few hundred tensors).
-        views: list[torch.Tensor] = []
-        error = _unpack_check(buf, specs, check, views)
+        try:
+            views = unpack(buf, specs)
+        except ValueError as e:
+            views, error = [], WeightUpdateError(str(e))
+        else:
+            error = run_check(check, specs)
         if error is not None:
             posted.wait()  # nothing returns before a refused receive is done
             check_not_aborted(group)
             raise error
-        return PostedReceive(list(zip([s.name for s in specs], views)), group, [posted])
+        return PostedReceive(list(zip(names, views)), group, [posted])
     if check_first and (error := run_check(check, specs)) is not None:
         raise error
     out = []
@@ -1260,19 +1260,6 @@ def misaligned(specs: Sequence[TensorSpec]) -> WeightUpdateError | None:
             return WeightUpdateError(misaligned_message(s, pos))
         pos += s.nbytes
     return None
-
-
-def _unpack_check(buf: torch.Tensor, specs: Sequence[TensorSpec], check: SpecCheck | None,
-                  views: list[torch.Tensor] | None = None) -> Exception | None:
-    """Cut ``buf`` into ``specs``' views (into ``views``) and run ``check``:
-    the first exception, returned."""
-    try:
-        cut = unpack(buf, specs)
-    except ValueError as e:
-        return WeightUpdateError(str(e))
-    if views is not None:
-        views.extend(cut)
-    return run_check(check, specs)
 
 
 def receive_weights(group: Any, specs: Sequence[TensorSpec], flattened: bool,
