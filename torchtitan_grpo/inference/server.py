@@ -240,9 +240,8 @@ class SGLangRoutes:
         # Receives and copies run here, off the event loop and one at a time.
         self._transfer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weight-transfer")
         self._update_lock = asyncio.Lock()
-        self._specs_seen: dict[bytes, list[TensorSpec]] = {}
-        self._checked: dict[int, tuple[list[TensorSpec], list[bool]]] = {}
-        """id(specs) -> (specs, adopt flags) of buckets accepted with ``?ack=posted``."""
+        self._specs_seen: dict[bytes, tuple[list[TensorSpec], list[bool] | None]] = {}
+        """An update's body -> its specs, and its adopt flags once accepted with ``?ack=posted``."""
 
     def register(self, app: web.Application) -> None:
         r = app.router
@@ -516,12 +515,13 @@ class SGLangRoutes:
             # A trainer sends the same buckets every version: their specs are
             # built once (the first receive of each bucket goes out sooner).
             key = await request.read()  # read once already: the bytes the lists came from
-            specs = self._specs_seen.get(key)
-            if specs is None:
-                specs = _tensor_specs(names, dtypes, shapes)
+            seen = self._specs_seen.get(key)
+            if seen is None:
+                seen = (_tensor_specs(names, dtypes, shapes), None)
                 if len(self._specs_seen) >= 256:
                     self._specs_seen.clear()
-                self._specs_seen[key] = specs
+                self._specs_seen[key] = seen
+            specs, accepted = seen
             if load_format not in (None, "flattened_bucket"):
                 raise _Refused(f"field 'load_format' must be null or 'flattened_bucket', got {load_format!r}")
             group = self.groups.get(group_name)
@@ -537,19 +537,16 @@ class SGLangRoutes:
                 # group stays in step). ``?ack=posted``: checked first, answered
                 # once posted; the session's end waits for the bytes.
                 check, adopt = receive_check(self.engine, group.device)
-                known = self._checked.get(id(specs)) if ack else None
-                if known is not None and known[0] is specs:
+                if ack and accepted is not None:
                     # Checked first, this would hold the receive back by a few ms
                     # per bucket; the parameters' names, shapes and dtypes never
                     # change, so a bucket once accepted stays accepted.
-                    check, adopt = None, known[1]
+                    check, adopt = None, accepted
                 posted = await self._run(receive_update, ack, group, specs, load_format == "flattened_bucket",
                                          check)
                 cut_views_later(self._transfer, posted)
                 if ack and check is not None:
-                    if len(self._checked) >= 256:
-                        self._checked.clear()
-                    self._checked[id(specs)] = (specs, adopt)
+                    self._specs_seen[key] = (specs, adopt)
             except WeightUpdateError as e:
                 return self._refuse(f"{'refused, nothing received' if ack else 'received, not loaded'}: {e}")
             except Exception as e:
