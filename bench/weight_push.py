@@ -284,6 +284,8 @@ def _trace_replica_receives() -> None:
     TRACE.wrap(server, "post_receive", lambda group, specs, *a: f"replica post receive ({len(specs)} tensors)")
     TRACE.wrap(server_vllm, "post_packed", lambda group, specs, *a: f"replica post packed ({len(specs)} tensors)")
     TRACE.wrap(engine.PostedReceive, "wait", lambda p: f"replica wait for the bytes ({len(p.named)} tensors)")
+    # A session's end: the waits and the install inside, on the transfer thread.
+    TRACE.wrap(engine.PendingVersion, "load", lambda p, *a: f"replica load session ({len(p.parts)} updates)")
     # ?ack=posted: the views cut after the reply (the calls that found nothing to cut are left out)
     TRACE.wrap(engine.PostedReceive, "cut_views", lambda p: f"replica cut views ({len(p.named)} tensors)",
                only_if=bool)

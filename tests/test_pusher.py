@@ -2,6 +2,7 @@
 the trainer never waits, replicas skip to the newest version, a version is
 never applied half-way, a slow or dead replica is ejected and catches up."""
 
+import json
 import os
 import subprocess
 import sys
@@ -394,7 +395,7 @@ def test_session_end_goes_out_with_the_last_byte_only_to_the_builtin_server(
     _record_requests(monkeypatch, events, threading.Lock())
     if not builtin:
         async def not_builtin(self, r):
-            return False, False
+            return False, False, False
 
         monkeypatch.setattr(Pusher, "_builtin", not_builtin)
     # 0.5 s per update after its bytes arrived (inside the server's update lock).
@@ -412,6 +413,74 @@ def test_session_end_goes_out_with_the_last_byte_only_to_the_builtin_server(
         last_reply = max(i for i, e in enumerate(events) if e == ("reply", update))
         end_post = events.index(("post", end))
         assert (end_post < last_reply) is builtin, events
+    finally:
+        pusher.close()
+        stop_process(srv.proc)
+
+
+@pytest.mark.parametrize("builtin", [True, False])
+def test_sglang_version_rides_with_the_end_only_to_a_builtin_server_that_says_it_takes_it(
+        tmp_path, tiny_model_dir, loop, monkeypatch, builtin):
+    """The built-in server's /end_weight_update takes the session's version
+    (``end_weight_version`` in /model_info): its update bodies are then the
+    same bytes every version (encoded once here, parsed once there) and the
+    end carries ``weight_version``. Anything else (a real SGLang: the same
+    routes without the marker) gets SGLang's own order: the version in the
+    last bucket's update and an empty end. Either way the version is loaded
+    whole and named right."""
+    import threading
+
+    from torchtitan_grpo.weight_sync import control, pusher as pusher_mod
+
+    sent: list[tuple[str, dict]] = []
+    lock = threading.Lock()
+    real_post, real_pipelined = pusher_mod._post, control.PipelinedConnection.post
+
+    def record(url_or_path: str, body) -> None:
+        path = url_or_path[url_or_path.rindex("/"):]
+        if path in ("/update_weights_from_distributed", "/end_weight_update"):
+            with lock:
+                sent.append((path, json.loads(body) if isinstance(body, bytes) else dict(body or {})))
+
+    async def post(session, url, body, timeout_s, params=None):
+        record(url, body)
+        return await real_post(session, url, body, timeout_s, params)
+
+    def pipelined(self, path, body, params=None):
+        record(path, body)
+        return real_pipelined(self, path, body, params)
+
+    monkeypatch.setattr(pusher_mod, "_post", post)
+    monkeypatch.setattr(control.PipelinedConnection, "post", pipelined)
+    if not builtin:
+        async def not_builtin(self, r):
+            return False, False, False
+
+        monkeypatch.setattr(Pusher, "_builtin", not_builtin)
+    (srv,) = _servers(tmp_path, tiny_model_dir, [0.0])
+    pusher = Pusher(loop, [srv.url], PushConfig(mode="sync", protocol="sglang", bucket_bytes=32 << 10),
+                    torch.device("cpu"))
+    try:
+        pusher.connect(initial_version=0)
+        assert pusher.replicas[0].end_version is builtin
+        names = list(_weights(tiny_model_dir, 0.0))
+        bodies = {}
+        for v in (1, 2):
+            sent.clear()
+            pusher.push(_weights(tiny_model_dir, float(v)), version=v)
+            assert _served_markers(srv.url, names) == {float(v)} and _version(srv.url) == str(v)
+            updates = [b for p, b in sent if p == "/update_weights_from_distributed"]
+            ends = [b for p, b in sent if p == "/end_weight_update"]
+            assert len(updates) == len(pusher._plan) > 1 and len(ends) == 1, sent
+            assert [u["flush_cache"] for u in updates] == [False] * (len(updates) - 1) + [True]
+            if builtin:
+                assert all(u["weight_version"] is None for u in updates), updates
+                assert ends == [{"weight_version": str(v)}]
+            else:
+                assert [u["weight_version"] for u in updates] == [None] * (len(updates) - 1) + [str(v)]
+                assert ends == [{}]
+            bodies[v] = [{k: x for k, x in u.items() if k != "weight_version"} for u in updates]
+        assert bodies[1] == bodies[2]
     finally:
         pusher.close()
         stop_process(srv.proc)

@@ -456,6 +456,25 @@ def test_gloo_weight_push(server, model_dir, pool, hf_model):
     for n, t in bucket_tensors.items():
         assert torch.equal(_weights(server, n), t.float())
 
+    # The same bucket without a version, twice (parsed once, then kept): the
+    # version comes with the end (our extension, in /model_info), and each
+    # session loads its own bytes. A bad version there is refused by name and
+    # leaves the session open.
+    assert http(server, "/model_info")[1]["end_weight_version"] is True
+    unversioned = {k: v for k, v in flat.items() if k != "weight_version"}
+    for v, scale in (("v2b", 2.0), ("v2", 1.0)):
+        assert http(server, "/begin_weight_update", {})[1]["success"]
+        scaled = [bucket_tensors[s.name] * scale for s in bucket]
+        status, body = _push(pool, server, group, unversioned, [pack(scaled)])
+        assert status == 200 and body["success"], body
+        status, body = http(server, "/end_weight_update", {"weight_version": 2}, valid=False)
+        assert status == 400 and "weight_version" in body["message"], body
+        status, body = http(server, "/end_weight_update", {"weight_version": v})
+        assert status == 200 and body["success"], body
+        assert http(server, "/model_info")[1]["weight_version"] == v
+        for s_, t in zip(bucket, scaled):
+            assert torch.equal(_weights(server, s_.name), t.float())
+
     # the pushed weights are the ones generating: compare with a local copy
     local = {k: v.clone() for k, v in hf_model.state_dict().items()}
     local.update(new)

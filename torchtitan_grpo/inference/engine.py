@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from torchtitan_grpo.weight_sync.buckets import TensorSpec, misaligned_message, packed_nbytes, unpack
+from torchtitan_grpo.weight_sync.buckets import TensorSpec, misaligned_message, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -1198,7 +1198,8 @@ class PostedReceive:
 
 
 def post_receive(group: Any, specs: Sequence[TensorSpec], flattened: bool,
-                 check: SpecCheck | None = None, check_first: bool = False) -> PostedReceive:
+                 check: SpecCheck | None = None, check_first: bool = False,
+                 layout: FlatLayout | None = None) -> PostedReceive:
     """Post the receive of one update from rank 0 of ``group`` (a
     WeightGroup) and return without waiting for its bytes where it can.
 
@@ -1213,14 +1214,17 @@ def post_receive(group: Any, specs: Sequence[TensorSpec], flattened: bool,
     order) returns complete. With ``check_first`` the reply need not wait
     for the views either: they are cut by ``PostedReceive.cut_views`` (the
     server queues it on the transfer thread after the reply) or ``wait``.
+    ``layout``: ``FlatLayout.of(specs)``, kept by a caller that receives the
+    same bucket every version.
     """
     if flattened:
-        if check_first and (error := misaligned(specs) or run_check(check, specs)) is not None:
+        layout = layout if layout is not None else FlatLayout.of(specs)
+        if check_first and (error := layout.misaligned or run_check(check, specs)) is not None:
             raise error  # nothing posted
-        buf = torch.empty(packed_nbytes(specs), dtype=torch.uint8, device=group.device)
+        buf = torch.empty(layout.nbytes, dtype=torch.uint8, device=group.device)
         stream = torch.cuda.current_stream(buf.device) if buf.device.type == "cuda" else None
         posted = group.post_broadcast(buf, src=0, stream=stream)
-        names = [s.name for s in specs]
+        names = layout.names
         if check_first:
             return PostedReceive([], group, [posted], cut=lambda: list(zip(names, unpack(buf, specs))))
         # The views are cut and the metadata checked while the bytes arrive
@@ -1250,16 +1254,29 @@ def post_receive(group: Any, specs: Sequence[TensorSpec], flattened: bool,
     return PostedReceive(out, group)
 
 
-def misaligned(specs: Sequence[TensorSpec]) -> WeightUpdateError | None:
-    """The error of a flattened bucket that ``unpack`` could not cut into
-    views (a tensor at an offset that is no multiple of its itemsize), found
-    by arithmetic alone: no buffer, no view."""
-    pos = 0
-    for s in specs:
-        if pos % s.itemsize:
-            return WeightUpdateError(misaligned_message(s, pos))
-        pos += s.nbytes
-    return None
+@dataclass(frozen=True)
+class FlatLayout:
+    """What posting a flattened bucket's receive needs from its specs beyond
+    the specs themselves, worked out in one pass: a server that sees the same
+    bucket every version keeps it (~0.3 ms of Python for 269 tensors, ahead
+    of the post on every version otherwise)."""
+
+    names: list[str]
+    nbytes: int
+    """The bucket's size: its tensors' bytes back to back."""
+    misaligned: WeightUpdateError | None
+    """Why ``unpack`` could not cut it into views (a tensor at an offset that
+    is no multiple of its itemsize), found by arithmetic alone (no buffer,
+    no view); None if it can."""
+
+    @classmethod
+    def of(cls, specs: Sequence[TensorSpec]) -> FlatLayout:
+        pos, error = 0, None
+        for s in specs:
+            if error is None and pos % s.itemsize:
+                error = WeightUpdateError(misaligned_message(s, pos))
+            pos += s.nbytes
+        return cls([s.name for s in specs], pos, error)
 
 
 def receive_weights(group: Any, specs: Sequence[TensorSpec], flattened: bool,

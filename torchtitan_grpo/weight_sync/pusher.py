@@ -256,6 +256,10 @@ class _Replica:
     """The built-in server answers an SGLang update with ``?ack=posted`` once
     its receive is posted: pipelined, each broadcast then follows its own
     update's reply, never spinning, and the next one queues behind it."""
+    end_version: bool = False
+    """The built-in server takes an SGLang session's version at its end
+    (``/end_weight_update`` with ``weight_version``): every update body is
+    then the same each version, encoded once here and parsed once there."""
     conn: PipelinedConnection | None = None
     """The pipelined connection of the last transfer (``PushConfig.pipelined``), reused while usable."""
     world_size: int = 2  # trainer + the replica's ranks (its TP*PP*DP workers)
@@ -399,7 +403,7 @@ class Pusher:
         """One weight group for replica ``r``: its HTTP join and ours run at
         once (each blocks until the other side has joined)."""
         r.world_size = 1 + await self._replica_ranks(r)
-        r.builtin, r.ack_posted = await self._builtin(r)  # before the vLLM handshake is chosen below
+        r.builtin, r.ack_posted, r.end_version = await self._builtin(r)  # before the vLLM handshake below
         executor = DaemonExecutor(f"push-{r.url}")
         real_vllm_nccl = self.cfg.protocol == "vllm" and self.cfg.backend == "nccl" and not r.builtin
         if real_vllm_nccl:
@@ -469,13 +473,15 @@ class Pusher:
         tp = info.get("tp_size") if isinstance(info, dict) else None
         return int(tp) if isinstance(tp, int) and tp >= 1 else 1
 
-    async def _builtin(self, r: _Replica) -> tuple[bool, bool]:
+    async def _builtin(self, r: _Replica) -> tuple[bool, bool, bool]:
         """Whether ``r`` is the built-in server, whose /model_info names it
         (a real vLLM has no /model_info; a real SGLang's has no ``engine``
-        field), and whether its SGLang update route takes ``?ack=posted``."""
+        field), whether its SGLang update route takes ``?ack=posted`` and
+        whether its session's end takes the version."""
         info = await self._get(r.url + "/model_info")
         builtin = isinstance(info, dict) and info.get("engine") == BUILTIN_ENGINE
-        return builtin, builtin and info.get("update_ack_posted") is True
+        return (builtin, builtin and info.get("update_ack_posted") is True,
+                builtin and info.get("end_weight_version") is True)
 
     def add_replica(self, url: str) -> bool:
         """A replica that joined the fleet (e.g. through the pool's replica
@@ -843,16 +849,24 @@ class Pusher:
     def _update_bodies(self, plan: list[list[bk.TensorSpec]]) -> list[bytes]:
         """The update requests' JSON for ``plan``, the same every version, so
         encoded once per plan (~0.6 ms for 399 tensors): vLLM's one request;
-        SGLang's requests of every bucket but the last (which carries the
-        version and flushes the cache)."""
+        SGLang's request of each bucket, without the version (the last one
+        flushes the cache; it carries the version unless the replica takes
+        that at the session's end, ``_Replica.end_version``)."""
         if self._bodies is None or self._bodies[0] is not plan:
             if self.cfg.protocol == "sglang":
-                bodies = [sglang.update_request(*_spec_lists(bucket), GROUP_NAME, flattened=True, flush_cache=False,
-                                                weight_version=None) for bucket in plan[:-1]]
+                flush = self.cfg.pause_mode != "in_place"
+                bodies = [sglang.update_request(*_spec_lists(bucket), GROUP_NAME, flattened=True,
+                                                flush_cache=flush and k == len(plan) - 1, weight_version=None)
+                          for k, bucket in enumerate(plan)]
             else:
                 bodies = [vllm.update_weights_request(*_spec_lists([b for chunk in plan for b in chunk]))]
             self._bodies = (plan, [json.dumps(b).encode() for b in bodies])
         return self._bodies[1]
+
+    @staticmethod
+    def _end_body(r: _Replica, staged: _Staged) -> dict:
+        """An SGLang session's end: with the version where the replica takes it there."""
+        return {"weight_version": str(staged.version)} if r.end_version else {}
 
     async def _requests(self, r: _Replica) -> _Requests:
         """A transfer's way to post requests: pipelined to a built-in server
@@ -906,7 +920,7 @@ class Pusher:
             ack = self._acks_posted(r, req)
 
             def post_update(k: int) -> asyncio.Future:
-                body: dict | bytes = bodies[k] if k < n - 1 else sglang.update_request(
+                body: dict | bytes = bodies[k] if k < n - 1 or r.end_version else sglang.update_request(
                     *_spec_lists(staged.plan[k]), GROUP_NAME, flattened=True,
                     flush_cache=self.cfg.pause_mode != "in_place", weight_version=str(staged.version))
                 return req.post("/update_weights_from_distributed", body, self.cfg.deadline_s,
@@ -920,7 +934,7 @@ class Pusher:
                 updates = [post_update(k) for k in range(n)]
                 watched += updates
                 if r.sessionful:
-                    watched.append(req.post("/end_weight_update", {}, self.cfg.deadline_s))
+                    watched.append(req.post("/end_weight_update", self._end_body(r, staged), self.cfg.deadline_s))
                 if pausing:
                     watched.append(req.post("/continue_generation", {}, 30))
             for k in range(n):
@@ -956,7 +970,8 @@ class Pusher:
             if req.in_order:
                 await self._answered(watched)
             else:
-                await self._close_session(r, updates, "/end_weight_update", {} if r.sessionful else None)
+                await self._close_session(r, updates, "/end_weight_update",
+                                          self._end_body(r, staged) if r.sessionful else None)
             answered = True
         finally:
             if pausing and not (answered and req.in_order):
