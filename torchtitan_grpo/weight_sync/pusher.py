@@ -34,7 +34,9 @@ broadcasts wait for replies; with pipelining off it still gets a session's
 end with the last byte rather than after the last reply. Its SGLang updates
 also ask for ``?ack=posted`` (``ack_posted``): update k is answered once its
 receive is posted, and bucket k then goes out, queued behind bucket k-1
-still in flight, so the link does not idle between buckets.
+still in flight, so the link does not idle between buckets. Its session's
+end takes the version (``_Replica.end_version``), so every update body is
+the same bytes each version, parsed once by the server.
 
 When the caller waits for the replicas (sync mode), a version is handed to
 the senders as soon as its staging buffer is chosen, before the trainer has
