@@ -1,7 +1,7 @@
 """Weight-push bandwidth against the raw broadcast bandwidth, measured in one run.
 
     python bench/weight_push.py [--sets 0.6B,4B,8B] [--bucket-mb 256,1024] [--reps 3]
-                                [--protocols sglang,vllm[,sglang-seq,sglang-noack,vllm-seq]] [--disk-sets 0.6B,4B]
+                                [--protocols sglang,vllm[,sglang-seq,sglang-noack,vllm-seq,vllm-noack]] [--disk-sets 0.6B,4B]
     python bench/weight_push.py --cpu        # gloo, a tiny set (what the tests run)
 
 Two processes: rank 0 on cuda:0 is the trainer side, rank 1 on cuda:1 is one
@@ -28,15 +28,19 @@ set the same bytes go over these paths:
     ``/update_weights_from_distributed?ack=posted`` per bucket / end over
     HTTP while the same broadcasts run, each bucket sent once its update is
     answered (its receive posted), queued behind the one in flight;
-  - ``vllm``: pause / start / one ``/update_weights`` while every packed
-    chunk (of 'bucket MiB') is broadcast / finish / resume; the server
-    receives each chunk into a buffer of its own and keeps its tensors as
-    views of it (those at unaligned offsets are copied out on a side stream);
+  - ``vllm``: start / one ``/update_weights?ack=posted`` while every packed
+    chunk (of 'bucket MiB') is broadcast / finish / resume, with the pause
+    on a request of its own and the finish after its reply; the update is
+    answered once its receives are posted, so the finish is handled while
+    the bytes arrive. The server receives each chunk into a buffer of its
+    own and keeps its tensors as views of it (those at unaligned offsets are
+    copied out on a side stream);
   - ``disk`` (the sets of ``--disk-sets``, once per set): safetensors of the
     version written to a local folder, ``/update_weights_from_disk``;
-  - ``sglang-noack`` (only when named): the same without ``ack_posted``:
-    each update answered after its bytes, bucket k sent after the reply to
-    k-1 (the default until run 48).
+  - ``sglang-noack``, ``vllm-noack`` (only when named): the same without
+    ``ack_posted``: each update answered after its bytes (SGLang: bucket k
+    sent after the reply to k-1, the default until run 48; vLLM: the
+    finish handled after the update's reply, the default until run 55).
   - ``sglang-seq``, ``vllm-seq`` (only when named in ``--protocols``): the
     same with ``PushConfig.pipelined`` off, each request sent after the
     reply it must follow, as a real SGLang or vLLM gets them (the built-in
@@ -536,9 +540,10 @@ def _all_ok(r: Ranks, ok: bool) -> bool:
 # ----------------------------------------------------------------------- output
 
 
-PUSH_PATHS = ("sglang", "sglang-seq", "sglang-noack", "vllm", "vllm-seq")
+PUSH_PATHS = ("sglang", "sglang-seq", "sglang-noack", "vllm", "vllm-seq", "vllm-noack")
 """``-seq``: to the same built-in server without pipelined requests (``PushConfig.pipelined``
-off: each request after the reply it must follow), the way a real SGLang or vLLM is sent to."""
+off: each request after the reply it must follow), the way a real SGLang or vLLM is sent to;
+``-noack``: without ``PushConfig.ack_posted``."""
 PATHS = PUSH_PATHS + ("disk",)
 
 
@@ -637,7 +642,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions per path (after one warm-up)")
     ap.add_argument("--protocols", default="sglang,vllm",
                     help="push paths to measure, comma-separated, of " + ", ".join(PUSH_PATHS)
-                    + " (-seq: pipelined requests off)")
+                    + " (-seq: pipelined requests off; -noack: ack_posted off)")
     ap.add_argument("--disk-sets", default=None, help="sets also pushed through the disk transport (GPU: "
                                                        f"{GPU_DISK_SETS}; --cpu: {CPU_SETS}); 'none' for none")
     ap.add_argument("--trace", action="store_true", help="print a timeline of the last version of each push")

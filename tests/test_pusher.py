@@ -490,11 +490,12 @@ def test_sglang_version_rides_with_the_end_only_to_a_builtin_server_that_says_it
 def test_pipelined_requests_go_out_before_the_replies_they_follow(tmp_path, tiny_model_dir, loop, monkeypatch,
                                                                   protocol):
     """To the built-in server a transfer's requests all go out at once on one
-    connection (vLLM: pause, start, update, finish, resume; SGLang: pause,
-    begin, every bucket's update, end, continue), while the broadcasts still
-    wait for the opened session (and SGLang's bucket k for the reply to k-1);
-    the connection is kept for the next transfer unless it has been idle too
-    long, and every version is whole."""
+    connection (vLLM: start, update, finish, resume; SGLang: begin, every
+    bucket's update, end, continue), except that the pause goes aside on a
+    request of its own and the session's end follows its reply; the
+    broadcasts still wait for the opened session (and SGLang's bucket k for
+    the reply to k-1); the connection is kept for the next transfer unless it
+    has been idle too long, and every version is whole."""
     import threading
 
     from torchtitan_grpo.weight_sync import control
@@ -529,17 +530,25 @@ def test_pipelined_requests_go_out_before_the_replies_they_follow(tmp_path, tiny
             assert _served_markers(srv.url, names) == {float(v)} and _version(srv.url) == str(v)
             first_reply = next(i for i, e in enumerate(events) if e[0] == "reply")
             first_broadcast = events.index(("broadcast", "0"))
+            posts = [p for kind, p in events if kind == "post"]
             if protocol == "vllm":
-                posted = ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "/resume"]
-                assert [p for kind, p in events[:first_reply] if kind == "post"] == posted, events
+                pause, end = "/pause", "/finish_weight_update"
+                opening = ["/start_weight_update", "/update_weights"]
+                closing = [end, "/resume"]
                 assert events.index(("reply", "/start_weight_update")) < first_broadcast, events
             else:
                 n = len(pusher._plan)
                 assert n > 2  # several buckets
-                posted = (["/pause_generation", "/begin_weight_update"] + ["/update_weights_from_distributed"] * n
-                          + ["/end_weight_update", "/continue_generation"])
-                assert [p for kind, p in events[:first_reply] if kind == "post"] == posted, events
+                pause, end = "/pause_generation", "/end_weight_update"
+                opening = ["/begin_weight_update"] + ["/update_weights_from_distributed"] * n
+                closing = [end, "/continue_generation"]
                 assert events.index(("reply", "/begin_weight_update")) < first_broadcast, events
+            assert posts.count(pause) == 1 and [p for p in posts if p != pause] == opening + closing, events
+            # the opening requests go out before any reply; the end after the pause's
+            assert [p for kind, p in events[:first_reply] if kind == "post" and p != pause] == opening, events
+            assert events.index(("reply", pause)) < events.index(("post", end)), events
+            assert pusher.replicas[0].ack_posted  # its updates are answered once posted (both protocols)
+            if protocol == "sglang":
                 replies = [i for i, e in enumerate(events) if e == ("reply", "/update_weights_from_distributed")]
                 for k in range(1, n):  # bucket k is broadcast after the reply to k-1
                     assert replies[k - 1] < events.index(("broadcast", str(k))), events

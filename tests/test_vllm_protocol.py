@@ -451,6 +451,76 @@ def test_weight_push_through_vllm_routes(server, model_dir, pool):
     assert complete(server, short)["choices"][0]["token_ids"] == before["choices"][0]["token_ids"]
 
 
+def test_ack_posted_answers_a_packed_update_before_its_bytes(server, model_dir, pool):
+    """``/update_weights?ack=posted`` (packed): answered once its receives are
+    posted, before the trainer sends a byte; /finish_weight_update then
+    waits for the bytes and loads the round. The same body the next version
+    is answered as early (its acceptance remembered). A refused update is
+    answered after its bytes, as without the parameter (the trainer is
+    already sending them); a shutdown with receives posted and no bytes
+    coming ends them, loading nothing."""
+    from safetensors.torch import load_file
+
+    original = load_file(os.path.join(model_dir, "model.safetensors"))
+    g = torch.Generator().manual_seed(11)
+    group, _ = _init(pool, server, packed=True, packed_buffer_size_bytes=3000)
+    ack = {"ack": "posted"}
+    names = [("model.layers.1.self_attn.q_norm.weight", torch.bfloat16, (16,)),
+             ("model.norm.weight", torch.float32, (64,)),  # at an unaligned offset: copied out
+             ("lm_head.weight", torch.bfloat16, (128, 64))]
+
+    def version() -> list:
+        return [(n, torch.randn(shape, generator=g).to(dt)) for n, dt, shape in names]
+
+    def body(named: list) -> dict:
+        return vllm.update_weights_request(*zip(*[(n, dtype_name(t.dtype), list(t.shape)) for n, t in named]))
+
+    try:
+        post(server, vllm.START_WEIGHT_UPDATE)
+        assert_error(post(server, vllm.UPDATE_WEIGHTS, body(version()), query={"ack": "later"}), 400, "ack")
+        for v in ("ack-1", "ack-2"):  # the second round: the same body, accepted before
+            named = version()
+            if v == "ack-2":
+                post(server, vllm.START_WEIGHT_UPDATE)
+            assert post(server, vllm.UPDATE_WEIGHTS, body(named), query=ack, timeout=20) == \
+                (200, {"message": "Weights received, loaded at /finish_weight_update"})
+            finished = pool.submit(post, server, vllm.FINISH_WEIGHT_UPDATE, vllm.finish_weight_update_request(v))
+            time.sleep(0.3)
+            assert not finished.done()  # the finish waits for the bytes
+            assert vg.send_weights(group, named, True, 3000) == 1
+            assert finished.result(timeout=60) == (200, {"message": "Weight update finished"})
+            assert http(server, vllm.WEIGHT_INFO)[1] == {"weight_version": v}
+            for n, t in named:
+                assert torch.equal(_weights(server, n), t.float()), n
+        # Refused (an unknown name): answered only after its bytes, and the round loads nothing.
+        post(server, vllm.START_WEIGHT_UPDATE)
+        bad = [("model.norm.weight", torch.zeros(64)), ("model.no_such.weight", torch.zeros(3))]
+        reply = pool.submit(post, server, vllm.UPDATE_WEIGHTS, body(bad), query=ack)
+        time.sleep(0.3)
+        assert not reply.done()
+        vg.send_weights(group, bad, True, 3000)
+        assert_error(reply.result(timeout=60), 400, "model.no_such.weight")
+        assert_error(post(server, vllm.FINISH_WEIGHT_UPDATE, vllm.finish_weight_update_request("ack-3")), 400)
+        assert http(server, vllm.WEIGHT_INFO)[1] == {"weight_version": "ack-2"}
+        # Receives posted, no bytes coming: the shutdown ends them at once.
+        post(server, vllm.START_WEIGHT_UPDATE)
+        assert post(server, vllm.UPDATE_WEIGHTS, body(version()), query=ack, timeout=20)[0] == 200
+        t0 = time.monotonic()
+        assert post(server, vllm.SHUTDOWN_WEIGHT_TRANSFER, timeout=20)[0] == 200
+        assert time.monotonic() - t0 < 15
+        assert http(server, vllm.WEIGHT_INFO)[1] == {"weight_version": "ack-2"}
+    finally:
+        group.close()
+        post(server, vllm.SHUTDOWN_WEIGHT_TRANSFER)
+        group, _ = _init(pool, server, packed=True)  # the checkpoint back for the other tests
+        post(server, vllm.START_WEIGHT_UPDATE)
+        restore = [(n, original[n]) for n, _, _ in names]
+        assert _update(pool, server, group, restore, packed=True)[0][0] == 200
+        post(server, vllm.FINISH_WEIGHT_UPDATE, vllm.finish_weight_update_request("default"))
+        post(server, vllm.SHUTDOWN_WEIGHT_TRANSFER)
+        group.close()
+
+
 def test_debug_update_delay_slows_both_protocols(model_dir, tmp_path, pool):
     log = tmp_path / "slow.log"
     proc, url = start_server(model_dir, log, "--debug-update-delay-s", "0.6")

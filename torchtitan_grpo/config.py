@@ -219,13 +219,13 @@ class WeightSync:
     request after another's reply, as their documentation orders them."""
 
     ack_posted: bool = True
-    """Built-in servers spoken to in SGLang's protocol, with
-    ``pipeline_requests``: each bucket's update is answered once its receive
-    is posted (``?ack=posted``) and the bucket goes out then, queued behind
-    the one in flight: the link never idles between buckets and no broadcast
-    waits on the trainer's GPU for a receive (2 H200s, 8B in 1 GiB buckets:
-    0.73 -> 0.89 of raw NCCL; docs/PERFORMANCE.md runs 47-48). vLLM's
-    protocol (one update per version) never asks for it."""
+    """Built-in servers, with ``pipeline_requests``: each update is answered
+    once its receive is posted (``?ack=posted``). In SGLang's protocol each
+    bucket goes out then, queued behind the one in flight: the link never
+    idles between buckets and no broadcast waits on the trainer's GPU for a
+    receive (2 H200s, 8B in 1 GiB buckets: 0.73 -> 0.89 of raw NCCL;
+    docs/PERFORMANCE.md runs 47-48). In vLLM's (one update per version) the
+    finish is then handled while the bytes arrive instead of after them."""
 
     master_address: str = "127.0.0.1"
     """Address the trainer's weight-group stores listen on (reachable by every replica)."""

@@ -62,7 +62,7 @@ from torchtitan_grpo.inference.engine import (
     read_safetensors_dir,
 )
 
-from torchtitan_grpo.inference.server_vllm import VLLMRoutes, debug_update_delay
+from torchtitan_grpo.inference.server_vllm import VLLMRoutes, ack_posted, debug_update_delay
 from torchtitan_grpo.inference.types import BUILTIN_ENGINE
 from torchtitan_grpo.weight_sync.buckets import TensorSpec, specs_from_lists
 
@@ -660,8 +660,9 @@ class SGLangRoutes:
                 "dtype": str(next(self.engine.model.parameters()).dtype).removeprefix("torch."),
                 "max_batch_size": self.cfg.max_batch_size,
                 "engine": BUILTIN_ENGINE,
-                # SGLang's update route takes ?ack=posted (see ack_posted)
+                # the update routes take ?ack=posted (see ack_posted): SGLang's, vLLM's
                 "update_ack_posted": True,
+                "vllm_update_ack_posted": True,
                 # /end_weight_update takes the session's weight_version
                 "end_weight_version": True,
             }
@@ -749,20 +750,6 @@ def cut_views_later(transfer: concurrent.futures.Executor, posted: PostedReceive
             transfer.submit(posted.cut_views)
         except RuntimeError:  # shut down: ``wait``, if it ever comes, cuts them
             pass
-
-
-def ack_posted(request: web.Request) -> bool:
-    """Our extension of SGLang's update route: ``?ack=posted`` asks for the
-    reply once the receive is posted, the metadata checked first (refused
-    with nothing posted), so that a sender that broadcasts only after the
-    reply can queue the next bucket behind the one in flight; the session's
-    end then waits for the bytes. Without it the reply comes after the
-    bytes, as from SGLang. Raises ValueError naming the parameter for any
-    other value."""
-    ack = request.query.get("ack")
-    if ack not in (None, "posted"):
-        raise ValueError(f"query parameter 'ack' must be 'posted' or absent, got {ack!r}")
-    return ack == "posted"
 
 
 def _shielded(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):

@@ -412,6 +412,39 @@ class _PostedChunk:
     (``posted`` waits for it; the copies out of the chunk too)."""
 
 
+def receive_packed_update(ack: bool, group: Any, specs: list[TensorSpec], buffer_bytes: int, num_buffers: int,
+                          check: SpecCheck | None, chunks: list[list[TensorSpec]] | None) -> PostedReceive:
+    """One packed update on the transfer thread (one hop either way): posted
+    (:func:`post_packed`), then, unless ``ack``, waited for."""
+    posted = post_packed(group, specs, buffer_bytes, num_buffers, check, chunks)
+    if not ack:
+        posted.wait()
+    return posted
+
+
+def ack_posted(request: web.Request) -> bool:
+    """Our extension of both update routes: ``?ack=posted`` asks for the
+    reply once the receive is posted, and the session's end
+    (/end_weight_update, /finish_weight_update) then waits for the bytes.
+    Without it the reply comes after the bytes, as from SGLang and vLLM.
+
+    * SGLang's /update_weights_from_distributed: the metadata is checked
+      before the post (refused, nothing posted), so a sender that broadcasts
+      only after the reply can queue the next bucket behind the one in flight.
+    * vLLM's /update_weights (packed): the sender broadcasts once the round
+      is started, so the receive is always posted and a refused update is
+      answered after its bytes, as without it; an accepted one is answered
+      at once, and a pipelined /finish_weight_update is then handled while
+      the bytes arrive instead of after them.
+
+    Either way an update once accepted is not checked again. Raises
+    ValueError naming the parameter for any other value."""
+    ack = request.query.get("ack")
+    if ack not in (None, "posted"):
+        raise ValueError(f"query parameter 'ack' must be 'posted' or absent, got {ack!r}")
+    return ack == "posted"
+
+
 def _post_chunk(group: Any, chunk: list[TensorSpec], main: Any) -> _PostedChunk:
     pos = offsets(chunk)
     buf = torch.empty(pos[-1], dtype=torch.uint8, device=group.device)
@@ -464,8 +497,20 @@ class _Transfer:
     that is shut down loads nothing)."""
     last_specs: list[TensorSpec] | None = None
     """Metadata of the last /update_weights (an all-empty update_info reuses it)."""
-    parsed: tuple[bytes, list[TensorSpec], list[list[TensorSpec]] | None] | None = None
-    """The last /update_weights body parsed: its bytes, specs and packed chunks."""
+    parsed: _ParsedUpdate | None = None
+    """The last /update_weights body parsed."""
+
+
+@dataclass
+class _ParsedUpdate:
+    """An /update_weights body, parsed once: a trainer sends the same one every version."""
+
+    raw: bytes
+    specs: list[TensorSpec]
+    chunks: list[list[TensorSpec]] | None
+    """Packed mode: the chunks the sender cuts."""
+    accepted: list[bool] | None = None
+    """Its adopt flags, once it was checked and accepted with ``?ack=posted``."""
 
 
 class VLLMRoutes:
@@ -717,41 +762,55 @@ class VLLMRoutes:
         raw = await request.read()
         # Everything that can be refused is refused before the first receive:
         # a receive posted for a refused update would desynchronise the group.
+        try:
+            ack = ack_posted(request)
+        except ValueError as e:
+            raise _bad(str(e), "ack") from None
         group = self._require_group()
         if self.t.update is None:
             raise _bad("no weight update in progress: call /start_weight_update first (nothing was received)")
         info = self.t.info
-        if self.t.parsed is not None and self.t.parsed[0] == raw:
+        parsed = self.t.parsed
+        if parsed is None or parsed.raw != raw:
             # A trainer sends the same metadata every version: parsing it and
             # cutting its chunks again would hold the first receive back
             # (~0.8 ms for 399 tensors).
-            specs, chunks = self.t.parsed[1], self.t.parsed[2]
-        else:
             specs = _parse_update_info((await _json(request)).get("update_info"), self.t.last_specs)
             chunks = plan_packed_chunks(specs, info.packed_buffer_size_bytes) if info.packed else None
-            self.t.parsed = (raw, specs, chunks)
+            parsed = self.t.parsed = _ParsedUpdate(raw, specs, chunks)
+        ack = ack and info.packed  # per-tensor receives (packed off) are answered after their bytes
         async with self._lock:
             # The metadata is checked while the bytes arrive and refused once
             # they have (``check``): the group stays in step with the sender.
             check, adopt = receive_check(self.engine, group.device)
+            if ack and parsed.accepted is not None:
+                # The parameters' names, shapes and dtypes never change: an
+                # update once accepted stays accepted, and checking it again
+                # (~1 ms for 399 tensors) would hold its early reply back.
+                check, adopt = None, parsed.accepted
             try:
                 if info.packed:
-                    named = await self._run(receive_packed, group, specs, info.packed_buffer_size_bytes,
-                                            info.packed_num_buffers, check, chunks)
+                    posted = await self._run(receive_packed_update, ack, group, parsed.specs,
+                                             info.packed_buffer_size_bytes, info.packed_num_buffers, check,
+                                             parsed.chunks)
                 else:
-                    named = await self._run(receive_weights, group, specs, False, check)
+                    posted = PostedReceive(await self._run(receive_weights, group, parsed.specs, False, check),
+                                           group)
             except WeightUpdateError as e:
-                self.t.last_specs = specs
+                self.t.last_specs = parsed.specs
                 self.t.update.fail(str(e))
                 raise _bad(f"weights not loaded (model unchanged): {e}", "update_info.names") from None
             except Exception as e:
                 logger.warning("vLLM weight receive failed: %s", e)
                 self.t.update.fail(f"{type(e).__name__}: {e}")
                 raise VLLMError(500, f"receiving weights failed: {type(e).__name__}: {e}") from None
-            self.t.last_specs = specs
+            if ack and check is not None:
+                parsed.accepted = adopt
+            self.t.last_specs = parsed.specs
             await debug_update_delay(self.cfg)
-            self.t.update.keep(named, adopt=adopt)
-        return web.json_response({"message": "Weights updated"})
+            self.t.update.keep(posted.named, adopt=adopt, posted=posted)
+        return web.json_response({"message": "Weights received, loaded at /finish_weight_update" if ack
+                                  else "Weights updated"})
 
     async def finish_weight_update(self, request: web.Request) -> web.Response:
         """End the update and load what it received, all at once (waiting,
@@ -768,10 +827,13 @@ class VLLMRoutes:
         return web.json_response({"message": "Weight update finished"})
 
     async def shutdown_weight_transfer_engine(self, request: web.Request) -> web.Response:
-        if self._lock.locked() and self.t.group is not None:
-            # An update is stuck in a receive (trainer gone): aborting the group
-            # ends an NCCL receive at once; a gloo one only ends at its timeout
-            # (--weight-group-timeout), and the shutdown waits for it.
+        update = self.t.update
+        if self.t.group is not None and (self._lock.locked() or
+                                         (update is not None and update.in_flight(self.t.group))):
+            # An update is stuck in a receive (trainer gone), or one answered
+            # early (``?ack=posted``) still has receives posted: aborting the
+            # group ends an NCCL receive at once; a gloo one only ends at its
+            # timeout (--weight-group-timeout), and the shutdown waits for it.
             await asyncio.to_thread(self.t.group.abort)
         async with self._lock:
             group, self.t = self.t.group, _Transfer()

@@ -29,14 +29,18 @@ starts after the reply to k. A real SGLang or vLLM gets each request that
 must follow another only after the other's reply. The built-in server takes
 them pipelined on one connection (``control.PipelinedConnection``) and
 handles them in order, so there every request goes out as soon as it can be
-written (vLLM: pause, start, update, finish and resume at once) and only the
+written (vLLM: start, update, finish and resume at once) and only the
 broadcasts wait for replies; with pipelining off it still gets a session's
-end with the last byte rather than after the last reply. Its SGLang updates
-also ask for ``?ack=posted`` (``ack_posted``): update k is answered once its
-receive is posted, and bucket k then goes out, queued behind bucket k-1
-still in flight, so the link does not idle between buckets. Its session's
-end takes the version (``_Replica.end_version``), so every update body is
-the same bytes each version, parsed once by the server.
+end with the last byte rather than after the last reply. It loads a version
+only at the session's end, so its pause goes aside, on a request of its own,
+and only the end waits for it (``_pause_aside``): the bytes never wait for
+a replica to stop generating. Its updates also ask for ``?ack=posted``
+(``ack_posted``): each is answered once its receive is posted. SGLang's
+bucket k then goes out, queued behind bucket k-1 still in flight, so the
+link does not idle between buckets; vLLM's finish is handled while the
+bytes arrive. Its SGLang session's end takes the version
+(``_Replica.end_version``), so every update body is the same bytes each
+version, parsed once by the server.
 
 When the caller waits for the replicas (sync mode), a version is handed to
 the senders as soon as its staging buffer is chosen, before the trainer has
@@ -135,13 +139,13 @@ class PushConfig:
     reply (``control.PipelinedConnection``). The broadcasts still wait for the
     same replies (a confirmed session, the previous bucket) either way."""
     ack_posted: bool = True
-    """SGLang's protocol, pipelined to a built-in server: ask for each
-    update's reply once its receive is posted (``?ack=posted``) and send each
-    bucket then, queued behind the one in flight, so the link never idles
-    between buckets and no broadcast waits on the trainer's GPU for a
-    receive (2 H200s, 8B in 1 GiB buckets: 0.73 -> 0.89 of raw NCCL;
-    docs/PERFORMANCE.md runs 47-48). vLLM's protocol sends one update per
-    version, so there is nothing to queue behind: never asked there."""
+    """Pipelined to a built-in server: ask for each update's reply once its
+    receive is posted (``?ack=posted``). SGLang's protocol sends each bucket
+    then, queued behind the one in flight, so the link never idles between
+    buckets and no broadcast waits on the trainer's GPU for a receive (2
+    H200s, 8B in 1 GiB buckets: 0.73 -> 0.89 of raw NCCL; docs/PERFORMANCE.md
+    runs 47-48). vLLM's protocol still broadcasts once the round is started;
+    its finish is then handled while the bytes arrive, not after them."""
     large_tensor_bytes: int = 16 << 20
     """Tensors of at least this many bytes are staged with a copy of their own,
     the others with one ``_foreach_copy_`` per bucket: a launch per tensor
@@ -255,9 +259,10 @@ class _Replica:
     posted as soon as the last byte has arrived instead of after the reply,
     and it takes pipelined requests (``conn``)."""
     ack_posted: bool = False
-    """The built-in server answers an SGLang update with ``?ack=posted`` once
-    its receive is posted: pipelined, each broadcast then follows its own
-    update's reply, never spinning, and the next one queues behind it."""
+    """The built-in server answers an update with ``?ack=posted`` once its
+    receive is posted. SGLang, pipelined: each broadcast then follows its own
+    update's reply, never spinning, and the next one queues behind it. vLLM,
+    pipelined: the finish is handled while the bytes arrive."""
     end_version: bool = False
     """The built-in server takes an SGLang session's version at its end
     (``/end_weight_update`` with ``weight_version``): every update body is
@@ -478,11 +483,12 @@ class Pusher:
     async def _builtin(self, r: _Replica) -> tuple[bool, bool, bool]:
         """Whether ``r`` is the built-in server, whose /model_info names it
         (a real vLLM has no /model_info; a real SGLang's has no ``engine``
-        field), whether its SGLang update route takes ``?ack=posted`` and
-        whether its session's end takes the version."""
+        field), whether the update route of the protocol in use takes
+        ``?ack=posted`` and whether its SGLang session's end takes the version."""
         info = await self._get(r.url + "/model_info")
         builtin = isinstance(info, dict) and info.get("engine") == BUILTIN_ENGINE
-        return (builtin, builtin and info.get("update_ack_posted") is True,
+        ack_key = "update_ack_posted" if self.cfg.protocol == "sglang" else "vllm_update_ack_posted"
+        return (builtin, builtin and info.get(ack_key) is True,
                 builtin and info.get("end_weight_version") is True)
 
     def add_replica(self, url: str) -> bool:
@@ -885,8 +891,8 @@ class Pusher:
         return _Requests(self._session, r.url, r.conn)
 
     def _acks_posted(self, r: _Replica, req: _Requests) -> bool:
-        """Whether this SGLang transfer's updates ask for ``?ack=posted``:
-        pipelined to a built-in server that takes it, with ``PushConfig.ack_posted``."""
+        """Whether this transfer's updates ask for ``?ack=posted``: pipelined
+        to a built-in server that takes it, with ``PushConfig.ack_posted``."""
         return req.in_order and r.ack_posted and self.cfg.ack_posted
 
     async def _begin_session(self, r: _Replica, req: _Requests) -> asyncio.Future | None:
@@ -905,13 +911,18 @@ class Pusher:
         return begin
 
     async def _transfer_sglang(self, r: _Replica, staged: _Staged) -> None:
-        """pause -> begin -> (update request + broadcast) per bucket -> end -> continue."""
+        """pause -> begin -> (update request + broadcast) per bucket -> end -> continue
+        (to the built-in server, pipelined: the pause aside, ``_pause_aside``)."""
         req = await self._requests(r)
         pausing = self.cfg.pause_mode != "none"
         answered = False
         try:
             watched: list[asyncio.Future] = []  # every request so far: the first failure stops the transfer
-            if pausing:
+            pause = None
+            if pausing and req.in_order:  # the built-in server: only the end follows the pause
+                pause = self._pause_aside(r, "/pause_generation", {"mode": self.cfg.pause_mode})
+                watched.append(pause)
+            elif pausing:
                 watched.append(req.post("/pause_generation", {"mode": self.cfg.pause_mode}, 30))
                 await req.ordered(watched[-1])
             begin = await self._begin_session(r, req)
@@ -935,10 +946,15 @@ class Pusher:
                 # replica goes from one to the next without a round trip.
                 updates = [post_update(k) for k in range(n)]
                 watched += updates
-                if r.sessionful:
-                    watched.append(req.post("/end_weight_update", self._end_body(r, staged), self.cfg.deadline_s))
-                if pausing:
-                    watched.append(req.post("/continue_generation", {}, 30))
+
+                def close() -> list[asyncio.Future]:
+                    return ([req.post("/end_weight_update", self._end_body(r, staged), self.cfg.deadline_s)]
+                            if r.sessionful else []) + ([req.post("/continue_generation", {}, 30)] if pausing else [])
+
+                if pause is not None:
+                    watched.append(asyncio.ensure_future(self._after(pause, close)))
+                else:
+                    watched += close()
             for k in range(n):
                 if not req.in_order:
                     # Request k goes out once bucket k-1 has arrived, before the
@@ -1028,32 +1044,50 @@ class Pusher:
         req = await self._requests(r)
         # Our "none" (let running requests finish) is vLLM's "wait"; in_place keeps them, as "keep" does.
         mode = {"none": "wait", "abort": "abort", "retract": "abort", "in_place": "keep"}[self.cfg.pause_mode]
+        body = self._update_bodies(staged.plan)[0]
+        finish = vllm.finish_weight_update_request(str(staged.version))
         answered = False
         try:
-            watched = [req.post(vllm.PAUSE, None, 30, params=vllm.pause_query(mode))]
-            await req.ordered(watched[0])
-            start = req.post(vllm.START_WEIGHT_UPDATE, None, 30)
-            watched.append(start)
-            await req.ordered(start)
-            update = req.post(vllm.UPDATE_WEIGHTS, self._update_bodies(staged.plan)[0], self.cfg.deadline_s)
-            watched.append(update)
             if req.in_order:
-                watched.append(req.post(vllm.FINISH_WEIGHT_UPDATE,
-                                        vllm.finish_weight_update_request(str(staged.version)), self.cfg.deadline_s))
-                watched.append(req.post(vllm.RESUME, None, 30))
-                # The pause done (it may wait for running requests) and the
-                # update next in line: no broadcast spins while a replica drains.
+                # Built-in server: the pause goes aside, the finish follows it;
+                # the update is answered once posted (``ack``), so the finish
+                # is handled while the bytes arrive.
+                pause = self._pause_aside(r, vllm.PAUSE, None, vllm.pause_query(mode))
+                start = req.post(vllm.START_WEIGHT_UPDATE, None, 30)
+                watched = [pause, start, req.post(vllm.UPDATE_WEIGHTS, body, self.cfg.deadline_s,
+                                                  params=ACK_POSTED if self._acks_posted(r, req) else None)]
+                watched.append(asyncio.ensure_future(self._after(pause, lambda: [
+                    req.post(vllm.FINISH_WEIGHT_UPDATE, finish, self.cfg.deadline_s),
+                    req.post(vllm.RESUME, None, 30)])))
+                # The update is next in line: no broadcast spins while the round starts.
                 await self._until(start, watched)
-            await self._with_broadcasts(r, watched, staged, list(range(len(staged.buffers))))
-            if req.in_order:
+                await self._with_broadcasts(r, watched, staged, list(range(len(staged.buffers))))
                 await self._answered(watched)
             else:
-                await self._close_session(r, [update], vllm.FINISH_WEIGHT_UPDATE,
-                                          vllm.finish_weight_update_request(str(staged.version)))
+                await _post(self._session, r.url + vllm.PAUSE, None, 30, params=vllm.pause_query(mode))
+                await _post(self._session, r.url + vllm.START_WEIGHT_UPDATE, None, 30)
+                update = req.post(vllm.UPDATE_WEIGHTS, body, self.cfg.deadline_s)
+                await self._with_broadcasts(r, [update], staged, list(range(len(staged.buffers))))
+                await self._close_session(r, [update], vllm.FINISH_WEIGHT_UPDATE, finish)
             answered = True
         finally:
             if not (answered and req.in_order):
                 await self._unpause(r, vllm.RESUME, None)
+
+    def _pause_aside(self, r: _Replica, path: str, body: dict | None, params: dict | None = None) -> asyncio.Future:
+        """A built-in server's pause, on a request of its own, while the
+        transfer starts on the pipelined connection. That server receives into
+        buffers of its own and loads the version only at the session's end, so
+        only the end must follow the pause (``_after``). The bytes then do not
+        wait for it: for a replica that is generating, the pause waits for a
+        decode step (mode "abort") or for every running request ("wait")."""
+        return asyncio.ensure_future(_post(self._session, r.url + path, body, 30, params))
+
+    @staticmethod
+    async def _after(first: asyncio.Future, then: Callable[[], list[asyncio.Future]]) -> None:
+        """Once ``first`` is answered, post ``then()``'s requests and wait for their replies."""
+        await first
+        await asyncio.gather(*then())
 
     async def _unpause(self, r: _Replica, path: str, body: dict | None) -> None:
         """Let ``r`` generate again after a transfer whose pipelined requests
