@@ -31,14 +31,13 @@ them pipelined on one connection (``control.PipelinedConnection``) and
 handles them in order, so there every request goes out as soon as it can be
 written (vLLM: start, update, finish and resume at once) and only the
 broadcasts wait for replies; with pipelining off it still gets a session's
-end with the last byte rather than after the last reply. It loads a version
-only at the session's end, so its pause goes aside, on a request of its own,
-and only the end waits for it (``_pause_aside``): the bytes never wait for
-a replica to stop generating. Its updates also ask for ``?ack=posted``
-(``ack_posted``): each is answered once its receive is posted. SGLang's
-bucket k then goes out, queued behind bucket k-1 still in flight, so the
-link does not idle between buckets; vLLM's finish is handled while the
-bytes arrive. Its SGLang session's end takes the version
+end with the last byte rather than after the last reply. Its updates also
+ask for ``?ack=posted`` (``ack_posted``): each is answered once its receive
+is posted. SGLang's bucket k then goes out, queued behind bucket k-1 still
+in flight, so the link does not idle between buckets; vLLM's finish is
+handled while the bytes arrive. As it loads a version only at the session's
+end, its pause then goes just before the end (``_pause_late``): the bytes
+never wait for a replica to stop generating. Its SGLang session's end takes the version
 (``_Replica.end_version``), so every update body is the same bytes each
 version, parsed once by the server.
 
@@ -912,17 +911,15 @@ class Pusher:
 
     async def _transfer_sglang(self, r: _Replica, staged: _Staged) -> None:
         """pause -> begin -> (update request + broadcast) per bucket -> end -> continue
-        (to the built-in server, pipelined: the pause aside, ``_pause_aside``)."""
+        (the pause just before the end where ``_pause_late``)."""
         req = await self._requests(r)
         pausing = self.cfg.pause_mode != "none"
         answered = False
         try:
             watched: list[asyncio.Future] = []  # every request so far: the first failure stops the transfer
-            pause = None
-            if pausing and req.in_order:  # the built-in server: only the end follows the pause
-                pause = self._pause_aside(r, "/pause_generation", {"mode": self.cfg.pause_mode})
-                watched.append(pause)
-            elif pausing:
+            ack = self._acks_posted(r, req)
+            late = pausing and self._pause_late(r, ack)
+            if pausing and not late:
                 watched.append(req.post("/pause_generation", {"mode": self.cfg.pause_mode}, 30))
                 await req.ordered(watched[-1])
             begin = await self._begin_session(r, req)
@@ -930,7 +927,6 @@ class Pusher:
                 watched.append(begin)
             n = len(staged.plan)
             bodies = self._update_bodies(staged.plan)
-            ack = self._acks_posted(r, req)
 
             def post_update(k: int) -> asyncio.Future:
                 body: dict | bytes = bodies[k] if k < n - 1 or r.end_version else sglang.update_request(
@@ -946,15 +942,12 @@ class Pusher:
                 # replica goes from one to the next without a round trip.
                 updates = [post_update(k) for k in range(n)]
                 watched += updates
-
-                def close() -> list[asyncio.Future]:
-                    return ([req.post("/end_weight_update", self._end_body(r, staged), self.cfg.deadline_s)]
-                            if r.sessionful else []) + ([req.post("/continue_generation", {}, 30)] if pausing else [])
-
-                if pause is not None:
-                    watched.append(asyncio.ensure_future(self._after(pause, close)))
-                else:
-                    watched += close()
+                if late:
+                    watched.append(req.post("/pause_generation", {"mode": self.cfg.pause_mode}, 30))
+                if r.sessionful:
+                    watched.append(req.post("/end_weight_update", self._end_body(r, staged), self.cfg.deadline_s))
+                if pausing:
+                    watched.append(req.post("/continue_generation", {}, 30))
             for k in range(n):
                 if not req.in_order:
                     # Request k goes out once bucket k-1 has arrived, before the
@@ -1049,16 +1042,21 @@ class Pusher:
         answered = False
         try:
             if req.in_order:
-                # Built-in server: the pause goes aside, the finish follows it;
-                # the update is answered once posted (``ack``), so the finish
-                # is handled while the bytes arrive.
-                pause = self._pause_aside(r, vllm.PAUSE, None, vllm.pause_query(mode))
-                start = req.post(vllm.START_WEIGHT_UPDATE, None, 30)
-                watched = [pause, start, req.post(vllm.UPDATE_WEIGHTS, body, self.cfg.deadline_s,
-                                                  params=ACK_POSTED if self._acks_posted(r, req) else None)]
-                watched.append(asyncio.ensure_future(self._after(pause, lambda: [
-                    req.post(vllm.FINISH_WEIGHT_UPDATE, finish, self.cfg.deadline_s),
-                    req.post(vllm.RESUME, None, 30)])))
+                # Built-in server: every request at once. With ``ack`` the update
+                # is answered once posted, and the pause and the finish are
+                # handled while the bytes arrive.
+                ack = self._acks_posted(r, req)
+                calls = {vllm.PAUSE: (None, 30, vllm.pause_query(mode)),
+                         vllm.START_WEIGHT_UPDATE: (None, 30, None),
+                         vllm.UPDATE_WEIGHTS: (body, self.cfg.deadline_s, ACK_POSTED if ack else None),
+                         vllm.FINISH_WEIGHT_UPDATE: (finish, self.cfg.deadline_s, None),
+                         vllm.RESUME: (None, 30, None)}
+                order = list(calls)
+                if self._pause_late(r, ack):
+                    order.remove(vllm.PAUSE)
+                    order.insert(order.index(vllm.FINISH_WEIGHT_UPDATE), vllm.PAUSE)
+                replies = {path: req.post(path, *calls[path]) for path in order}
+                start, watched = replies[vllm.START_WEIGHT_UPDATE], list(replies.values())
                 # The update is next in line: no broadcast spins while the round starts.
                 await self._until(start, watched)
                 await self._with_broadcasts(r, watched, staged, list(range(len(staged.buffers))))
@@ -1074,20 +1072,17 @@ class Pusher:
             if not (answered and req.in_order):
                 await self._unpause(r, vllm.RESUME, None)
 
-    def _pause_aside(self, r: _Replica, path: str, body: dict | None, params: dict | None = None) -> asyncio.Future:
-        """A built-in server's pause, on a request of its own, while the
-        transfer starts on the pipelined connection. That server receives into
-        buffers of its own and loads the version only at the session's end, so
-        only the end must follow the pause (``_after``). The bytes then do not
-        wait for it: for a replica that is generating, the pause waits for a
-        decode step (mode "abort") or for every running request ("wait")."""
-        return asyncio.ensure_future(_post(self._session, r.url + path, body, 30, params))
-
     @staticmethod
-    async def _after(first: asyncio.Future, then: Callable[[], list[asyncio.Future]]) -> None:
-        """Once ``first`` is answered, post ``then()``'s requests and wait for their replies."""
-        await first
-        await asyncio.gather(*then())
+    def _pause_late(r: _Replica, ack: bool) -> bool:
+        """Whether a transfer's pause goes after its updates, just before the
+        session's end: pipelined to a built-in server with ``ack``. That
+        server receives into buffers of its own and loads the version only at
+        the end, so only the end must follow the pause; with ``ack`` the
+        updates are answered once posted and the pause is handled while the
+        bytes arrive, instead of the bytes waiting for it (for a replica that
+        is generating, a decode step in mode "abort", every running request
+        in "wait")."""
+        return r.builtin and ack
 
     async def _unpause(self, r: _Replica, path: str, body: dict | None) -> None:
         """Let ``r`` generate again after a transfer whose pipelined requests
