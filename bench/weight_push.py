@@ -290,6 +290,9 @@ def _trace_replica_receives() -> None:
     TRACE.wrap(engine.PostedReceive, "wait", lambda p: f"replica wait for the bytes ({len(p.named)} tensors)")
     # A session's end: the waits and the install inside, on the transfer thread.
     TRACE.wrap(engine.PendingVersion, "load", lambda p, *a: f"replica load session ({len(p.parts)} updates)")
+    # A route's hop to the transfer thread and back, around what it runs there
+    for routes in (server.SGLangRoutes, server_vllm.VLLMRoutes):
+        TRACE.wrap(routes, "_run", lambda self, fn, *a: f"replica transfer-thread call {fn.__name__}")
     # ?ack=posted: the views cut after the reply (the calls that found nothing to cut are left out)
     TRACE.wrap(engine.PostedReceive, "cut_views", lambda p: f"replica cut views ({len(p.named)} tensors)",
                only_if=bool)
