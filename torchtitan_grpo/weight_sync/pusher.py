@@ -35,9 +35,12 @@ end with the last byte rather than after the last reply. Its updates also
 ask for ``?ack=posted`` (``ack_posted``): each is answered once its receive
 is posted. SGLang's bucket k then goes out, queued behind bucket k-1 still
 in flight, so the link does not idle between buckets; vLLM's finish is
-handled while the bytes arrive. As it loads a version only at the session's
-end, its pause then goes just before the end (``_pause_late``): the bytes
-never wait for a replica to stop generating. Its SGLang session's end takes the version
+handled while the bytes arrive. That server receives into buffers of its
+own and loads a version only at the session's end, so only the end must
+follow a pause: with ``ack_posted`` the pause goes just before the end and
+is handled while the bytes arrive, which then never wait for a generating
+replica to stop (a decode step in mode "abort", every running request in
+vLLM's "wait"). Its SGLang session's end takes the version
 (``_Replica.end_version``), so every update body is the same bytes each
 version, parsed once by the server.
 
@@ -911,14 +914,14 @@ class Pusher:
 
     async def _transfer_sglang(self, r: _Replica, staged: _Staged) -> None:
         """pause -> begin -> (update request + broadcast) per bucket -> end -> continue
-        (the pause just before the end where ``_pause_late``)."""
+        (to a built-in server with ``ack_posted``: the pause just before the end)."""
         req = await self._requests(r)
         pausing = self.cfg.pause_mode != "none"
         answered = False
         try:
             watched: list[asyncio.Future] = []  # every request so far: the first failure stops the transfer
             ack = self._acks_posted(r, req)
-            late = pausing and self._pause_late(r, ack)
+            late = pausing and ack  # the pause just before the end (module docstring)
             if pausing and not late:
                 watched.append(req.post("/pause_generation", {"mode": self.cfg.pause_mode}, 30))
                 await req.ordered(watched[-1])
@@ -1033,7 +1036,8 @@ class Pusher:
 
     async def _transfer_vllm(self, r: _Replica, staged: _Staged) -> None:
         """pause -> start -> one update_weights call while every packed chunk
-        is broadcast -> finish(version) -> resume."""
+        is broadcast -> finish(version) -> resume (to a built-in server with
+        ``ack_posted``: the pause just before the finish)."""
         req = await self._requests(r)
         # Our "none" (let running requests finish) is vLLM's "wait"; in_place keeps them, as "keep" does.
         mode = {"none": "wait", "abort": "abort", "retract": "abort", "in_place": "keep"}[self.cfg.pause_mode]
@@ -1052,7 +1056,7 @@ class Pusher:
                          vllm.FINISH_WEIGHT_UPDATE: (finish, self.cfg.deadline_s, None),
                          vllm.RESUME: (None, 30, None)}
                 order = list(calls)
-                if self._pause_late(r, ack):
+                if ack:  # the pause just before the finish (module docstring)
                     order.remove(vllm.PAUSE)
                     order.insert(order.index(vllm.FINISH_WEIGHT_UPDATE), vllm.PAUSE)
                 replies = {path: req.post(path, *calls[path]) for path in order}
@@ -1071,18 +1075,6 @@ class Pusher:
         finally:
             if not (answered and req.in_order):
                 await self._unpause(r, vllm.RESUME, None)
-
-    @staticmethod
-    def _pause_late(r: _Replica, ack: bool) -> bool:
-        """Whether a transfer's pause goes after its updates, just before the
-        session's end: pipelined to a built-in server with ``ack``. That
-        server receives into buffers of its own and loads the version only at
-        the end, so only the end must follow the pause; with ``ack`` the
-        updates are answered once posted and the pause is handled while the
-        bytes arrive, instead of the bytes waiting for it (for a replica that
-        is generating, a decode step in mode "abort", every running request
-        in "wait")."""
-        return r.builtin and ack
 
     async def _unpause(self, r: _Replica, path: str, body: dict | None) -> None:
         """Let ``r`` generate again after a transfer whose pipelined requests
