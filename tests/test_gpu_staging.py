@@ -116,3 +116,60 @@ def test_host_staged_push_over_nccl(tmp_path, tiny_model_dir, loop, protocol):
     finally:
         pusher.close()
         stop_process(srv.proc)
+
+
+@cuda
+def test_snapshot_graphs_copy_each_snapshots_values_and_follow_moved_sources(loop, monkeypatch):
+    """Device staging with ``snapshot_graphs``: a set of source tensors is
+    copied by launches the first time, captured as CUDA graphs the second,
+    and replayed after that (with the launches made to raise, so only a
+    replay can deliver), each snapshot holding the values of its moment and
+    cast to the push dtype. Sources at new addresses get their own capture;
+    sources new every time turn the graphs off, and the launches deliver."""
+    from torchtitan_grpo.weight_sync import pusher as pusher_mod
+
+    dev = torch.device("cuda", 0)
+    g = torch.Generator(device=dev).manual_seed(0)
+    params = {f"small{i}": torch.randn(1000 + i, device=dev, generator=g) for i in range(12)}
+    params["large"] = torch.randn(12 << 20, device=dev, generator=g)  # 24 MiB in bf16: a copy of its own
+    pusher = Pusher(loop, [], PushConfig(backend="nccl", staging="device", bucket_bytes=16 << 20,
+                                         num_staging_buffers=1, dtype=torch.bfloat16), dev)
+    launch = pusher_mod._copy_bucket
+
+    def check(tensors: dict) -> None:
+        torch.cuda.synchronize(dev)
+        got = _staged_values(pusher)
+        assert set(got) == set(tensors)
+        for n, t in tensors.items():
+            assert torch.equal(got[n], t.to(torch.bfloat16)), n
+
+    def refuse(*a, **k):
+        raise AssertionError("a copy was launched instead of replayed")
+
+    try:
+        for v in range(1, 6):
+            for t in params.values():
+                t.add_(1.0)  # in place: the same addresses, new values
+            if v >= 3:  # captured at v2: from now on only a replay delivers
+                monkeypatch.setattr(pusher_mod, "_copy_bucket", refuse)
+            pusher.push(params, v, wait=False)
+            check(params)
+        (staged,) = pusher._staging
+        (graphs,) = staged.graphs.values()
+        assert len(graphs) >= 2 and all(isinstance(x, torch.cuda.CUDAGraph) for x in graphs)
+        monkeypatch.setattr(pusher_mod, "_copy_bucket", launch)
+        moved = {n: t.clone() for n, t in params.items()}  # other addresses: launched, then captured
+        for v in range(6, 9):
+            moved["small0"].mul_(2.0)
+            pusher.push(moved, v, wait=False)
+            check(moved)
+        assert len(staged.graphs) == 2 and all(x is not None for x in staged.graphs.values())
+        for v in range(9, 9 + pusher_mod.SNAPSHOT_GRAPH_KEYS):  # new tensors every time: graphs off
+            fresh = {n: t + v for n, t in params.items()}
+            pusher.push(fresh, v, wait=False)
+            check(fresh)
+        assert not pusher._graphs_on and not staged.graphs
+        pusher.push(params, 20, wait=False)
+        check(params)
+    finally:
+        pusher.close()
