@@ -202,13 +202,6 @@ class WeightSync:
     buckets of GPU memory to upload through, and the push runs at PCIe speed
     (docs/PERFORMANCE.md). A sharded trainer stages rank 0's gathered copy there."""
 
-    snapshot_graphs: bool = True
-    """staging "device": the snapshot's copies replayed as one CUDA graph per
-    bucket (captured at the second snapshot) instead of launched one by one,
-    which costs the trainer's thread 0.5-4.5 ms per version for 0.6B-8B
-    models; turned off by itself (logged) if the weights move every step or
-    a capture fails. False: always launch the copies."""
-
     replica_deadline_s: float = 60.0
     """A replica that has not received and loaded a version within this time is
     ejected from routing and readmitted only once it holds the newest version."""

@@ -101,8 +101,7 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
                 bucket_bytes=w.bucket_size_mb << 20, num_staging_buffers=w.num_staging_buffers,
                 deadline_s=w.replica_deadline_s, init_timeout_s=w.init_timeout_s, pause_mode=w.pause_mode,
                 protocol="vllm" if i.backend == "vllm" else "sglang",
-                dtype=push_dtype(w), staging=w.staging, snapshot_graphs=w.snapshot_graphs,
-                pipelined=w.pipeline_requests, ack_posted=w.ack_posted,
+                dtype=push_dtype(w), staging=w.staging, pipelined=w.pipeline_requests, ack_posted=w.ack_posted,
                 disk_folder=w.disk_folder or os.path.join(cfg.job.dump_folder, "pushed_weights")),
                 device=d.device, on_eject=pool.eject, on_readmit=pool.readmit)
             stack.callback(pusher.close)

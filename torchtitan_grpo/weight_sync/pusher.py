@@ -148,16 +148,6 @@ class PushConfig:
     H200s, 8B in 1 GiB buckets: 0.73 -> 0.89 of raw NCCL; docs/PERFORMANCE.md
     runs 47-48). vLLM's protocol still broadcasts once the round is started;
     its finish is then handled while the bytes arrive, not after them."""
-    snapshot_graphs: bool = True
-    """Staging on the GPU: replay each bucket's copies as a CUDA graph
-    captured at the first snapshot, instead of launching them one by one.
-    Launching a copy per large tensor and a foreach copy per bucket costs the
-    trainer's thread 0.5-4.5 ms per version (2 H200s, 0.6B-8B); a replay is
-    one launch per bucket. A graph is captured per staging buffer and set of
-    source addresses, the second time that set is seen; sources that move
-    more often than ``SNAPSHOT_GRAPH_KEYS`` allows (fresh tensors every
-    step), or a capture that fails, turn the graphs off for the run (logged)
-    and the copies are launched as before."""
     large_tensor_bytes: int = 16 << 20
     """Tensors of at least this many bytes are staged with a copy of their own,
     the others with one ``_foreach_copy_`` per bucket: a launch per tensor
@@ -223,11 +213,6 @@ class _Staged:
     is still queueing the copies of the others."""
     failed: str = ""
     """Why the trainer's staging of this version raised, if it did."""
-    graphs: dict[tuple, list | None] = field(default_factory=dict)
-    """``PushConfig.snapshot_graphs``: per key of the source tensors
-    (addresses and strides), each bucket's copies captured as a CUDA graph
-    (a None in the list: a bucket whose copies a graph does not take; None
-    for the list: seen once, not captured yet)."""
     _changed: threading.Condition = field(default_factory=threading.Condition)
 
     def start_writing(self) -> None:
@@ -313,25 +298,6 @@ def _spec_lists(specs: list[bk.TensorSpec]) -> tuple[list[str], list[str], list[
     return [b.name for b in specs], [bk.dtype_name(b.dtype) for b in specs], [list(b.shape) for b in specs]
 
 
-SNAPSHOT_GRAPH_KEYS = 4
-"""Sets of source addresses a staging buffer keeps graphs for: a trainer
-whose weights stay put needs one; one that alternates between a few
-buffers (a gather's slots) a few. Beyond that, graphs are turned off."""
-
-
-def _copy_bucket(c: _BucketCopy, tensors: dict[str, torch.Tensor], pinned: bool) -> None:
-    """Queue the copies of one bucket's tensors into its staging buffer."""
-    if pinned:  # one launch per tensor either way (a foreach copy across devices loops too)
-        for n, view in zip(c.names, c.views):
-            view.copy_(tensors[n], non_blocking=True)
-    elif c.names:
-        torch._foreach_copy_(c.views, [tensors[n] for n in c.names])
-    for name, view in c.large:
-        view.copy_(tensors[name], non_blocking=pinned)
-    for name, dtype, slot in c.raw:  # an unaligned offset in a vLLM packed chunk
-        slot.copy_(tensors[name].to(dtype).contiguous().reshape(-1).view(torch.uint8), non_blocking=pinned)
-
-
 ACK_POSTED = {"ack": "posted"}
 """The built-in server's extension of SGLang's update route: reply once the
 receive is posted (``server.ack_posted``)."""
@@ -402,8 +368,6 @@ class Pusher:
         self._readmit_lag = 0 if config.mode == "sync" else 1
         self.bytes_per_version = 0
         self._bodies: tuple[list, list[bytes]] | None = None  # (plan, its update requests' JSON)
-        self._graphs_on = config.snapshot_graphs and device.type == "cuda"
-        self._capture_stream = None
 
     @property
     def stages_async(self) -> bool:
@@ -632,65 +596,22 @@ class Pusher:
         cuda = self.device.type == "cuda"
         if cuda and staged.ready is None:
             staged.ready = [torch.cuda.Event() for _ in staged.plan]
-        graphs = self._snapshot_graphs(staged, tensors) if self._graphs_on and not staged.pinned else None
+        pinned = staged.pinned  # copies to pinned memory are queued, not waited for
         with torch.no_grad():
             for k, c in enumerate(staged.copies):
-                if graphs is not None and graphs[k] is not None:
-                    graphs[k].replay()
-                else:
-                    _copy_bucket(c, tensors, staged.pinned)
+                if pinned:  # one launch per tensor either way (a foreach copy across devices loops too)
+                    for n, view in zip(c.names, c.views):
+                        view.copy_(tensors[n], non_blocking=True)
+                elif c.names:
+                    torch._foreach_copy_(c.views, [tensors[n] for n in c.names])
+                for name, view in c.large:
+                    view.copy_(tensors[name], non_blocking=pinned)
+                for name, dtype, slot in c.raw:  # an unaligned offset in a vLLM packed chunk
+                    slot.copy_(tensors[name].to(dtype).contiguous().reshape(-1).view(torch.uint8),
+                               non_blocking=pinned)
                 if cuda:
                     staged.ready[k].record()  # the GPU orders this bucket's broadcast after its copies
                 staged.bucket_queued(k)  # and its sender may queue that broadcast now
-
-    def _snapshot_graphs(self, staged: _Staged, tensors: dict[str, torch.Tensor]) -> list | None:
-        """``staged``'s graphs for these source tensors (None: launch the
-        copies). A graph replays the copies from the addresses it was
-        captured with, so the key is every source's address and strides,
-        checked each push (~0.1 ms for 400 tensors). A key is captured the
-        second time it is seen: the first snapshot launches the copies, which
-        loads their kernels outside a capture, and sources that are new every
-        step never pay for one."""
-        key = tuple((t.data_ptr(), t.stride()) for t in tensors.values())
-        if key not in staged.graphs:
-            if len(staged.graphs) >= SNAPSHOT_GRAPH_KEYS:
-                self._graphs_off(f"the source tensors moved {SNAPSHOT_GRAPH_KEYS} times")
-            else:
-                staged.graphs[key] = None
-            return None
-        graphs = staged.graphs[key]
-        if graphs is None:
-            try:
-                with torch.no_grad():
-                    graphs = [None if c.raw else self._capture(c, tensors) for c in staged.copies]
-            except Exception as e:  # noqa: BLE001 - a copy the graph does not take: launch them instead
-                self._graphs_off(f"capture failed: {type(e).__name__}: {e}")
-                return None
-            staged.graphs[key] = graphs
-        return graphs
-
-    def _capture(self, c: _BucketCopy, tensors: dict[str, torch.Tensor]) -> torch.cuda.CUDAGraph:
-        """One bucket's copies as a CUDA graph, captured on a stream of its own
-        without waiting for the device (``torch.cuda.graph`` would
-        synchronize it, and with it the senders' broadcasts in flight) and
-        only from this thread (``thread_local``: the senders launch meanwhile)."""
-        if self._capture_stream is None:
-            self._capture_stream = torch.cuda.Stream(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(self._capture_stream):
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                _copy_bucket(c, tensors, pinned=False)
-            finally:
-                graph.capture_end()
-        return graph
-
-    def _graphs_off(self, why: str) -> None:
-        self._graphs_on = False
-        with self._lock:
-            for s in self._staging:
-                s.graphs.clear()
-        logger.warning("weight push: snapshot CUDA graphs off (%s); copies are launched one by one", why)
 
     def _free_buffer(self) -> _Staged | None:
         """A staging buffer no sender is reading: the not-yet-picked latest one
