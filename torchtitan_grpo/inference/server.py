@@ -520,7 +520,8 @@ class SGLangRoutes:
                 specs = _tensor_specs(names, dtypes, shapes)
             except _Refused as e:
                 return _result(False, str(e))
-            update = _BucketUpdate(specs, group_name, abort_all, load_format)
+            update = _BucketUpdate(specs, group_name, abort_all, load_format,
+                                   FlatLayout.of(specs) if load_format == "flattened_bucket" else None)
             if version is None:  # a body with a version is seen once
                 if len(self._updates_seen) >= 256:
                     self._updates_seen.clear()
@@ -536,8 +537,6 @@ class SGLangRoutes:
             if update.load_format not in (None, "flattened_bucket"):
                 raise _Refused(f"field 'load_format' must be null or 'flattened_bucket', got {update.load_format!r}")
             flattened = update.load_format == "flattened_bucket"
-            if flattened and update.layout is None:
-                update.layout = FlatLayout.of(update.specs)
             group = self.groups.get(update.group_name)
             if group is None:
                 raise _Refused(f"no weight update group named {update.group_name!r} "
@@ -716,8 +715,8 @@ class _BucketUpdate:
     group_name: str
     abort_all: bool
     load_format: str | None
-    layout: FlatLayout | None = None
-    """``flattened_bucket``'s layout, once the update got that far."""
+    layout: FlatLayout | None
+    """``flattened_bucket``'s layout (None for per-tensor broadcasts)."""
     accepted: list[bool] | None = None
     """Its adopt flags, once it was checked and accepted with ``?ack=posted``."""
 

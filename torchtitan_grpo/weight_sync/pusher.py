@@ -864,14 +864,17 @@ class Pusher:
         that at the session's end, ``_Replica.end_version``)."""
         if self._bodies is None or self._bodies[0] is not plan:
             if self.cfg.protocol == "sglang":
-                flush = self.cfg.pause_mode != "in_place"
-                bodies = [sglang.update_request(*_spec_lists(bucket), GROUP_NAME, flattened=True,
-                                                flush_cache=flush and k == len(plan) - 1, weight_version=None)
-                          for k, bucket in enumerate(plan)]
+                bodies = [self._sglang_update(plan, k, None) for k in range(len(plan))]
             else:
                 bodies = [vllm.update_weights_request(*_spec_lists([b for chunk in plan for b in chunk]))]
             self._bodies = (plan, [json.dumps(b).encode() for b in bodies])
         return self._bodies[1]
+
+    def _sglang_update(self, plan: list[list[bk.TensorSpec]], k: int, version: str | None) -> dict:
+        """Bucket ``k``'s SGLang update request (the last one flushes the cache)."""
+        return sglang.update_request(*_spec_lists(plan[k]), GROUP_NAME, flattened=True,
+                                     flush_cache=self.cfg.pause_mode != "in_place" and k == len(plan) - 1,
+                                     weight_version=version)
 
     @staticmethod
     def _end_body(r: _Replica, staged: _Staged) -> dict:
@@ -932,9 +935,8 @@ class Pusher:
             bodies = self._update_bodies(staged.plan)
 
             def post_update(k: int) -> asyncio.Future:
-                body: dict | bytes = bodies[k] if k < n - 1 or r.end_version else sglang.update_request(
-                    *_spec_lists(staged.plan[k]), GROUP_NAME, flattened=True,
-                    flush_cache=self.cfg.pause_mode != "in_place", weight_version=str(staged.version))
+                body: dict | bytes = (bodies[k] if k < n - 1 or r.end_version
+                                      else self._sglang_update(staged.plan, k, str(staged.version)))
                 return req.post("/update_weights_from_distributed", body, self.cfg.deadline_s,
                                 params=ACK_POSTED if ack else None)
 
