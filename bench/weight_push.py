@@ -29,12 +29,11 @@ set the same bytes go over these paths:
     HTTP while the same broadcasts run, each bucket sent once its update is
     answered (its receive posted), queued behind the one in flight;
   - ``vllm``: start / one ``/update_weights?ack=posted`` while every packed
-    chunk (of 'bucket MiB') is broadcast / finish / resume, with the pause
-    on a request of its own and the finish after its reply; the update is
-    answered once its receives are posted, so the finish is handled while
-    the bytes arrive. The server receives each chunk into a buffer of its
-    own and keeps its tensors as views of it (those at unaligned offsets are
-    copied out on a side stream);
+    chunk (of 'bucket MiB') is broadcast / pause / finish / resume, all
+    pipelined; the update is answered once its receives are posted, so the
+    pause and the finish are handled while the bytes arrive. The server
+    receives each chunk into a buffer of its own and keeps its tensors as
+    views of it (those at unaligned offsets are copied out on a side stream);
   - ``disk`` (the sets of ``--disk-sets``, once per set): safetensors of the
     version written to a local folder, ``/update_weights_from_disk``;
   - ``sglang-noack``, ``vllm-noack`` (only when named): the same without
