@@ -3,6 +3,7 @@ run; then a slow replica and a replica killed mid-transfer.
 
     python bench/step_time.py                 # trainer on cuda:0, built-in servers on cuda:1 (NCCL)
     python bench/step_time.py --cpu           # gloo, tiny model, one server in run 1 (what the tests run)
+    python bench/step_time.py --one-gpu       # trainer and servers share cuda:0 (one GPU for both): gloo
 
 The trainer is what ``grpo_train.py`` runs: a TorchTitan qwen3 built by
 ``trainer.build_policy`` from an HF checkpoint written locally (GPU: the
@@ -328,6 +329,9 @@ def run_block(tr: Trainer, pusher, mode: str, steps: int, guard_s: float) -> lis
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu", action="store_true", help="gloo, tiny model, one server (tests, CI)")
+    ap.add_argument("--one-gpu", action="store_true",
+                    help="the GPU settings with trainer and servers on cuda:0, pushing over gloo "
+                         "(NCCL cannot join two processes on one GPU)")
     ap.add_argument("--servers", type=int, default=None, help="replicas in the off/sync/async run (GPU 2, --cpu 1)")
     ap.add_argument("--steps", type=int, default=None, help="steps per mode per round (GPU 8, --cpu 4)")
     ap.add_argument("--rounds", type=int, default=None, help="rounds of off/sync/async (GPU 3, --cpu 2)")
@@ -362,8 +366,12 @@ def main(argv: list[str] | None = None) -> int:
                       ("deadline_s", 20.0, 15.0), ("max_slow_ratio", 1.15, 1.5)):
         if getattr(args, key) is None:
             setattr(args, key, g if gpu else c)
-    if gpu and torch.cuda.device_count() < 2:
-        print(f"needs 2 GPUs (found {torch.cuda.device_count()}); use --cpu for the gloo version", file=sys.stderr)
+    if args.cpu and args.one_gpu:
+        ap.error("--cpu and --one-gpu exclude each other")
+    need = 1 if args.one_gpu else 2
+    if gpu and torch.cuda.device_count() < need:
+        print(f"needs {need} GPU(s) (found {torch.cuda.device_count()}); use --cpu for the gloo version",
+              file=sys.stderr)
         return 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.cpu:
@@ -379,8 +387,8 @@ def _run(args, model_dir: str, gpu: bool) -> int:
     from torchtitan_grpo.weight_sync.pusher import Pusher, PushConfig
 
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")
-    server_device, server_dtype = ("cuda:1", "bfloat16") if gpu else ("cpu", "float32")
-    backend = "nccl" if gpu else "gloo"
+    server_device, server_dtype = ("cuda:0" if args.one_gpu else "cuda:1", "bfloat16") if gpu else ("cpu", "float32")
+    backend = "nccl" if gpu and not args.one_gpu else "gloo"
     if gpu:
         torch.cuda.set_device(device)
     t_start = time.monotonic()

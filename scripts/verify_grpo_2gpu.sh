@@ -3,7 +3,9 @@
 #
 #   bash scripts/verify_grpo_2gpu.sh            # trainer on cuda:0, built-in server on cuda:1, async NCCL push
 #   bash scripts/verify_grpo_2gpu.sh --cpu      # the same on CPU (gloo push, CPU server)
-#   bash scripts/verify_grpo_2gpu.sh [--cpu] --training.steps 10 ...   # extra grpo_train overrides
+#   bash scripts/verify_grpo_2gpu.sh --one-gpu  # one GPU for both: trainer and server on cuda:0, gloo push
+#   bash scripts/verify_grpo_2gpu.sh [--cpu|--one-gpu] --training.steps 10 ...   # extra grpo_train overrides
+#     (e.g. --one-gpu --weight_sync.transport disk)
 #
 # Runs grpo_train.py (torchrun, one trainer rank) with train_configs/verify_2gpu.toml:
 # the demo's tiny Qwen3 (written locally), the digits task, one built-in server
@@ -31,11 +33,13 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 CPU=0
+ONE_GPU=0
 EXTRA=()
 for a in "$@"; do
   case "$a" in
     --cpu) CPU=1 ;;
-    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+    --one-gpu) ONE_GPU=1 ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) EXTRA+=("$a") ;;
   esac
 done
@@ -51,9 +55,14 @@ if [ "$CPU" = 1 ]; then
   export VERIFY_TOL=${VERIFY_TOL:-1e-4}
 else
   n=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
-  if [ "$n" -lt 2 ]; then
-    echo "verify_grpo_2gpu: needs 2 GPUs, found $n (use --cpu for the CPU version)" >&2
+  need=$(( ONE_GPU ? 1 : 2 ))
+  if [ "$n" -lt "$need" ]; then
+    echo "verify_grpo_2gpu: needs $need GPU(s), found $n (use --cpu for the CPU version)" >&2
     exit 2
+  fi
+  # NCCL cannot join two processes on one GPU: a server beside the trainer takes gloo (or disk, if asked).
+  if [ "$ONE_GPU" = 1 ]; then
+    ARGS+=(--inference.server_device cuda:0 --weight_sync.transport gloo)
   fi
   export VERIFY_TOL=${VERIFY_TOL:-1e-3}
 fi

@@ -89,3 +89,27 @@ def test_bad_choice_in_the_toml_names_the_key(tmp_path):
     path.write_text(text)
     with pytest.raises(ConfigError, match=r'weight_sync\.staging = .gpu.: must be "device" or "host"'):
         parse_config(["--job.config_file", str(path)])
+
+
+@pytest.mark.parametrize("server_device,local_ranks,ok", [
+    ("cuda", "1", False), ("cuda:0", "1", False), ("cuda:1", "2", False),
+    ("cuda:1", "1", True), ("cuda:2", "2", True),
+])
+def test_nccl_push_to_a_builtin_server_on_a_trainer_gpu_is_refused_at_start(monkeypatch, server_device,
+                                                                             local_ranks, ok):
+    """NCCL cannot join two processes on one GPU, and would only say so at the first push."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", local_ranks)
+    argv = ["--job.config_file", DEMO, "--weight_sync.transport", "nccl", "--inference.server_device", server_device]
+    if ok:
+        assert parse_config(argv).inference.server_device == server_device
+        return
+    with pytest.raises(ConfigError, match=r"inference\.server_device.*would share cuda:\d with a trainer rank"
+                                          r".*weight_sync\.transport = \"gloo\" or \"disk\""):
+        parse_config(argv)
+    # The same GPU is fine when the weights do not go over NCCL.
+    assert parse_config(argv[:3] + ["gloo"] + argv[4:]).weight_sync.transport == "gloo"
+
+
+def test_server_device_must_name_a_device():
+    with pytest.raises(ConfigError, match=r"inference\.server_device = 'cuda1'"):
+        parse_config(["--job.config_file", DEMO, "--inference.server_device", "cuda1"])

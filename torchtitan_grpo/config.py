@@ -10,6 +10,7 @@ argument so users never pass it. Every key has a default and a docstring, and
 
 
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Literal
@@ -138,7 +139,10 @@ class Inference:
     """Built-in servers started by the trainer when urls is empty."""
 
     server_device: str = "cpu"
-    """Device of started built-in servers: "cpu", "cuda" or "cuda:N"."""
+    """Device of started built-in servers: "cpu", "cuda" or "cuda:N". With
+    weight_sync.transport "nccl" it must be a GPU no trainer rank of this node
+    uses (rank k uses cuda:k); a server sharing the trainer's GPU (one GPU for
+    both) takes its weights over "gloo" or "disk"."""
 
     server_dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype of started built-in servers."""
@@ -180,9 +184,10 @@ class WeightSync:
     one update request and one broadcast each (vLLM's packed chunks keep
     vLLM's 1 GiB). Each replica holds one bucket of extra memory while it
     receives. Fewer buckets, fewer HTTP round trips: on 2 H200s an 8B push
-    reached 0.40 of raw NCCL at 256 MiB, 0.65 at 1024, 0.78 at 4096, and the
-    async step of a 0.6B fp32 trainer cost 1.037x / 1.021x of no push at
-    256 / 1024 (docs/PERFORMANCE.md)."""
+    to the built-in server reached 0.74 of raw NCCL at 256 MiB and 0.92-0.94
+    at 1024 and 4096 (run 57), and the async step of a 0.6B fp32 trainer
+    cost 1.035-1.038x of no push at 256 against 1.010-1.034x at 1024
+    (docs/PERFORMANCE.md)."""
 
     dtype: Literal["model", "bfloat16", "float16", "float32"] = "model"
     """Dtype the weights are sent in: "model" keeps the trainer's (fp32 master
@@ -300,7 +305,8 @@ def validate(cfg) -> None:
     for u in i.urls:
         _check(u.startswith(("http://", "https://")), "inference.urls", f"{u!r} is not an http(s) URL", i.urls)
     _check(i.num_servers >= 1, "inference.num_servers", "must be >= 1", i.num_servers)
-    _check(i.server_device == "cpu" or i.server_device.startswith("cuda"), "inference.server_device", 'must be "cpu", "cuda" or "cuda:N"', i.server_device)
+    _check(re.fullmatch(r"cpu|cuda(:\d+)?", i.server_device) is not None, "inference.server_device",
+           'must be "cpu", "cuda" or "cuda:N"', i.server_device)
     _check(i.startup_timeout_s > 0, "inference.startup_timeout_s", "must be > 0", i.startup_timeout_s)
     _check(i.request_timeout_s > 0, "inference.request_timeout_s", "must be > 0", i.request_timeout_s)
     _check(i.max_retries >= 1, "inference.max_retries", "must be >= 1", i.max_retries)
@@ -313,6 +319,16 @@ def validate(cfg) -> None:
     _check(w.replica_deadline_s > 0, "weight_sync.replica_deadline_s", "must be > 0", w.replica_deadline_s)
     _check(w.transport != "nccl" or i.server_device != "cpu" or bool(i.urls), "weight_sync.transport",
            "nccl needs the built-in servers on a GPU (inference.server_device)", w.transport)
+    if w.transport == "nccl" and not (i.urls or i.replica_file) and i.server_device != "cpu":
+        # Trainer rank k of this node runs on cuda:k (trainer.init_distributed). NCCL cannot
+        # join two processes on one GPU, and its error only comes at the first push.
+        gpu = int(i.server_device.partition(":")[2] or 0)
+        trainer_gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        _check(gpu >= trainer_gpus, "inference.server_device",
+               f"the built-in servers would share cuda:{gpu} with a trainer rank (this node's trainer ranks "
+               f"use cuda:0..cuda:{trainer_gpus - 1}), and NCCL cannot connect two processes on one GPU: "
+               f"put them on cuda:{trainer_gpus} or later, or set weight_sync.transport = \"gloo\" or \"disk\" "
+               f"(one GPU for both)", i.server_device)
     _check(cfg.model.name in ("qwen3", "llama3"), "model.name", 'must be "qwen3" or "llama3"', cfg.model.name)
     if not g.tiny_model_if_missing:
         _check(
