@@ -116,3 +116,40 @@ def test_host_staged_push_over_nccl(tmp_path, tiny_model_dir, loop, protocol):
     finally:
         pusher.close()
         stop_process(srv.proc)
+
+
+@cuda
+def test_gloo_push_to_a_server_on_the_trainers_own_gpu(tmp_path, tiny_model_dir, loop):
+    """One GPU for both (NCCL cannot join two processes on one GPU): the
+    server shares cuda:0 and takes the weights over gloo. With the default
+    ``staging = "device"`` the snapshot still goes to pinned host memory
+    beside the next step, and the optimizer step queued right after an async
+    push must not reach the replica under that push's version."""
+    (srv,) = start_servers([ServerSpec(tiny_model_dir, device="cuda:0")], str(tmp_path / "logs"), 180)
+    dev = torch.device("cuda", 0)
+    params = {n: torch.nn.Parameter(w) for n, w in _weights(tiny_model_dir, 0.0).items()}
+    opt = torch.optim.SGD(list(params.values()), lr=1.0)
+    pusher = Pusher(loop, [srv.url], PushConfig(mode="async", backend="gloo", bucket_bytes=20_000, deadline_s=120), dev)
+    assert pusher.stages_async
+    dp = DirectPush([], None, pusher, sync=False, optimizers=opt)
+    dp.tensors = lambda: {n: p.detach() for n, p in params.items()}
+    try:
+        pusher.connect(initial_version=0)
+        for p in params.values():
+            p.grad = torch.ones_like(p)
+        for v in (1, 2, 3):
+            opt.step()  # every weight is now -v
+            dp.snapshot(v, wait=v < 3)
+        opt.step()  # queued at once after version 3's copy: -4
+        pusher.wait_for(3, timeout_s=120)
+        assert pusher._latest.buffers[0].is_pinned()
+        for n in params:
+            r = requests.get(srv.url + "/get_weights_by_name", params={"name": n, "truncate_size": 4}, timeout=10)
+            r.raise_for_status()
+            assert set(torch.tensor(r.json()).flatten().tolist()) == {-3.0}, n
+        (rep,) = pusher.replicas
+        assert rep.version == 3 and rep.failures == 0, rep.last_error
+    finally:
+        dp.close()
+        pusher.close()
+        stop_process(srv.proc)

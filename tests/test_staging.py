@@ -276,7 +276,7 @@ def test_staging_must_be_device_or_host(loop):
 def test_staging_buffer_that_cannot_be_allocated_names_the_keys(loop, monkeypatch):
     """Out of memory (GPU, or pinned host memory) at the first push: an error
     that says what was asked for and which keys change it, not a bare OOM."""
-    p = Pusher(loop, [], PushConfig(bucket_bytes=40, num_staging_buffers=2), torch.device("cpu"))
+    p = Pusher(loop, [], PushConfig(backend="nccl", bucket_bytes=40, num_staging_buffers=2), torch.device("cpu"))
     real_empty = torch.empty
 
     def empty(*a, **k):
@@ -289,3 +289,22 @@ def test_staging_buffer_that_cannot_be_allocated_names_the_keys(loop, monkeypatc
                                         r"OutOfMemoryError: CUDA out of memory\. Tried to allocate 16\.00 GiB; lower "
                                         r"weight_sync\.num_staging_buffers or set weight_sync\.staging = \"host\""):
         p.push(_tensors(), version=1, wait=False)
+    # gloo and disk stage in host memory whatever weight_sync.staging says: it is not offered.
+    g = Pusher(loop, [], PushConfig(backend="gloo", bucket_bytes=40, num_staging_buffers=2), torch.device("cpu"))
+    with pytest.raises(PushError, match=r"could not be allocated: OutOfMemoryError: CUDA out of memory\. Tried to "
+                                        r"allocate 16\.00 GiB; lower weight_sync\.num_staging_buffers$"):
+        g.push(_tensors(), version=1, wait=False)
+
+
+@pytest.mark.parametrize("backend,staging,on_gpu", [
+    ("nccl", "device", False), ("nccl", "host", True), ("gloo", "device", True), ("gloo", "host", True),
+    ("disk", "device", True),
+])
+def test_host_sent_transports_stage_asynchronously_from_a_gpu(loop, backend, staging, on_gpu):
+    """gloo and disk read the snapshot from host memory: from a GPU it goes to
+    pinned memory beside the next step (the next optimizer step waits for it
+    on the GPU, see DirectPush) instead of a copy that holds the trainer's
+    thread. On a CPU trainer there is nothing to wait for."""
+    for device, expected in ((torch.device("cuda", 0), on_gpu), (torch.device("cpu"), False)):
+        p = Pusher(loop, [], PushConfig(backend=backend, staging=staging), device)
+        assert p.stages_async == expected, (device, backend, staging)

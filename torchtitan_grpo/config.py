@@ -200,7 +200,8 @@ class WeightSync:
     staging: Literal["device", "host"] = "device"
     """Where snapshots wait to be sent: "device" keeps num_staging_buffers
     copies of the pushed weights on the trainer's GPU (the fastest push;
-    transports gloo and disk stage in host memory anyway); "host" keeps them
+    transports gloo and disk stage in host memory anyway, from a GPU as
+    "host" does, whichever is set); "host" keeps them
     in pinned host memory, for models that do not fit on the GPU twice: the
     copy to the host runs beside the next forward/backward and the next
     optimizer step waits for it on the GPU, each replica's sender holds two

@@ -133,7 +133,7 @@ class PushConfig:
     source tensors next must, see ``DirectPush``), and each replica's sender
     uploads bucket by bucket through two device buffers of its own
     (``upload.Uploader``), so the push runs at PCIe speed. gloo and disk
-    always stage on the host (pinned with "host")."""
+    always stage on the host, from a GPU in pinned memory as "host" does."""
     pipelined: bool = True
     """Built-in servers only: write a transfer's control requests on one
     HTTP/1.1 connection without waiting for the replies in between (the
@@ -372,8 +372,11 @@ class Pusher:
     @property
     def stages_async(self) -> bool:
         """Whether ``push`` leaves a copy to pinned host memory running on the
-        caller's stream: the source tensors must not change until it is done."""
-        return self.cfg.staging == "host" and self.device.type == "cuda"
+        caller's stream: the source tensors must not change until it is done.
+        gloo and disk send from host memory whatever ``staging`` says, so from
+        a GPU they always stage this way: a copy into pageable memory would
+        hold the trainer's thread for the whole transfer over PCIe."""
+        return self.device.type == "cuda" and (self.cfg.staging == "host" or self.cfg.backend != "nccl")
 
     # ------------------------------------------------------------ set-up
 
@@ -637,12 +640,15 @@ class Pusher:
                     for b in plan]
         except RuntimeError as e:  # torch.OutOfMemoryError included
             what = "pinned host" if pinned else f"{where}"
-            other = ('"device"' if self.cfg.staging == "host" else '"host" (pinned host memory, slower pushes)')
+            if self.cfg.backend != "nccl":  # host memory is the only choice: staging changes nothing
+                remedy = "lower weight_sync.num_staging_buffers"
+            else:
+                other = ('"device"' if self.cfg.staging == "host" else '"host" (pinned host memory, slower pushes)')
+                remedy = f"lower weight_sync.num_staging_buffers or set weight_sync.staging = {other}"
             raise PushError(
                 f"staging buffer {len(self._staging) + 1} of {self.cfg.num_staging_buffers} "
                 f"({sum(bk.packed_nbytes(b) for b in plan) / 1e9:.2f} GB of {what} memory) could not be "
-                f"allocated: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; lower "
-                f"weight_sync.num_staging_buffers or set weight_sync.staging = {other}") from e
+                f"allocated: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; {remedy}") from e
         copies = [_BucketCopy.of(buf, b, self.cfg.large_tensor_bytes) for buf, b in zip(bufs, plan)]
         s = _Staged(-1, plan, bufs, copies, pinned=pinned)
         with self._lock:
