@@ -491,11 +491,17 @@ def _run(args, model_dir: str, gpu: bool) -> int:
         async_med = results[2].median
         ratio = slow_row.median / async_med
         fast_lag = max(r["push/replica0_version_lag"] for r in slow_recs)
+        # With a transfer shorter than a step (NCCL) the unslowed lag is 1. When one
+        # takes many steps (gloo on one GPU) every replica lags that many versions
+        # anyway: the slowed peer must not add to it.
+        lag_bound = max([1.0] + [r["push/replica0_version_lag"] for r in recs["async"]
+                                 if "push/replica0_version_lag" in r])
         st = {x["url"]: x for x in p2.status()}
         check(ratio <= args.max_slow_ratio,
               f"slow replica: async step time with one replica slowed x{args.slow_factor:g} is "
               f"x{ratio:.3f} of the unslowed async run (<= {args.max_slow_ratio})")
-        check(fast_lag <= 1, f"slow replica: fast replica max version lag {fast_lag:.0f} (<= 1); slow replica max "
+        check(fast_lag <= lag_bound, f"slow replica: fast replica max version lag {fast_lag:.0f} (<= {lag_bound:.0f}, "
+                                     f"its max in the unslowed async run, or 1); slow replica max "
                              f"lag {slow_row.lag(1)}, {st[slow.url]['transfers']} transfers for "
                              f"{args.slow_steps + 3} versions, no ejection: {slow.url not in events.ejected}")
         print_table(results, "# interim: + slow replica", lags)

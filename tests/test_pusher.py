@@ -602,3 +602,58 @@ def test_a_refused_pipelined_update_leaves_the_replica_whole_and_generating(tmp_
     finally:
         pusher.close()
         stop_process(srv.proc)
+
+
+def test_a_replica_is_readmitted_when_as_current_as_the_fleet_even_if_versions_outpace_transfers(
+        tmp_path, tiny_model_dir, loop):
+    """Every transfer takes longer than many trainer steps (gloo on one GPU
+    does), so no replica is ever within one version of the newest. A killed
+    and restarted replica must still come back once it serves at least what
+    the admitted replica serves, whole, and not wait for a lag it can never
+    reach."""
+    ok, victim = _servers(tmp_path, tiny_model_dir, [0.6, 0.6])
+    rec = Recorder()
+    at_readmit = {}
+    pusher = None
+
+    def readmit(url):
+        rec.readmit(url)
+        at_readmit.update(newest=pusher._newest, versions={s["url"]: s["version"] for s in pusher.status()})
+
+    pusher = Pusher(loop, [ok.url, victim.url], PushConfig(mode="async", bucket_bytes=1 << 30, deadline_s=5.0,
+                    init_timeout_s=20, reconnect_interval_s=0.5), torch.device("cpu"),
+                    on_eject=rec.eject, on_readmit=readmit)
+    restarted = None
+    version = 0
+
+    def step_until(pred, timeout, what):
+        nonlocal version
+        deadline = time.monotonic() + timeout
+        while not pred():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}: {pusher.status()}"
+            version += 1
+            pusher.push(_weights(tiny_model_dir, float(version)), version=version)
+            time.sleep(0.05)
+
+    try:
+        pusher.connect(initial_version=0)
+        step_until(lambda: pusher.replicas[1].busy and version > 20, 30, "a transfer to the victim")
+        victim.proc.kill()
+        victim.proc.wait()
+        step_until(lambda: rec.ejected == [victim.url], 20, "ejection of the killed replica")
+        cmd = [sys.executable, "-m", "torchtitan_grpo.inference.server", "--model", tiny_model_dir,
+               "--port", str(victim.port), "--debug-update-delay-s", "0.6", "--weight-group-timeout", "30"]
+        restarted = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     env=dict(os.environ, OMP_NUM_THREADS="1"))
+        step_until(lambda: rec.readmitted == [victim.url], 90, "readmission after catch-up")
+        mine, theirs = at_readmit["versions"][victim.url], at_readmit["versions"][ok.url]
+        assert at_readmit["newest"] - mine > 1, at_readmit  # the lag-of-one rule alone would have kept it out
+        assert mine >= theirs, at_readmit  # as current as the replica that was being routed to
+        served = _served_markers(victim.url, list(_weights(tiny_model_dir, 0.0)))
+        assert len(served) == 1 and next(iter(served)) >= mine, served  # whole versions only
+    finally:
+        pusher.close()
+        stop_process(ok.proc)
+        stop_process(victim.proc)
+        if restarted is not None:
+            stop_process(restarted)
