@@ -3,7 +3,7 @@ run; then a slow replica and a replica killed mid-transfer.
 
     python bench/step_time.py                 # trainer on cuda:0, built-in servers on cuda:1 (NCCL)
     python bench/step_time.py --cpu           # gloo, tiny model, one server in run 1 (what the tests run)
-    python bench/step_time.py --one-gpu       # trainer and servers share cuda:0 (one GPU for both): gloo
+    python bench/step_time.py --one-gpu [--transport ipc|gloo]   # trainer and servers share cuda:0
 
 The trainer is what ``grpo_train.py`` runs: a TorchTitan qwen3 built by
 ``trainer.build_policy`` from an HF checkpoint written locally (GPU: the
@@ -330,8 +330,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu", action="store_true", help="gloo, tiny model, one server (tests, CI)")
     ap.add_argument("--one-gpu", action="store_true",
-                    help="the GPU settings with trainer and servers on cuda:0, pushing over gloo "
-                         "(NCCL cannot join two processes on one GPU)")
+                    help="the GPU settings with trainer and servers on cuda:0 (NCCL cannot join two "
+                         "processes on one GPU): see --transport")
+    ap.add_argument("--transport", default=None, choices=["nccl", "gloo", "ipc"],
+                    help="weight_sync.transport (GPU nccl, --one-gpu ipc, --cpu gloo)")
     ap.add_argument("--servers", type=int, default=None, help="replicas in the off/sync/async run (GPU 2, --cpu 1)")
     ap.add_argument("--steps", type=int, default=None, help="steps per mode per round (GPU 8, --cpu 4)")
     ap.add_argument("--rounds", type=int, default=None, help="rounds of off/sync/async (GPU 3, --cpu 2)")
@@ -388,7 +390,7 @@ def _run(args, model_dir: str, gpu: bool) -> int:
 
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")
     server_device, server_dtype = ("cuda:0" if args.one_gpu else "cuda:1", "bfloat16") if gpu else ("cpu", "float32")
-    backend = "nccl" if gpu and not args.one_gpu else "gloo"
+    backend = args.transport or ("nccl" if gpu and not args.one_gpu else "ipc" if args.one_gpu else "gloo")
     if gpu:
         torch.cuda.set_device(device)
     t_start = time.monotonic()
@@ -447,13 +449,14 @@ def _run(args, model_dir: str, gpu: bool) -> int:
         sent = [bk.TensorSpec(x.name, getattr(torch, args.push_dtype) if args.push_dtype != "model" else x.dtype,
                               x.shape) for x in tr.push_specs()]
         n_buckets = len(bk.plan_buckets(sent, args.bucket_mb << 20))  # as the pusher plans them
-        delay = args.slow_factor * t_u / n_buckets
+        handlers = 1 if backend == "ipc" else n_buckets  # ipc: one update request per version
+        delay = args.slow_factor * t_u / handlers
         push_gb = sum(s.nbytes for s in tr.push_specs()) / 1e9
         print(f"# batch: {len(tr.batch)} samples x ({args.prompt_len} prompt + {args.completion_len} completion) "
               f"tokens; push: {push_gb:.2f} GB/version of float32 master weights, sent as {args.push_dtype}, in "
               f"{n_buckets} bucket(s) of <= {args.bucket_mb} MiB over {backend}", flush=True)
         print(f"# normal update time t_u = {t_u * 1e3:.1f} ms/version (median of sync warm-up pushes, slowest "
-              f"replica); slow replica: --debug-update-delay-s {delay:.4f} x {n_buckets} handler(s) = "
+              f"replica); slow replica: --debug-update-delay-s {delay:.4f} x {handlers} handler(s) = "
               f"+{args.slow_factor:g} t_u per version", flush=True)
         slow = start_server(model_dir, server_device, server_dtype, args.log_dir, delay_s=delay)
         everything.append(slow)

@@ -2,10 +2,11 @@
 # One GPU for both trainer and inference server (what a one-GPU box runs), in
 # one device call: the CUDA tests of tests/test_gpu_staging.py (the 2-GPU ones
 # skip), the start-up refusal of an NCCL push to a server on the trainer's GPU,
-# verify_grpo_2gpu.sh --one-gpu over gloo and over disk, then
-# bench/step_time.py --one-gpu. From the repo root with .whl/ carried:
+# verify_grpo_2gpu.sh --one-gpu over ipc, gloo and disk, then
+# bench/step_time.py --one-gpu for each transport in $BENCH (default "ipc gloo";
+# empty: none). From the repo root with .whl/ carried:
 #
-#   OUT=... BUDGET=560 bash scripts/device_one_gpu.sh [--skip-bench]
+#   OUT=... BUDGET=560 [BENCH="ipc"] bash scripts/device_one_gpu.sh [--skip-tests]
 #
 # Logs go to $OUT/<step>.log; a summary (exit code and time of each step, its
 # PASS/FAIL lines) ends the output. Exit code 0 iff every step passed.
@@ -26,6 +27,8 @@ step() {  # step NAME CMD...: run under the budget, remember exit code and time
   return $rc
 }
 
+BENCH=${BENCH-ipc gloo}
+if [ "${1:-}" != --skip-tests ]; then
 step gpu_tests python3 -m pytest -q -ra -p no:cacheprovider -m gpu tests/test_gpu_staging.py
 
 # An NCCL push to a server on cuda:0, the trainer's GPU: refused before anything starts.
@@ -44,10 +47,15 @@ else
 fi
 grep -m3 "ConfigError\|config key" "$OUT/refused.log"
 
-step verify_one_gpu_gloo env VERIFY_DUMP="$OUT/verify_gloo" bash scripts/verify_grpo_2gpu.sh --one-gpu
-step verify_one_gpu_disk env VERIFY_DUMP="$OUT/verify_disk" bash scripts/verify_grpo_2gpu.sh --one-gpu \
-  --weight_sync.transport disk
-[ "${1:-}" = --skip-bench ] || step step_time_one_gpu python3 bench/step_time.py --one-gpu
+for t in ipc gloo disk; do
+  step "verify_one_gpu_$t" env VERIFY_DUMP="$OUT/verify_$t" bash scripts/verify_grpo_2gpu.sh --one-gpu \
+    --weight_sync.transport "$t"
+done
+fi
+for t in $BENCH; do
+  step "step_time_one_gpu_$t" python3 bench/step_time.py --one-gpu --transport "$t" --rounds 2 --steps 6 \
+    --warmup 3 --slow-steps 8 --after-kill-steps 4
+done
 
 echo "== summary"
 printf '%s\n' "${SUMMARY[@]}" | tee "$OUT/summary.log"

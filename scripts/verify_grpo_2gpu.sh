@@ -3,9 +3,9 @@
 #
 #   bash scripts/verify_grpo_2gpu.sh            # trainer on cuda:0, built-in server on cuda:1, async NCCL push
 #   bash scripts/verify_grpo_2gpu.sh --cpu      # the same on CPU (gloo push, CPU server)
-#   bash scripts/verify_grpo_2gpu.sh --one-gpu  # one GPU for both: trainer and server on cuda:0, gloo push
+#   bash scripts/verify_grpo_2gpu.sh --one-gpu  # one GPU for both: trainer and server on cuda:0, CUDA IPC push
 #   bash scripts/verify_grpo_2gpu.sh [--cpu|--one-gpu] --training.steps 10 ...   # extra grpo_train overrides
-#     (e.g. --one-gpu --weight_sync.transport disk)
+#     (e.g. --one-gpu --weight_sync.transport gloo, or disk)
 #
 # Runs grpo_train.py (torchrun, one trainer rank) with train_configs/verify_2gpu.toml:
 # the demo's tiny Qwen3 (written locally), the digits task, one built-in server
@@ -60,9 +60,10 @@ else
     echo "verify_grpo_2gpu: needs $need GPU(s), found $n (use --cpu for the CPU version)" >&2
     exit 2
   fi
-  # NCCL cannot join two processes on one GPU: a server beside the trainer takes gloo (or disk, if asked).
+  # NCCL cannot join two processes on one GPU: a server beside the trainer maps the trainer's
+  # staging buffers (CUDA IPC), or takes gloo or disk if asked.
   if [ "$ONE_GPU" = 1 ]; then
-    ARGS+=(--inference.server_device cuda:0 --weight_sync.transport gloo)
+    ARGS+=(--inference.server_device cuda:0 --weight_sync.transport ipc)
   fi
   export VERIFY_TOL=${VERIFY_TOL:-1e-3}
 fi

@@ -104,7 +104,7 @@ def test_nccl_push_to_a_builtin_server_on_a_trainer_gpu_is_refused_at_start(monk
         assert parse_config(argv).inference.server_device == server_device
         return
     with pytest.raises(ConfigError, match=r"inference\.server_device.*would share cuda:\d with a trainer rank"
-                                          r".*weight_sync\.transport = \"gloo\" or \"disk\""):
+                                          r".*weight_sync\.transport = \"ipc\""):
         parse_config(argv)
     # The same GPU is fine when the weights do not go over NCCL.
     assert parse_config(argv[:3] + ["gloo"] + argv[4:]).weight_sync.transport == "gloo"
@@ -113,3 +113,12 @@ def test_nccl_push_to_a_builtin_server_on_a_trainer_gpu_is_refused_at_start(monk
 def test_server_device_must_name_a_device():
     with pytest.raises(ConfigError, match=r"inference\.server_device = 'cuda1'"):
         parse_config(["--job.config_file", DEMO, "--inference.server_device", "cuda1"])
+
+
+def test_ipc_transport_needs_sglang_protocol_and_device_staging():
+    with pytest.raises(ConfigError, match=r"weight_sync\.transport = 'ipc': ipc needs the SGLang protocol"):
+        parse_config(["--job.config_file", DEMO, "--weight_sync.transport", "ipc", "--inference.backend", "vllm",
+                      "--inference.urls", "http://127.0.0.1:1"])
+    with pytest.raises(ConfigError, match=r"weight_sync\.staging = 'host': must be \"device\""):
+        parse_config(["--job.config_file", DEMO, "--weight_sync.transport", "ipc", "--weight_sync.staging", "host"])
+    assert parse_config(["--job.config_file", DEMO, "--weight_sync.transport", "ipc"]).weight_sync.transport == "ipc"

@@ -1,5 +1,6 @@
 """``weight_sync.staging = "host"`` on GPUs: snapshots in pinned host memory,
-uploaded bucket by bucket through each sender's two device buffers.
+uploaded bucket by bucket through each sender's two device buffers; and a
+server on the trainer's own GPU, fed over gloo or CUDA IPC.
 
 GPU machines only (the copies to and from pinned memory, the upload stream
 and NCCL do not exist on CPU); runs are recorded in docs/GPU_RUNS.md. The
@@ -119,18 +120,21 @@ def test_host_staged_push_over_nccl(tmp_path, tiny_model_dir, loop, protocol):
 
 
 @cuda
-def test_gloo_push_to_a_server_on_the_trainers_own_gpu(tmp_path, tiny_model_dir, loop):
+@pytest.mark.parametrize("backend", ["gloo", "ipc"])
+def test_push_to_a_server_on_the_trainers_own_gpu(tmp_path, tiny_model_dir, loop, backend):
     """One GPU for both (NCCL cannot join two processes on one GPU): the
-    server shares cuda:0 and takes the weights over gloo. With the default
-    ``staging = "device"`` the snapshot still goes to pinned host memory
-    beside the next step, and the optimizer step queued right after an async
-    push must not reach the replica under that push's version."""
+    server shares cuda:0 and takes the weights over gloo (the snapshot goes
+    to pinned host memory beside the next step, whatever ``staging`` says)
+    or by CUDA IPC (it copies out of the trainer's staging buffers on the
+    GPU). Either way the optimizer step queued right after an async push
+    must not reach the replica under that push's version."""
     (srv,) = start_servers([ServerSpec(tiny_model_dir, device="cuda:0")], str(tmp_path / "logs"), 180)
     dev = torch.device("cuda", 0)
     params = {n: torch.nn.Parameter(w) for n, w in _weights(tiny_model_dir, 0.0).items()}
     opt = torch.optim.SGD(list(params.values()), lr=1.0)
-    pusher = Pusher(loop, [srv.url], PushConfig(mode="async", backend="gloo", bucket_bytes=20_000, deadline_s=120), dev)
-    assert pusher.stages_async
+    pusher = Pusher(loop, [srv.url], PushConfig(mode="async", backend=backend, bucket_bytes=20_000, deadline_s=120),
+                    dev)
+    assert pusher.stages_async == (backend == "gloo")
     dp = DirectPush([], None, pusher, sync=False, optimizers=opt)
     dp.tensors = lambda: {n: p.detach() for n, p in params.items()}
     try:
@@ -142,7 +146,8 @@ def test_gloo_push_to_a_server_on_the_trainers_own_gpu(tmp_path, tiny_model_dir,
             dp.snapshot(v, wait=v < 3)
         opt.step()  # queued at once after version 3's copy: -4
         pusher.wait_for(3, timeout_s=120)
-        assert pusher._latest.buffers[0].is_pinned()
+        buf = pusher._latest.buffers[0]
+        assert buf.is_pinned() if backend == "gloo" else buf.device == dev
         for n in params:
             r = requests.get(srv.url + "/get_weights_by_name", params={"name": n, "truncate_size": 4}, timeout=10)
             r.raise_for_status()

@@ -657,3 +657,61 @@ def test_a_replica_is_readmitted_when_as_current_as_the_fleet_even_if_versions_o
         stop_process(victim.proc)
         if restarted is not None:
             stop_process(restarted)
+
+
+def test_ipc_push_hands_over_whole_versions_and_a_killed_replica_catches_up(tmp_path, tiny_model_dir, loop):
+    """transport "ipc" on CPU: the replica maps the staging buffers (shared
+    memory files) and copies each version out; sync pushes arrive whole, an
+    async burst ends on the newest, and a replica killed mid-update is
+    ejected, cleaned up after its restart and readmitted only with the newest
+    version."""
+    before = torch.multiprocessing.get_sharing_strategy()
+    (srv,) = _servers(tmp_path, tiny_model_dir, [0.0])
+    rec = Recorder()
+    pusher = Pusher(loop, [srv.url], PushConfig(mode="sync", backend="ipc", deadline_s=5.0, init_timeout_s=20,
+                    reconnect_interval_s=0.5), torch.device("cpu"), on_eject=rec.eject, on_readmit=rec.readmit)
+    names = list(_weights(tiny_model_dir, 0.0))
+    restarted = slow = None
+    try:
+        assert torch.multiprocessing.get_sharing_strategy() == "file_system"
+        pusher.connect(initial_version=0)
+        for v in (1, 2):
+            m = pusher.push(_weights(tiny_model_dir, float(v)), version=v)
+            assert _version(srv.url) == str(v) and _served_markers(srv.url, names) == {float(v)}, m
+        assert pusher._latest.buffers[0].is_shared()
+        for v in range(3, 9):
+            pusher.push(_weights(tiny_model_dir, float(v)), version=v, wait=False)
+        pusher.wait_for(8, timeout_s=30)
+        assert _version(srv.url) == "8" and _served_markers(srv.url, names) == {8.0}
+
+        # Kill it inside an update handler (a slow replica in its place), restart it, catch up.
+        stop_process(srv.proc)
+        cmd = [sys.executable, "-m", "torchtitan_grpo.inference.server", "--model", tiny_model_dir,
+               "--port", str(srv.port)]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        slow = subprocess.Popen(cmd + ["--debug-update-delay-s", "3"], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, env=env)
+        _wait(lambda: _up(srv.url), 60, "the slow replica's start")
+        pusher.push(_weights(tiny_model_dir, 9.0), version=9, wait=False)
+        _wait(lambda: pusher.replicas[0].busy, 10, "a transfer in flight")
+        time.sleep(0.5)
+        slow.kill()
+        slow.wait()
+        _wait(lambda: rec.ejected == [srv.url], 20, "ejection of the killed replica")
+        pusher.push(_weights(tiny_model_dir, 10.0), version=10, wait=False)
+        restarted = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        _wait(lambda: rec.readmitted == [srv.url], 90, "readmission after catch-up")
+        assert _version(srv.url) == "10" and _served_markers(srv.url, names) == {10.0}
+    finally:
+        pusher.close()
+        torch.multiprocessing.set_sharing_strategy(before)
+        for p in (srv.proc, slow, restarted):
+            if p is not None:
+                stop_process(p)
+
+
+def _up(url: str) -> bool:
+    try:
+        return requests.get(url + "/health", timeout=2).status_code == 200
+    except requests.RequestException:
+        return False

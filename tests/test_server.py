@@ -41,6 +41,7 @@ REQUEST_SCHEMAS = {
     "/end_weight_update": "EndWeightUpdateReqInput",
     "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
     "/update_weights_from_disk": "UpdateWeightFromDiskReqInput",
+    "/update_weights_from_tensor": "UpdateWeightsFromTensorReqInput",
     "/update_weight_version": "UpdateWeightVersionReqInput",
     "/pause_generation": "PauseGenerationReqInput",
     "/continue_generation": "ContinueGenerationReqInput",
@@ -950,3 +951,74 @@ def test_post_receive_check_first_posts_at_once_and_cuts_the_views_later():
         server.close()
     for (name, sent), (_, t) in zip(named, got):
         assert t.dtype == sent.dtype and t.shape == sent.shape and torch.equal(t, sent), name
+
+
+def test_update_weights_from_tensor_copies_from_the_senders_memory(server, model_dir, tmp_path):
+    """SGLang's /update_weights_from_tensor: the body maps the sender's tensors
+    (here shared-memory files; CUDA IPC on GPUs, tests/test_gpu_staging.py),
+    the server copies them before it answers and loads them at the end. A
+    body that is not a list of (name, tensor) pairs is refused naming the
+    field, and a pickle that would run anything else is never run."""
+    import base64
+    import pickle
+
+    from safetensors.torch import load_file
+
+    from torchtitan_grpo.weight_sync import ipc
+
+    before = torch.multiprocessing.get_sharing_strategy()
+    ipc.share_cpu_memory()
+    try:
+        original = load_file(os.path.join(model_dir, "model.safetensors"))
+        mine = [(n, torch.full_like(t, 0.25).share_memory_()) for n, t in sorted(original.items())]
+        entry = ipc.serialize(mine)
+        body = {"serialized_named_tensors": [entry], "load_format": None, "weight_version": "ipc",
+                "flush_cache": True, "abort_all_requests": False}
+        status, out = http(server, "/update_weights_from_tensor", body)
+        assert status == 400 and "begin_weight_update" in out["message"]  # no session, nothing received
+        assert http(server, "/begin_weight_update", {})[1]["success"]
+        status, out = http(server, "/update_weights_from_tensor", body)
+        assert status == 200 and out["success"], out
+        for _, t in mine:
+            t.fill_(-1.0)  # answered: the sender may reuse its memory
+        status, out = http(server, "/end_weight_update", {})
+        assert status == 200 and out["success"], out
+        assert http(server, "/model_info")[1]["weight_version"] == "ipc"
+        for n in ["model.norm.weight", "lm_head.weight"]:
+            assert set(_weights(server, n).flatten().tolist()) == {0.25}, n
+
+        marker = tmp_path / "ran"
+
+        class Evil:
+            def __reduce__(self):
+                return (os.system, (f"touch {marker}",))
+
+        # (body, words of the refusal, whether the session fails: a refused
+        # request shape receives nothing, refused content fails the version)
+        bad = [
+            ({"serialized_named_tensors": [entry, entry]}, "one entry per TP rank", False),
+            ({"serialized_named_tensors": [entry], "load_format": "flattened_bucket"}, "field 'load_format'", False),
+            ({"serialized_named_tensors": ["not base64!"]}, "entry 0 is not valid base64", True),
+            ({"serialized_named_tensors": [base64.b64encode(pickle.dumps(Evil())).decode()]},
+             "entry 0 refers to posix.system, which is not part of a tensor's reduction", True),
+            ({"serialized_named_tensors": [base64.b64encode(pickle.dumps({"a": 1})).decode()]},
+             "must hold a list of (name, tensor) pairs", True),
+            ({"serialized_named_tensors": [ipc.serialize([("no.such.weight", torch.zeros(2).share_memory_())])]},
+             "unknown parameter 'no.such.weight'", True),
+        ]
+        for b, words, fails in bad:
+            assert http(server, "/begin_weight_update", {})[1]["success"]
+            status, out = http(server, "/update_weights_from_tensor", b, valid=False)
+            assert status == 400 and not out["success"] and words in out["message"], (words, out)
+            status, out = http(server, "/end_weight_update", {})
+            assert out["success"] != fails and (fails or "loaded 0 tensor(s)" in out["message"]), (words, out)
+        assert not marker.exists()
+        assert http(server, "/model_info")[1]["weight_version"] == "ipc"
+        assert set(_weights(server, "lm_head.weight").flatten().tolist()) == {0.25}
+
+        # Put the checkpoint back for later tests.
+        http(server, "/begin_weight_update", {})
+        assert http(server, "/update_weights_from_disk", {"model_path": model_dir, "weight_version": "disk"})[1]["success"]
+        http(server, "/end_weight_update", {})
+    finally:
+        torch.multiprocessing.set_sharing_strategy(before)

@@ -142,7 +142,7 @@ class Inference:
     """Device of started built-in servers: "cpu", "cuda" or "cuda:N". With
     weight_sync.transport "nccl" it must be a GPU no trainer rank of this node
     uses (rank k uses cuda:k); a server sharing the trainer's GPU (one GPU for
-    both) takes its weights over "gloo" or "disk"."""
+    both) takes its weights over "ipc" (or "gloo", "disk")."""
 
     server_dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype of started built-in servers."""
@@ -171,10 +171,14 @@ class WeightSync:
     "sync": push and wait for every admitted replica (on-policy baseline);
     "off": never push (replicas keep the initial weights; for measuring)."""
 
-    transport: Literal["gloo", "nccl", "disk"] = "gloo"
+    transport: Literal["gloo", "nccl", "disk", "ipc"] = "gloo"
     """How weights travel: a gloo or nccl broadcast per replica (nccl needs GPUs
-    on both sides), or "disk": safetensors in disk_folder plus
-    /update_weights_from_disk (no shared network fabric needed; SGLang protocol)."""
+    on both sides, and a GPU of each), "disk": safetensors in disk_folder plus
+    /update_weights_from_disk (no shared network fabric needed; SGLang
+    protocol), or "ipc": replicas on the trainer's host map its staging
+    buffers (CUDA IPC on a GPU, shared memory on CPU) and copy the weights
+    out, SGLang's /update_weights_from_tensor; the way for a server that
+    shares the trainer's GPU (docs/PERFORMANCE.md, one GPU)."""
 
     disk_folder: str = ""
     """transport "disk": a folder every replica can read (default <dump_folder>/pushed_weights)."""
@@ -315,6 +319,10 @@ def validate(cfg) -> None:
     _check(w.init_timeout_s > 0, "weight_sync.init_timeout_s", "must be > 0", w.init_timeout_s)
     _check(w.transport != "disk" or i.backend != "vllm", "weight_sync.transport",
            "disk needs the SGLang protocol (/update_weights_from_disk); vLLM has no such route", w.transport)
+    _check(w.transport != "ipc" or i.backend != "vllm", "weight_sync.transport",
+           "ipc needs the SGLang protocol (/update_weights_from_tensor); vLLM has no such route", w.transport)
+    _check(w.transport != "ipc" or w.staging == "device", "weight_sync.staging",
+           'must be "device" with weight_sync.transport = "ipc" (replicas map the staging buffers)', w.staging)
     _check(w.staging in ("device", "host"), "weight_sync.staging", 'must be "device" or "host"', w.staging)
     _check(w.num_staging_buffers >= 1, "weight_sync.num_staging_buffers", "must be >= 1", w.num_staging_buffers)
     _check(w.replica_deadline_s > 0, "weight_sync.replica_deadline_s", "must be > 0", w.replica_deadline_s)
@@ -328,8 +336,8 @@ def validate(cfg) -> None:
         _check(gpu >= trainer_gpus, "inference.server_device",
                f"the built-in servers would share cuda:{gpu} with a trainer rank (this node's trainer ranks "
                f"use cuda:0..cuda:{trainer_gpus - 1}), and NCCL cannot connect two processes on one GPU: "
-               f"put them on cuda:{trainer_gpus} or later, or set weight_sync.transport = \"gloo\" or \"disk\" "
-               f"(one GPU for both)", i.server_device)
+               f"put them on cuda:{trainer_gpus} or later, or set weight_sync.transport = \"ipc\" (one GPU for "
+               f"both: the server copies from the trainer's memory), \"gloo\" or \"disk\"", i.server_device)
     _check(cfg.model.name in ("qwen3", "llama3"), "model.name", 'must be "qwen3" or "llama3"', cfg.model.name)
     if not g.tiny_model_if_missing:
         _check(

@@ -42,6 +42,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
+import torch
 from aiohttp import web
 
 from torchtitan_grpo.inference.engine import (
@@ -64,7 +65,9 @@ from torchtitan_grpo.inference.engine import (
 
 from torchtitan_grpo.inference.server_vllm import VLLMRoutes, ack_posted, debug_update_delay
 from torchtitan_grpo.inference.types import BUILTIN_ENGINE
+from torchtitan_grpo.weight_sync import ipc
 from torchtitan_grpo.weight_sync.buckets import TensorSpec, specs_from_lists
+from torchtitan_grpo.weight_sync.ipc import IpcFormatError
 
 logger = logging.getLogger("torchtitan_grpo.inference.server")
 
@@ -255,6 +258,7 @@ class SGLangRoutes:
         r.add_post("/end_weight_update", _shielded(self.end_weight_update))
         r.add_post("/destroy_weights_update_group", _shielded(self.destroy_weights_update_group))
         r.add_post("/update_weights_from_disk", _shielded(self.update_weights_from_disk))
+        r.add_post("/update_weights_from_tensor", _shielded(self.update_weights_from_tensor))
         r.add_post("/update_weight_version", _shielded(self.update_weight_version))
         r.add_post("/pause_generation", _shielded(self.pause_generation))
         r.add_post("/continue_generation", _shielded(self.continue_generation))
@@ -596,6 +600,49 @@ class SGLangRoutes:
                                     num_paused_requests=paused)
             await debug_update_delay(self.cfg)
             return self._keep(named, version, f"{len(named)} tensor(s) from {path}", num_paused_requests=paused)
+
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        """SGLang's same-host update: ``serialized_named_tensors`` holds one
+        entry per TP rank (this server is one rank), each mapping tensors of
+        the sender's memory (CUDA IPC or a shared-memory file, see
+        ``weight_sync.ipc``). They are copied into memory of this server
+        before the reply, so the sender may reuse its buffers once answered."""
+        body = await _json_body(request)
+        entries = _get(body, "serialized_named_tensors", "list", required=True)
+        load_format = _get(body, "load_format", "str", None)
+        version = _get(body, "weight_version", "str", None)
+        abort_all = _get(body, "abort_all_requests", "bool", False)
+        _get(body, "flush_cache", "bool", True)
+        try:
+            self._require_session()
+            if len(entries) != 1:
+                raise _Refused(f"field 'serialized_named_tensors' must hold one entry per TP rank, and this server "
+                               f"is one rank: got {len(entries)}")
+            if load_format is not None:
+                raise _Refused(f"field 'load_format' must be null (a list of (name, tensor) pairs), got "
+                               f"{load_format!r}")
+        except _Refused as e:
+            return _result(False, str(e))
+        async with self._update_lock:
+            if abort_all:
+                await asyncio.to_thread(self.engine.abort_all, "aborted for a weight update")
+            try:
+                named, adopt = await self._run(self._copy_shared, entries[0])
+            except WeightUpdateError as e:
+                return self._refuse(str(e))
+            except IpcFormatError as e:
+                return self._refuse(f"field 'serialized_named_tensors' entry 0 {e}")
+            await debug_update_delay(self.cfg)
+            return self._keep(named, version, f"{len(named)} tensor(s) by reference", adopt)
+
+    def _copy_shared(self, entry: str) -> tuple[list, list[bool]]:
+        shared = ipc.deserialize(entry)
+        device = self.engine.device
+        adopt = self.engine.check_received([TensorSpec.of(n, t) for n, t in shared], device)
+        named = [(n, t.to(device, copy=True)) for n, t in shared]
+        if device.type == "cuda":  # the sender reuses its buffers once answered: the copies must be done
+            torch.cuda.current_stream(device).synchronize()
+        return named, adopt
 
     def _read_checked(self, path: str) -> list:
         named = read_safetensors_dir(path, self.engine.device)

@@ -71,6 +71,7 @@ from torchtitan_grpo.inference import sglang, vllm
 from torchtitan_grpo.inference.launcher import free_port
 from torchtitan_grpo.inference.types import BUILTIN_ENGINE
 from torchtitan_grpo.weight_sync import buckets as bk
+from torchtitan_grpo.weight_sync import ipc
 from torchtitan_grpo.weight_sync.control import PipelinedConnection, PushError, read_reply
 from torchtitan_grpo.weight_sync.group import WeightGroup, init_weight_group, master_store
 from torchtitan_grpo.weight_sync.upload import Uploader
@@ -103,6 +104,10 @@ class PushConfig:
 
     mode: str = "async"
     backend: str = "gloo"
+    """How the bytes travel: "gloo" or "nccl" (a weight group per replica),
+    "disk" (safetensors, see ``disk_folder``) or "ipc" (same host: the
+    replica maps the staging buffer, CUDA IPC or shared memory, and copies
+    out of it; see ``weight_sync.ipc``)."""
     master_address: str = "127.0.0.1"
     bucket_bytes: int = 1 << 30
     num_staging_buffers: int = 2
@@ -280,6 +285,9 @@ class _Replica:
     last_error: str = ""
     eject_reason: str = ""
     next_reconnect: float = 0.0
+    reset_due: bool = False
+    """disk and ipc (no weight group): ejected, so the replica may hold an
+    abandoned update session, closed before anything else is sent."""
     last_transfer_s: float = 0.0
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -343,6 +351,10 @@ class Pusher:
                  on_eject: Callable[[str], None] | None = None, on_readmit: Callable[[str], None] | None = None):
         if config.staging not in ("device", "host"):
             raise ValueError(f'staging must be "device" or "host", got {config.staging!r}')
+        if config.backend == "ipc" and (config.staging != "device" or config.protocol != "sglang"):
+            raise ValueError('backend "ipc" needs staging "device" (replicas map the staging buffers) and the '
+                             f'SGLang protocol (/update_weights_from_tensor), got staging {config.staging!r}, '
+                             f'protocol {config.protocol!r}')
         self.loop = loop
         self.cfg = config
         self.device = device
@@ -369,6 +381,8 @@ class Pusher:
         self._readmit_lag = 0 if config.mode == "sync" else 1
         self.bytes_per_version = 0
         self._bodies: tuple[list, list[bytes]] | None = None  # (plan, its update requests' JSON)
+        if config.backend == "ipc" and device.type == "cpu":
+            ipc.share_cpu_memory()  # staging buffers any process on the host can map
 
     @property
     def stages_async(self) -> bool:
@@ -377,7 +391,12 @@ class Pusher:
         gloo and disk send from host memory whatever ``staging`` says, so from
         a GPU they always stage this way: a copy into pageable memory would
         hold the trainer's thread for the whole transfer over PCIe."""
-        return self.device.type == "cuda" and (self.cfg.staging == "host" or self.cfg.backend != "nccl")
+        return self.device.type == "cuda" and (self.cfg.staging == "host" or self.cfg.backend in ("gloo", "disk"))
+
+    @property
+    def _grouped(self) -> bool:
+        """Whether each replica gets the bytes over a weight group of its own."""
+        return self.cfg.backend in ("gloo", "nccl")
 
     # ------------------------------------------------------------ set-up
 
@@ -392,7 +411,7 @@ class Pusher:
         with self._lock:  # replicas added from now on join on their own (add_replica)
             self._started = True
             initial = list(self.replicas)
-        results = await asyncio.gather(*(self._connect(r) for r in initial if self.cfg.backend != "disk"),
+        results = await asyncio.gather(*((self._connect(r) if self._grouped else self._probe(r)) for r in initial),
                                        return_exceptions=True)
         errors = [f"{r.url}: {e}" for r, e in zip(initial, results) if isinstance(e, Exception)]
         if self.cfg.backend == "disk":
@@ -411,6 +430,11 @@ class Pusher:
         for r in initial:
             r.version = initial_version
             self._tasks.append(asyncio.create_task(self._sender(r)))
+
+    async def _probe(self, r: _Replica) -> None:
+        """disk and ipc: no group to join; ipc sends one entry per replica rank."""
+        if self.cfg.backend == "ipc":
+            r.world_size = 1 + await self._replica_ranks(r)
 
     async def _connect(self, r: _Replica) -> None:
         """One weight group for replica ``r``: its HTTP join and ours run at
@@ -633,15 +657,17 @@ class Pusher:
             plan = self._plan
         # A new buffer, made outside the lock (pinning gigabytes of host memory
         # takes seconds; senders take the lock): only this thread adds buffers.
-        on_device = self.cfg.backend == "nccl" and self.cfg.staging == "device"
+        on_device = self.cfg.backend in ("nccl", "ipc") and self.cfg.staging == "device"
         where = self.device if on_device else torch.device("cpu")
         pinned = self.stages_async
         try:
             bufs = [torch.empty(bk.packed_nbytes(b), dtype=torch.uint8, device=where, pin_memory=pinned)
                     for b in plan]
+            if self.cfg.backend == "ipc" and where.type == "cpu":
+                bufs = [b.share_memory_() for b in bufs]  # a file in /dev/shm the replica maps
         except RuntimeError as e:  # torch.OutOfMemoryError included
             what = "pinned host" if pinned else f"{where}"
-            if self.cfg.backend != "nccl":  # host memory is the only choice: staging changes nothing
+            if self.cfg.backend in ("gloo", "disk"):  # host memory is the only choice: staging changes nothing
                 remedy = "lower weight_sync.num_staging_buffers"
             else:
                 other = ('"device"' if self.cfg.staging == "host" else '"host" (pinned host memory, slower pushes)')
@@ -711,7 +737,7 @@ class Pusher:
         while True:
             await r.wake.wait()
             r.wake.clear()
-            if r.group is None and self.cfg.backend != "disk":  # ejected earlier: rejoin before anything else
+            if r.group is None if self._grouped else r.reset_due:  # ejected earlier: rejoin before anything else
                 early = r.next_reconnect - time.monotonic()
                 if early > 0:
                     await asyncio.sleep(early)
@@ -724,7 +750,9 @@ class Pusher:
                     continue
                 try:
                     await self._reset_remote(r)
-                    await asyncio.wait_for(self._connect(r), self.cfg.init_timeout_s + 5)
+                    await asyncio.wait_for(self._connect(r) if self._grouped else self._probe(r),
+                                           self.cfg.init_timeout_s + 5)
+                    r.reset_due = False
                 except Exception as e:
                     r.last_error = f"reconnect: {type(e).__name__}: {e}"
                     await asyncio.sleep(self.cfg.reconnect_interval_s)
@@ -799,6 +827,7 @@ class Pusher:
         if r.conn is not None:
             r.conn.close()  # replies still due on it belong to the abandoned transfer
         r.group, r.executor, r.stream, r.uploader, r.conn = None, None, None, None, None
+        r.reset_due = not self._grouped
         if r.admitted:
             r.admitted = False
             self.on_eject(r.url)
@@ -807,6 +836,8 @@ class Pusher:
     async def _transfer(self, r: _Replica, staged: _Staged) -> None:
         if self.cfg.backend == "disk":
             await self._transfer_disk(r, staged)
+        elif self.cfg.backend == "ipc":
+            await self._transfer_ipc(r, staged)
         elif self.cfg.protocol == "sglang":
             await self._transfer_sglang(r, staged)
         else:
@@ -1057,6 +1088,28 @@ class Pusher:
         body = {"model_path": path, "load_format": "safetensors", "weight_version": str(staged.version),
                 "flush_cache": self.cfg.pause_mode != "in_place", "abort_all_requests": False}
         await _post(s, r.url + "/update_weights_from_disk", body, self.cfg.deadline_s)
+        if r.sessionful:
+            await _post(s, r.url + "/end_weight_update", {}, self.cfg.deadline_s)
+
+    async def _transfer_ipc(self, r: _Replica, staged: _Staged) -> None:
+        """begin -> /update_weights_from_tensor (handles to the staging buffer's
+        tensors; the replica copies them before it answers) -> end. The
+        buffer is released only after the answer."""
+        s = self._session
+        await self._begin_session(r, _Requests(s, r.url, None))
+
+        def handles() -> str:  # off the event loop: waits for the snapshot's copies
+            staged.await_written()
+            for done in staged.ready or []:
+                done.synchronize()
+            return ipc.serialize([(spec.name, t) for bucket, buf in zip(staged.plan, staged.buffers)
+                                  for spec, t in zip(bucket, bk.unpack(buf, bucket))])
+
+        entry = await asyncio.get_running_loop().run_in_executor(None, handles)
+        body = {"serialized_named_tensors": [entry] * (r.world_size - 1), "load_format": None,
+                "weight_version": str(staged.version), "flush_cache": self.cfg.pause_mode != "in_place",
+                "abort_all_requests": False}
+        await _post(s, r.url + "/update_weights_from_tensor", body, self.cfg.deadline_s)
         if r.sessionful:
             await _post(s, r.url + "/end_weight_update", {}, self.cfg.deadline_s)
 
