@@ -476,6 +476,9 @@ def _run(args, model_dir: str, gpu: bool) -> int:
             results.append(Row(mode, recs[mode], skipped[mode], len(servers)))
         lags = max(2, len(servers))
         print_table(results, "# interim: off / sync / async", lags)
+        sync_lag = max((v for r in recs["sync"] for k, v in r.items() if k.endswith("_version_lag")), default=-1)
+        check(sync_lag == 0, f"sync: every replica served every sync version when its step ended (max lag "
+                             f"{sync_lag:.0f}, must be 0): the pushes were delivered")
         p1.close()
         del p1
         for s in servers:

@@ -638,8 +638,12 @@ class SGLangRoutes:
     def _copy_shared(self, entry: str) -> tuple[list, list[bool]]:
         shared = ipc.deserialize(entry)
         device = self.engine.device
-        adopt = self.engine.check_received([TensorSpec.of(n, t) for n, t in shared], device)
-        named = [(n, t.to(device, copy=True)) for n, t in shared]
+        self.engine.check_weights([TensorSpec.of(n, t) for n, t in shared])  # names and shapes first
+        # One pass over the bytes: the copy casts to the parameter's dtype, and the
+        # session's end then installs these tensors as the parameters (no second copy).
+        named = [(n, torch.empty(t.shape, dtype=self.engine.param_spec(n).dtype, device=device).copy_(t))
+                 for n, t in shared]
+        adopt = self.engine.check_received([TensorSpec.of(n, t) for n, t in named], device)
         if device.type == "cuda":  # the sender reuses its buffers once answered: the copies must be done
             torch.cuda.current_stream(device).synchronize()
         return named, adopt

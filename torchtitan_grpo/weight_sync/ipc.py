@@ -38,6 +38,8 @@ _ALLOWED = {
     ("torch.nn.parameter", "Parameter"),
     ("torch.storage", "UntypedStorage"),
     ("torch", "UntypedStorage"),
+    ("torch.storage", "TypedStorage"),  # rebuild_cuda_tensor's storage class
+    ("torch", "TypedStorage"),
 }
 
 
