@@ -577,10 +577,7 @@ class SGLangRoutes:
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         body = await _json_body(request)
         path = _get(body, "model_path", "str", required=True)
-        load_format = _get(body, "load_format", "str", None)
-        version = _get(body, "weight_version", "str", None)
-        abort_all = _get(body, "abort_all_requests", "bool", False)
-        _get(body, "flush_cache", "bool", True)
+        load_format, version, abort_all = _load_fields(body)
         try:
             self._require_session()
             if load_format not in (None, "auto", "safetensors"):
@@ -609,10 +606,7 @@ class SGLangRoutes:
         before the reply, so the sender may reuse its buffers once answered."""
         body = await _json_body(request)
         entries = _get(body, "serialized_named_tensors", "list", required=True)
-        load_format = _get(body, "load_format", "str", None)
-        version = _get(body, "weight_version", "str", None)
-        abort_all = _get(body, "abort_all_requests", "bool", False)
-        _get(body, "flush_cache", "bool", True)
+        load_format, version, abort_all = _load_fields(body)
         try:
             self._require_session()
             if len(entries) != 1:
@@ -770,6 +764,15 @@ class _BucketUpdate:
     """``flattened_bucket``'s layout (None for per-tensor broadcasts)."""
     accepted: list[bool] | None = None
     """Its adopt flags, once it was checked and accepted with ``?ack=posted``."""
+
+
+def _load_fields(body: dict) -> tuple[str | None, str | None, bool]:
+    """``load_format``, ``weight_version`` and ``abort_all_requests`` of an
+    update from disk or by reference (``flush_cache`` is checked: there is no
+    prefix cache to flush)."""
+    _get(body, "flush_cache", "bool", True)
+    return (_get(body, "load_format", "str", None), _get(body, "weight_version", "str", None),
+            _get(body, "abort_all_requests", "bool", False))
 
 
 def _tensor_specs(names: list, dtypes: list, shapes: list) -> list[TensorSpec]:
