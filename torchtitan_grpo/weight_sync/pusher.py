@@ -391,7 +391,12 @@ class Pusher:
         gloo and disk send from host memory whatever ``staging`` says, so from
         a GPU they always stage this way: a copy into pageable memory would
         hold the trainer's thread for the whole transfer over PCIe."""
-        return self.device.type == "cuda" and (self.cfg.staging == "host" or self.cfg.backend in ("gloo", "disk"))
+        return self.device.type == "cuda" and (self.cfg.staging == "host" or self._sends_from_host)
+
+    @property
+    def _sends_from_host(self) -> bool:
+        """gloo and disk read each version from host memory, whatever ``staging`` says."""
+        return self.cfg.backend in ("gloo", "disk")
 
     @property
     def _grouped(self) -> bool:
@@ -657,7 +662,7 @@ class Pusher:
             plan = self._plan
         # A new buffer, made outside the lock (pinning gigabytes of host memory
         # takes seconds; senders take the lock): only this thread adds buffers.
-        on_device = self.cfg.backend in ("nccl", "ipc") and self.cfg.staging == "device"
+        on_device = not self._sends_from_host and self.cfg.staging == "device"
         where = self.device if on_device else torch.device("cpu")
         pinned = self.stages_async
         try:
@@ -667,7 +672,7 @@ class Pusher:
                 bufs = [b.share_memory_() for b in bufs]  # a file in /dev/shm the replica maps
         except RuntimeError as e:  # torch.OutOfMemoryError included
             what = "pinned host" if pinned else f"{where}"
-            if self.cfg.backend in ("gloo", "disk"):  # host memory is the only choice: staging changes nothing
+            if self._sends_from_host:  # host memory is the only choice: staging changes nothing
                 remedy = "lower weight_sync.num_staging_buffers"
             else:
                 other = ('"device"' if self.cfg.staging == "host" else '"host" (pinned host memory, slower pushes)')
