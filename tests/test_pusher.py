@@ -223,10 +223,12 @@ def test_vllm_protocol_push_in_packed_chunks(tmp_path, tiny_model_dir, loop):
         stop_process(srv.proc)
 
 
-def test_replica_joining_from_file_gets_newest_weights_before_traffic(tmp_path, tiny_model_dir, loop):
+@pytest.mark.parametrize("backend", ["gloo", "ipc"])
+def test_replica_joining_from_file_gets_newest_weights_before_traffic(tmp_path, tiny_model_dir, loop, monkeypatch,
+                                                                       backend):
     """The pool reads a launcher's replica file; a replica added mid-run is
-    held as catching-up, joined by the pusher, sent the newest version, and
-    only then routed to."""
+    held as catching-up, joined by the pusher (ipc: asked for its ranks),
+    sent the newest version, and only then routed to."""
     from torchtitan_grpo.inference.pool import InferencePool, PoolConfig
 
     a, b = _servers(tmp_path, tiny_model_dir, [0.0, 0.0])
@@ -235,9 +237,18 @@ def test_replica_joining_from_file_gets_newest_weights_before_traffic(tmp_path, 
     rec = Recorder()
     pool = InferencePool([], PoolConfig(replica_file=str(listing), replica_file_interval_s=0.2,
                                         health_interval_s=0.2))
-    pusher = Pusher(loop, [], PushConfig(mode="async", bucket_bytes=32 << 10), torch.device("cpu"),
+    before = torch.multiprocessing.get_sharing_strategy()
+    pusher = Pusher(loop, [], PushConfig(mode="async", backend=backend, bucket_bytes=32 << 10), torch.device("cpu"),
                     on_eject=pool.eject, on_readmit=lambda u: (rec.readmit(u), pool.readmit(u)))
     pool.on_join = pusher.add_replica
+    probed = []
+    real_probe = pusher._probe
+
+    async def probe(r):
+        probed.append(r.url)
+        await real_probe(r)
+
+    monkeypatch.setattr(pusher, "_probe", probe)
     try:
         loop.run(pool.start())
         _wait(lambda: pool.states().get(a.url) == "healthy", 30, "replica a from the file")
@@ -251,9 +262,11 @@ def test_replica_joining_from_file_gets_newest_weights_before_traffic(tmp_path, 
         assert _version(b.url) == "1"
         assert _served_markers(b.url, list(_weights(tiny_model_dir, 0.0))) == {1.0}
         _wait(lambda: pool.states()[b.url] == "healthy", 30, "replica b routable")
+        assert probed == ([] if backend == "gloo" else [a.url, b.url])
     finally:
         pusher.close()
         loop.run(pool.close())
+        torch.multiprocessing.set_sharing_strategy(before)
         for s in (a, b):
             stop_process(s.proc)
 

@@ -286,8 +286,10 @@ class _Replica:
     eject_reason: str = ""
     next_reconnect: float = 0.0
     reset_due: bool = False
-    """disk and ipc (no weight group): ejected, so the replica may hold an
-    abandoned update session, closed before anything else is sent."""
+    """disk and ipc (no weight group): rejoin before anything else is sent,
+    as a grouped replica does when it has no group: after an ejection (an
+    abandoned update session may be open there) or when it joined after
+    ``connect`` (its ranks are not known yet)."""
     last_transfer_s: float = 0.0
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -540,6 +542,7 @@ class Pusher:
             started = self._started
             if started:
                 r.admitted = False
+                r.reset_due = not self._grouped
             self.replicas.append(r)
         if started:
             def begin():
