@@ -3,12 +3,14 @@ inference servers after every optimizer step.
 
     torchrun --nproc_per_node=N grpo_train.py --job.config_file train_configs/X.toml [--grpo.group_size 8 ...]
 
-Each step: sample ``group_size`` completions for each of ``prompts_per_step``
-prompts from the inference servers (with their logprobs and the weight
-version that produced them), score them, normalise rewards within each group
-into advantages, take one clipped-surrogate step on the trainer's own
-logprobs, then push the new weights, tagged with a version number, to every
-server. Samples from weights more than ``grpo.max_staleness`` versions old are
+Each step: take ``prompts_per_step`` groups of ``group_size`` completions from
+the inference servers (with their logprobs and the weight version that
+produced them), scored and with rewards normalised within each group into
+advantages, take one clipped-surrogate step on the trainer's own logprobs,
+then push the new weights, tagged with a version number, to every server.
+With ``rollout.pipeline_depth`` > 0 the servers generate the next steps'
+groups while the trainer trains, and a step takes the groups that finished
+first. Samples from weights more than ``grpo.max_staleness`` versions old are
 dropped; the rest are importance-weighted against the rollout logprobs
 (``grpo.is_correction``). With ``[checkpoint] enable``, the run saves every
 ``checkpoint.interval`` steps and resumes from the newest checkpoint in its
@@ -21,6 +23,7 @@ import contextlib
 import logging
 import os
 import sys
+import time
 
 import torch
 
@@ -75,13 +78,18 @@ def main(argv: list[str]) -> dict:
             # restored ones before generating anything.
             push.snapshot(version, wait=True)
 
+        if side:
+            # Generation starts now, on the weights the servers hold. With
+            # rollout.pipeline_depth > 0 it runs ahead of the trainer from here on.
+            side.rollouts.start(version)
+        t_prev = time.perf_counter()
         for step in range(start + 1, cfg.training.steps + 1):
-            # 1. Rollouts: groups of completions with rewards and advantages; samples
-            #    staler than grpo.max_staleness (and, with grpo.mask_truncated, those
-            #    cut at max_new_tokens) are dropped.
+            # 1. Rollouts: the first prompts_per_step groups to finish, with rewards
+            #    and advantages; samples staler than grpo.max_staleness (and, with
+            #    grpo.mask_truncated, those cut at max_new_tokens) are dropped.
             batch = None
             if side:
-                batch = side.rollouts.collect(step)
+                batch = side.rollouts.next_batch()
                 batch.samples, kept = offpolicy.select_samples(batch.samples, version if pushing else 0,
                                                                g.max_staleness, g.mask_truncated)
                 batch.metrics |= kept
@@ -103,13 +111,19 @@ def main(argv: list[str]) -> dict:
                 #    async: snapshot and go on; sync: wait for every admitted replica.
                 if pushing:
                     metrics |= push.snapshot(version)
+            if side:
+                side.rollouts.published(version)  # the next step's groups may start
 
             # 4. Log, and checkpoint every checkpoint.interval steps and at the last.
             if side:
+                now = time.perf_counter()
                 metrics |= {k: v for k, v in batch.metrics.items() if not k.startswith("_")}
-                metrics["weight_version"] = float(version if pushing else 0)
+                metrics |= {"weight_version": float(version if pushing else 0), "time/step_s": now - t_prev,
+                            "perf/samples_per_s": len(batch.samples) / (now - t_prev),
+                            "perf/tokens_per_s": num_tokens / (now - t_prev)}
+                t_prev = now
                 side.log.log(step, metrics)
-            ckpt.save(step, version, side.prompts if side else None, last_step=step == cfg.training.steps)
+            ckpt.save(step, version, side.rollouts if side else None, last_step=step == cfg.training.steps)
 
         if pushing and cfg.weight_sync.mode == "async":
             # The servers end on the final weights, whatever async mode skipped

@@ -218,14 +218,12 @@ def test_no_reference_without_kl(policy_for):
 def test_dataset_prompts_use_the_chat_template(tiny_model_dir):
     from transformers import AutoTokenizer
 
-    from torchtitan_grpo.inference.types import SamplingParams
-    from torchtitan_grpo.rollout.manager import RolloutManager
+    from torchtitan_grpo.rollout.groups import GroupScorer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
 
     def manager(use):
-        return RolloutManager(None, None, tok, iter(()), None, group_size=2, sampling=SamplingParams(),
-                              use_chat_template=use)
+        return GroupScorer(tok, None, group_size=2, use_chat_template=use)
 
     assert not getattr(tok, "chat_template", None)
     assert manager(True).encode_prompt("3>") == tok.encode("3>", add_special_tokens=False)  # no template: raw

@@ -115,6 +115,17 @@ class Rollout:
     top_k: int = -1
     """Top-k sampling (-1 = off)."""
 
+    pipeline_depth: int = -1
+    """How many steps ahead of the trainer the inference fleet may generate.
+    0: the serial loop (a step's groups start once the previous step's
+    weights are published; with weight_sync.mode "sync" exactly on-policy).
+    1: the next step's groups generate while this one trains (one version
+    off-policy), and so on; a step takes the first groups that finish, so a
+    slow replica never holds it. Capped by grpo.max_staleness. -1 (auto): 1
+    with weight_sync.mode "async" or "off", 0 with "sync". In pipelined mode a
+    push installs its version between decode steps (weight_sync.pause_mode
+    "none" becomes "in_place"), so generation does not drain for it."""
+
     use_chat_template: bool = True
     """Wrap dataset prompts (task = "jsonl") as one user message with the
     tokenizer's chat template and the generation prompt, when it has one."""
@@ -161,6 +172,12 @@ class Inference:
 
     max_retries: int = 3
     """Attempts for one generation request (each on another replica when possible)."""
+
+    api_key: str = ""
+    """Key of servers started with --api-key, sent as "Authorization: Bearer
+    KEY" by every client (generation, health, weight push); built-in servers
+    the trainer starts get it too. "env:NAME" reads it from environment
+    variable NAME (keeps it out of config files and logs)."""
 
 
 @dataclass
@@ -305,6 +322,13 @@ def validate(cfg) -> None:
     _check(r.temperature > 0, "rollout.temperature", "must be > 0 (GRPO needs sampled, not greedy, completions)", r.temperature)
     _check(0 < r.top_p <= 1, "rollout.top_p", "must be in (0, 1]", r.top_p)
     _check(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", "must be -1 (off) or >= 1", r.top_k)
+    _check(r.pipeline_depth >= -1, "rollout.pipeline_depth", "must be -1 (auto), 0 (serial) or >= 1", r.pipeline_depth)
+    _check(r.pipeline_depth <= 0 or w.mode != "sync", "rollout.pipeline_depth",
+           'must be 0 or -1 with weight_sync.mode = "sync" (exactly on-policy); pipelining needs "async" or "off"',
+           r.pipeline_depth)
+    if i.api_key.startswith("env:"):
+        _check(bool(os.environ.get(i.api_key[4:])), "inference.api_key",
+               f"environment variable {i.api_key[4:]!r} is not set or empty", i.api_key)
     _check(i.backend == "builtin" or bool(i.urls) or bool(i.replica_file), "inference.urls",
            f"(or inference.replica_file) is required for backend {i.backend!r}: the trainer starts only built-in servers", i.urls)
     for u in i.urls:
@@ -357,6 +381,22 @@ def validate(cfg) -> None:
                "needs checkpoint.last_save_model_only = true (safetensors hold only the model)", c.last_save_in_hf)
     if c.hf_export:
         _check(bool(c.hf_export_folder), "checkpoint.hf_export_folder", "must not be empty", c.hf_export_folder)
+
+
+def pipeline_depth(cfg) -> int:
+    """rollout.pipeline_depth resolved (auto -> 0 or 1) and capped by grpo.max_staleness."""
+    depth = cfg.rollout.pipeline_depth
+    if depth == -1:
+        depth = 0 if cfg.weight_sync.mode == "sync" else 1
+    if cfg.grpo.max_staleness >= 0:
+        depth = min(depth, cfg.grpo.max_staleness)
+    return depth
+
+
+def api_key(cfg) -> str:
+    """inference.api_key with "env:NAME" resolved."""
+    key = cfg.inference.api_key
+    return os.environ.get(key[4:], "") if key.startswith("env:") else key
 
 
 def parse_config(argv: list[str]):

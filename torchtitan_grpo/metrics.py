@@ -64,7 +64,7 @@ def format_line(step: int, m: dict[str, float]) -> str:
     g = lambda k: m.get(k, float("nan"))  # noqa: E731
     return (f"step {step:4d} | reward {g('reward/mean'):.3f} ± {g('reward/std'):.3f} | loss {g('loss'):+.4f} "
             f"| clip {g('clip_fraction'):.3f} | {g('rollout/tokens_per_s'):7.0f} tok/s "
-            f"| gen {g('time/generate_s'):.2f}s train {g('time/train_s'):.2f}s push {m.get('time/push_s', 0.0):.2f}s "
+            f"| wait {g('time/wait_s'):.2f}s gen {g('time/generate_s'):.2f}s train {g('time/train_s'):.2f}s push {m.get('time/push_s', 0.0):.2f}s "
             f"| version {int(m.get('weight_version', 0))}")
 
 

@@ -19,7 +19,10 @@ from torchtitan_grpo.inference.pool import InferencePool, PoolConfig
 from torchtitan_grpo.inference.types import SamplingParams
 from torchtitan_grpo.metrics import MetricLogger, window_mean
 from torchtitan_grpo.rollout import tasks
-from torchtitan_grpo.rollout.manager import RolloutManager, make_reward_fn
+from torchtitan_grpo.config import api_key, pipeline_depth
+from torchtitan_grpo.rollout.groups import GroupScorer, make_reward_fn
+from torchtitan_grpo.rollout.ledger import PromptLedger
+from torchtitan_grpo.rollout.producer import RolloutProducer
 from torchtitan_grpo.trainer import Dist
 from torchtitan_grpo.weight_sync.gather import push_dtype
 from torchtitan_grpo.weight_sync.pusher import NoPush, Pusher, PushConfig, WeightPusher
@@ -47,12 +50,12 @@ def prepare_model_dir(cfg, d: Dist) -> str:
 
 @dataclass
 class RolloutSide:
-    rollouts: RolloutManager
+    rollouts: RolloutProducer
+    """Finished groups for the trainer; its state_dict() (the prompts handed
+    to the trainer) is checkpointed."""
     pusher: WeightPusher
     log: MetricLogger
     pad_id: int
-    prompts: tasks.PromptIterator | tasks.DigitsPrompts
-    """The prompt source; its state_dict() is checkpointed."""
 
     def summary(self) -> dict:
         h = self.log.history
@@ -80,6 +83,11 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
 
     i, w, r = cfg.inference, cfg.weight_sync, cfg.rollout
     tok = AutoTokenizer.from_pretrained(hf_dir)
+    depth = pipeline_depth(cfg)
+    # Pipelined, the fleet is always generating: a version is installed between
+    # decode steps instead of after a batch that never drains.
+    pause_mode = "in_place" if depth > 0 and w.pause_mode == "none" else w.pause_mode
+    key = api_key(cfg)
     with contextlib.ExitStack() as stack:
         if i.urls or i.replica_file:
             urls = list(i.urls)
@@ -92,14 +100,15 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
         loop = LoopThread()
         stack.callback(loop.close)
         pool = InferencePool(urls, PoolConfig(backend=i.backend, model=i.model, replica_file=i.replica_file or None,
-                                              request_timeout_s=i.request_timeout_s, max_retries=i.max_retries))
+                                              request_timeout_s=i.request_timeout_s, max_retries=i.max_retries,
+                                              api_key=key))
         if w.mode == "off":
             pusher: WeightPusher = NoPush()
         else:
             pusher = Pusher(loop, urls, PushConfig(
                 mode=w.mode, backend=w.transport, master_address=w.master_address,
                 bucket_bytes=w.bucket_size_mb << 20, num_staging_buffers=w.num_staging_buffers,
-                deadline_s=w.replica_deadline_s, init_timeout_s=w.init_timeout_s, pause_mode=w.pause_mode,
+                deadline_s=w.replica_deadline_s, init_timeout_s=w.init_timeout_s, pause_mode=pause_mode,
                 protocol="vllm" if i.backend == "vllm" else "sglang",
                 dtype=push_dtype(w), staging=w.staging, pipelined=w.pipeline_requests, ack_posted=w.ack_posted,
                 disk_folder=w.disk_folder or os.path.join(cfg.job.dump_folder, "pushed_weights")),
@@ -112,19 +121,24 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
             pusher.connect(initial_version=0 if resume is None else -1)
 
         prompts, task_reward = _prompt_source(cfg)
+        ledger = PromptLedger(prompts)
         if resume is not None and resume.prompts is not None:
-            prompts.load_state_dict(resume.prompts)
-        reward_fn = make_reward_fn(r.reward_fn, task_reward)
+            ledger.load_state_dict(resume.prompts)
+        scorer = GroupScorer(tok, make_reward_fn(r.reward_fn, task_reward), group_size=cfg.grpo.group_size,
+                             prompt_key=r.prompt_key, scale_rewards=cfg.grpo.scale_rewards,
+                             filter_constant_groups=cfg.grpo.filter_constant_groups,
+                             reward_timeout_s=r.reward_timeout_s,
+                             use_chat_template=r.use_chat_template and r.task == "jsonl")
         eos = [t for t in ([tok.eos_token_id] if tok.eos_token_id is not None else [])]
         sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                   top_k=r.top_k, stop_token_ids=tuple(eos))
-        rollouts = RolloutManager(loop, pool, tok, iter(prompts), reward_fn, group_size=cfg.grpo.group_size,
-                                  sampling=sampling, prompt_key=r.prompt_key, scale_rewards=cfg.grpo.scale_rewards,
-                                  filter_constant_groups=cfg.grpo.filter_constant_groups,
-                                  reward_timeout_s=r.reward_timeout_s, seed=cfg.grpo.seed,
-                                  use_chat_template=r.use_chat_template and r.task == "jsonl")
+        rollouts = RolloutProducer(loop, pool, ledger, scorer, prompts_per_step=cfg.grpo.prompts_per_step,
+                                   depth=depth, sampling=sampling, seed=cfg.grpo.seed)
+        stack.callback(rollouts.close)
+        logger.info("rollouts: %s (pipeline depth %d)%s", "pipelined" if depth else "serial", depth,
+                    f"; weight updates pause generation {pause_mode}" if depth and w.mode != "off" else "")
         log = MetricLogger(cfg.job.dump_folder, cfg.metrics.save_tb_folder,
                            resume_step=None if resume is None else resume.step)
         stack.callback(log.close)
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-        yield RolloutSide(rollouts, pusher, log, pad_id, prompts)
+        yield RolloutSide(rollouts, pusher, log, pad_id)

@@ -24,7 +24,9 @@ Replica states (``states()``, ``metrics()``):
   that is how it becomes healthy again.
 * ``down``: not routed to. Entered on a failed request (connection error,
   timeout, an HTTP status other than 200/400/422/503, a malformed response)
-  or a failed health check. The background health check (GET /health every
+  or a failed health check. Its requests in flight are cancelled at once
+  and re-sent to another replica (a hung replica would otherwise hold them
+  for ``request_timeout_s``), and ``on_down`` tells the weight pusher. The background health check (GET /health every
   ``health_interval_s``) returns it to routing once it answers 200, but not
   before a back-off of ``backoff_s * 2**(k-1)`` (capped at
   ``backoff_max_s``) after its k-th consecutive failed request, so a replica
@@ -171,6 +173,8 @@ class PoolConfig:
     removed (``urls`` given to the constructor are never removed). Replace it
     atomically (write + rename) so that a half-written file is never read."""
     replica_file_interval_s: float = 5.0
+    api_key: str = ""
+    """Sent as ``Authorization: Bearer <key>`` on every request (servers started with ``--api-key``)."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, key: str, msg: str) -> None:
@@ -208,7 +212,7 @@ class _ReplicaFailure(Exception):
 
     def __init__(self, kind: str, msg: str):
         super().__init__(msg)
-        self.kind = kind  # "timeout" | "connection" | "http" | "malformed"
+        self.kind = kind  # "timeout" | "connection" | "http" | "malformed" | "down" (cancelled, re-sent)
 
 
 class _Aborted(Exception):
@@ -253,6 +257,13 @@ class Replica:
     downs: int = 0
     """Times it went down (a flapping replica shows here)."""
     last_error: str = ""
+    attempts: set = field(default_factory=set)
+    """Its requests in flight (asyncio tasks): cancelled, and so re-sent
+    elsewhere, the moment it is marked down."""
+    busy_since: float | None = None
+    """Monotonic time its outstanding count last went from 0 to 1 (None: idle)."""
+    busy_s: float = 0.0
+    """Seconds with at least one request outstanding, up to ``busy_since``."""
 
     @property
     def state(self) -> str:
@@ -316,6 +327,10 @@ class InferencePool:
         """Set by the weight pusher: called with each replica that joins through
         the replica file; True means "it holds stale weights: route to it only
         after readmit()"."""
+        self.on_down: Callable[[str, str], None] | None = None
+        """Set by the weight pusher: called (on the pool's loop) with a replica's
+        URL and the reason when it is marked down."""
+        self._busy_mark = (time.monotonic(), {})  # (time, {index: busy_s}) at the last metrics()
         for u in dict.fromkeys(_norm(u) for u in urls):
             self._add(u, static=True)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -328,7 +343,7 @@ class InferencePool:
         self._latency: deque[float] = deque(maxlen=4096)  # end-to-end, successful requests
         self.counters: dict[str, int] = dict.fromkeys(
             ("requests", "failed_requests", "attempts", "retries", "failures", "timeouts", "malformed",
-             "connection_errors", "http_errors", "rejected", "aborts", "waits"), 0)
+             "connection_errors", "http_errors", "rejected", "aborts", "waits", "resent"), 0)
 
     # ---- lifecycle -------------------------------------------------------- #
 
@@ -338,7 +353,8 @@ class InferencePool:
         # Health checks get their own small session: a replica busy with
         # max_connections generations must still answer its health check.
         self._health_session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, limit_per_host=2, keepalive_timeout=self.config.keepalive_s))
+            connector=aiohttp.TCPConnector(limit=0, limit_per_host=2, keepalive_timeout=self.config.keepalive_s),
+            headers=self._headers())
         for r in self.replicas:
             self._open(r)
         if self.config.replica_file:
@@ -366,7 +382,11 @@ class InferencePool:
         if r.session is None:
             cfg = self.config
             r.session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=cfg.max_connections, keepalive_timeout=cfg.keepalive_s))
+                connector=aiohttp.TCPConnector(limit=cfg.max_connections, keepalive_timeout=cfg.keepalive_s),
+                headers=self._headers())
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
 
     def _add(self, url: str, static: bool) -> Replica:
         stale = not static and self.on_join is not None and self.on_join(url)
@@ -405,13 +425,23 @@ class InferencePool:
             epoch = r.epoch
             t_attempt = time.monotonic()
             outcome: Exception | None = None
+            task = asyncio.ensure_future(self._attempt(r, body, n))
+            r.attempts.add(task)
             try:
-                out = await self._attempt(r, body, n)
+                # Not ``await task``: a replica marked down cancels its attempts
+                # (``_mark_down``), and that must end this attempt, not this request.
+                await asyncio.wait({task})
+                if task.cancelled():
+                    raise _ReplicaFailure("down", f"re-sent: the replica went down ({r.down_reason})")
+                out = task.result()
             except (_ReplicaFailure, _Rejected, _Aborted) as e:
                 outcome = e
+            except asyncio.CancelledError:
+                task.cancel()  # the request itself was cancelled (the producer closing)
+                raise
             finally:
-                r.outstanding -= 1
-                self._notify()
+                r.attempts.discard(task)
+                self._release(r)
             if outcome is None:
                 self._succeeded(r, time.monotonic() - t_attempt)
                 with self._lock:
@@ -506,6 +536,8 @@ class InferencePool:
                 raise PoolError("InferencePool is closed")
             r = self._pick(tried)
             if r is not None:
+                if r.outstanding == 0:
+                    r.busy_since = time.monotonic()
                 r.outstanding += 1
                 r.dispatched += 1
                 r.last_dispatch = time.monotonic()
@@ -526,6 +558,14 @@ class InferencePool:
             except asyncio.TimeoutError:
                 pass
             wait_budget[0] -= time.monotonic() - t
+
+    def _release(self, r: Replica) -> None:
+        r.outstanding -= 1
+        if r.outstanding == 0 and r.busy_since is not None:
+            with self._lock:
+                r.busy_s += time.monotonic() - r.busy_since
+                r.busy_since = None
+        self._notify()
 
     def _notify(self) -> None:
         """Wake every request waiting for a replica (call on the loop)."""
@@ -556,7 +596,7 @@ class InferencePool:
         cfg = self.config
         self.counters["failures"] += 1
         self.counters[{"timeout": "timeouts", "malformed": "malformed", "connection": "connection_errors",
-                       "http": "http_errors"}[e.kind]] += 1
+                       "http": "http_errors", "down": "resent"}[e.kind]] += 1
         r.failures += 1
         r.last_error = f"{e.kind}: {e}"
         if epoch != r.epoch:
@@ -576,6 +616,16 @@ class InferencePool:
         with self._lock:
             r.latencies.clear()  # it may come back as a different process
         logger.warning("inference replica %s is down (%s)", r.url, reason)
+        # Down means out at once: its groups in flight go to another replica now
+        # (a hung replica would otherwise hold them for request_timeout_s), and
+        # the weight pusher stops waiting for it.
+        for t in list(r.attempts):
+            t.cancel()
+        if self.on_down is not None:
+            try:
+                self.on_down(r.url, reason)
+            except Exception:  # a hook's bug must not stop routing
+                logger.exception("on_down hook failed for %s", r.url)
 
     def _succeeded(self, r: Replica, latency_s: float) -> None:
         r.served += 1
@@ -712,10 +762,15 @@ class InferencePool:
             return {r.url: r.state for r in self.replicas}
 
     def metrics(self) -> dict[str, float]:
+        """Counters and states; ``pool/replica{i}_busy_frac`` is the share of the
+        time since the previous call during which replica i had a request outstanding."""
+        now = time.monotonic()
         with self._lock:
             replicas = list(self.replicas)
             latency = sorted(self._latency)
             medians = {r.index: statistics.median(r.latencies) if r.latencies else 0.0 for r in replicas}
+            busy = {r.index: r.busy_s + (now - r.busy_since if r.busy_since is not None else 0.0) for r in replicas}
+            (t_prev, busy_prev), self._busy_mark = self._busy_mark, (now, busy)
         m: dict[str, float] = {f"pool/{k}": float(v) for k, v in self.counters.items()}
         states = [r.state for r in replicas]
         m["pool/replicas"] = float(sum(s != REMOVED for s in states))
@@ -731,4 +786,6 @@ class InferencePool:
             m[f"pool/replica{r.index}_failures"] = float(r.failures)
             m[f"pool/replica{r.index}_downs"] = float(r.downs)
             m[f"pool/replica{r.index}_latency_s"] = medians[r.index]
+            if now > t_prev:
+                m[f"pool/replica{r.index}_busy_frac"] = (busy[r.index] - busy_prev.get(r.index, 0.0)) / (now - t_prev)
         return m

@@ -1,0 +1,220 @@
+"""RolloutProducer: keeps the inference fleet generating while the trainer trains.
+
+Runs on rank 0, on the event loop of ``aio.LoopThread``. It submits one
+request per prompt (the whole group, ``n = group_size``, from one replica),
+scores each group as it finishes, and appends it to a buffer. A trainer step
+takes the first ``prompts_per_step`` groups that finished: a slow replica or a
+long-tail group delays only itself, never a step.
+
+Admission (how far ahead the fleet may run). A group admitted now, with ``Q``
+groups ahead of it (in flight or buffered, not yet taken), goes to the trainer
+``Q // prompts_per_step`` steps after the next one; if the trainer is in the
+middle of a step, one more. That is how many versions older than the
+trainer's its weights will be at best, its *expected staleness*; a group is
+started only while that is at most ``depth``:
+
+* ``depth = 0``: a step's groups start when the previous step's weights are
+  published (the serial loop: exactly on-policy with a synchronous push);
+* ``depth = 1``: the next step's groups generate while this one trains
+  (one step off-policy), and so on.
+
+``depth`` is ``rollout.pipeline_depth`` capped by ``grpo.max_staleness``, so in
+steady state nothing generated is thrown away for staleness; samples that are
+staler still (a replica catching up on weights) are dropped by the trainer's
+``offpolicy.select_samples`` and counted.
+
+Failures: the pool retries a group on another replica (and re-sends groups
+in flight on a replica it learns is down). A group that fails for good stops
+the run: ``next_batch`` raises its error in the trainer's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from torchtitan_grpo.aio import LoopThread
+from torchtitan_grpo.inference.pool import InferencePool
+from torchtitan_grpo.inference.types import SamplingParams
+from torchtitan_grpo.rollout.groups import GroupScorer, ScoredGroup, batch_metrics
+from torchtitan_grpo.rollout.ledger import PromptLedger
+from torchtitan_grpo.trainer import Sample
+
+logger = logging.getLogger("torchtitan_grpo")
+
+
+@dataclass
+class RolloutBatch:
+    samples: list[Sample]
+    metrics: dict[str, float]
+    indices: list[int]
+    """Prompt indices of the batch's groups (the ledger's)."""
+
+
+class ProducerStopped(RuntimeError):
+    """The producer failed (a group could not be generated) or was closed."""
+
+
+class RolloutProducer:
+    """``next_batch()`` and ``published()`` from the trainer's thread; the rest
+    runs on ``loop``."""
+
+    def __init__(self, loop: LoopThread, pool: InferencePool, ledger: PromptLedger, scorer: GroupScorer, *,
+                 prompts_per_step: int, depth: int, sampling: SamplingParams, seed: int = 0):
+        if depth < 0:
+            raise ValueError(f"depth must be >= 0, got {depth}")
+        self.loop, self.pool, self.ledger, self.scorer = loop, pool, ledger, scorer
+        self.prompts_per_step = prompts_per_step
+        self.depth = depth
+        self.sampling = sampling
+        self.seed = seed
+        self._cond = threading.Condition()
+        self._buffer: deque[ScoredGroup] = deque()  # finished, in finishing order
+        self._in_flight = 0
+        self._training = False  # the trainer took a batch and has not published its weights
+        self._version = 0  # trainer version last published
+        self._error: BaseException | None = None
+        self._closed = False
+        self._wake: asyncio.Event | None = None
+        self._task = None
+        self._tasks: set[asyncio.Task] = set()
+        self._last_take = time.monotonic()
+
+    # ---------------------------------------------------------------- trainer side
+
+    def start(self, version: int) -> None:
+        """Start generating for trainer weights ``version`` (after any resume push)."""
+        self._version = version
+        self._task = self.loop.submit(self._admit_loop())
+
+    def next_batch(self) -> RolloutBatch:
+        """The first ``prompts_per_step`` finished groups; waits until there are that many."""
+        if self._task is None:
+            raise RuntimeError("RolloutProducer.start() was not called")
+        t0 = time.monotonic()
+        with self._cond:
+            while len(self._buffer) < self.prompts_per_step and self._error is None and not self._closed:
+                self._cond.wait(timeout=1.0)
+            if self._error is not None:
+                raise ProducerStopped(f"rollout generation failed: {self._error}") from self._error
+            if self._closed:
+                raise ProducerStopped("rollout producer closed")
+            groups = [self._buffer.popleft() for _ in range(self.prompts_per_step)]
+            self._training = True
+            queued = len(self._buffer)
+            in_flight = self._in_flight
+        now = time.monotonic()
+        self.ledger.handed([g.index for g in groups])
+        self._wake_admission()
+        return RolloutBatch([s for g in groups for s in g.samples],
+                            self._metrics(groups, now - t0, now, queued, in_flight),
+                            [g.index for g in groups])
+
+    def published(self, version: int) -> None:
+        """The trainer finished its step and published ``version`` (the same
+        version again when the step made none): the next groups may start."""
+        with self._cond:
+            self._training = False
+            self._version = version
+        self._wake_admission()
+
+    def state_dict(self) -> dict:
+        """What a checkpoint records: the prompts handed to the trainer so far."""
+        return self.ledger.state_dict()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._task is not None:
+            self._task.cancel()
+
+    # ---------------------------------------------------------------- event loop side
+
+    def _expected_staleness(self) -> int:
+        ahead = self._in_flight + len(self._buffer)
+        return int(self._training) + ahead // self.prompts_per_step
+
+    def _wake_admission(self) -> None:
+        def wake() -> None:
+            if self._wake is not None:
+                self._wake.set()
+        self.loop.loop.call_soon_threadsafe(wake)
+
+    async def _admit_loop(self) -> None:
+        self._wake = asyncio.Event()
+        try:
+            while True:
+                while True:
+                    with self._cond:
+                        if self._closed or self._error is not None or self._expected_staleness() > self.depth:
+                            break
+                        self._in_flight += 1
+                        version = self._version
+                    index, row = await asyncio.to_thread(self.ledger.draw)  # a dataset read may block
+                    t = asyncio.create_task(self._one_group(index, row, version))
+                    self._tasks.add(t)
+                    t.add_done_callback(self._tasks.discard)
+                await self._wake.wait()
+                self._wake.clear()
+        except asyncio.CancelledError:
+            for t in list(self._tasks):
+                t.cancel()
+            raise
+        except BaseException as e:  # noqa: BLE001  (reported to the trainer, not lost on the loop)
+            self._fail(e)
+
+    async def _one_group(self, index: int, row: dict, version: int) -> None:
+        started = time.monotonic()
+        try:
+            ids = self.scorer.encode_prompt(row[self.scorer.prompt_key])
+            # A distinct, reproducible seed per prompt of the run: groups differ, runs
+            # repeat (prompt k of step s before pipelining: the same seeds as then).
+            step, k = divmod(index, self.prompts_per_step)
+            params = SamplingParams(**{**self.sampling.__dict__,
+                                       "seed": (self.seed * 1_000_003 + (step + 1) * 9973 + k) % (2**31)})
+            completions = await self.pool.generate(ids, self.scorer.group_size, params)
+            group = await asyncio.to_thread(self.scorer.score, index, row, ids, completions)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001
+            self._fail(e)
+            return
+        group.started, group.finished, group.admitted_version = started, time.monotonic(), version
+        with self._cond:
+            self._in_flight -= 1
+            self._buffer.append(group)
+            self._cond.notify_all()
+
+    def _fail(self, e: BaseException) -> None:
+        logger.error("rollout producer stopped: %s: %s", type(e).__name__, e)
+        with self._cond:
+            if self._error is None:
+                self._error = e
+            self._cond.notify_all()
+
+    # ---------------------------------------------------------------- metrics
+
+    def _metrics(self, groups: list[ScoredGroup], wait_s: float, now: float, queued: int,
+                 in_flight: int) -> dict[str, float]:
+        """Per step: what the trainer waited, how long the batch's groups took,
+        the fleet's throughput since the last take and how far ahead it is."""
+        span = max(g.finished for g in groups) - min(g.started for g in groups)
+        tokens = sum(g.tokens for g in groups)
+        since, self._last_take = self._last_take, now
+        m = batch_metrics(groups) | self.pool.metrics()
+        m |= {
+            "time/wait_s": wait_s,
+            "time/generate_s": span,
+            "rollout/tokens_per_s": tokens / span if span > 0 else 0.0,
+            "rollout/group_latency_s": sum(g.finished - g.started for g in groups) / len(groups),
+            "rollout/buffered_groups": float(queued),
+            "rollout/in_flight_groups": float(in_flight),
+            "rollout/admitted_lag_max": float(max(self._version - g.admitted_version for g in groups)),
+            "rollout/interval_s": now - since,
+        }
+        return m
