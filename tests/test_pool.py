@@ -496,3 +496,50 @@ def test_sigkill_mid_batch_then_restart(fleet):
             await pool.close()
 
     asyncio.run(body())
+
+
+def test_hung_replica_marked_down_by_health_has_its_groups_resent(fleet, reference):
+    """A replica that hangs mid-generation and then fails its health check:
+    its groups in flight go to the other replica at once, long before their
+    own timeout (300 s here, so a pass cannot come from it), and the pool
+    tells the pusher (on_down)."""
+    fault(fleet.fa, "hang")
+    downs: list[str] = []
+
+    async def body():
+        pool = InferencePool([fleet.fa, fleet.b], cfg(request_timeout_s=300.0, backoff_s=1.0))
+        pool.on_down = lambda url, reason: downs.append(url)
+        await pool.start()
+        try:
+            batch = asyncio.ensure_future(run_batch(pool))
+            # Some groups are stuck on fa before its health check starts failing.
+            await until(lambda: pool.replicas[0].outstanding > 0, timeout_s=60, what="groups in flight on fa")
+            fault(fleet.fa, "hang", health="fail")
+            check_batch(await asyncio.wait_for(batch, 120), reference, never_from=(fleet.fa,))
+            assert downs and downs[0] == fleet.fa
+            m = pool.metrics()
+            assert m["pool/resent"] >= 1 and m["pool/failed_requests"] == 0 and m["pool/timeouts"] == 0
+            assert pool.replicas[0].outstanding == 0
+        finally:
+            await pool.close()
+
+    asyncio.run(body())
+
+
+def test_busy_fraction(fleet, reference):
+    """pool/replica{i}_busy_frac: the share of time with a request outstanding,
+    in [0, 1], and 0 for a replica that got nothing since the last call."""
+    async def body():
+        pool = InferencePool([fleet.a], cfg())
+        await pool.start()
+        try:
+            pool.metrics()
+            check_batch(await run_batch(pool), reference)
+            busy = pool.metrics()["pool/replica0_busy_frac"]
+            assert 0.0 < busy <= 1.0
+            await asyncio.sleep(0.05)
+            assert pool.metrics()["pool/replica0_busy_frac"] == 0.0
+        finally:
+            await pool.close()
+
+    asyncio.run(body())
