@@ -9,14 +9,17 @@ with SGLang's own WeightVersionSpan schema for ``weight_versions``).
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -325,6 +328,159 @@ def test_bad_requests_are_400_naming_the_field(server):
     status, body = http(server, "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,
                                                               "world_size": 2}, raw=b'{"master_port": 1}')
     assert status == 400 and "master_address" in body["message"]
+
+
+# --------------------------------------------------------------------------- #
+# Bounded and strict requests (issue 27)
+# --------------------------------------------------------------------------- #
+
+MB = 1 << 20
+
+
+def _post_until_answered(url: str, path: str, headers: dict[str, str],
+                         chunks: Iterator[bytes]) -> tuple[int, dict, socket.socket]:
+    """POST a body chunk by chunk, sending no more once a reply is readable;
+    returns (status, JSON reply, the still open connection)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=60)  # a hang guard only
+    head = [f"POST {path} HTTP/1.1", f"Host: {host}", "Content-Type: application/json",
+            *(f"{k}: {v}" for k, v in headers.items())]
+    sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode())
+    for chunk in chunks:
+        if select.select([sock], [], [], 0)[0]:
+            break
+        sock.sendall(chunk)
+    reply = sock.makefile("rb")
+    status = int(reply.readline().split()[1])
+    length = 0
+    while line := reply.readline().strip():
+        key, _, value = line.decode().partition(":")
+        if key.lower() == "content-length":
+            length = int(value)
+    return status, json.loads(reply.read(length)), sock
+
+
+def test_a_100mb_body_is_refused_unread_and_health_keeps_answering(server):
+    """A 100 MB /generate body: 413 from its declared length, answered while
+    99 of its 100 MB were never sent (so nothing waited for, buffered or
+    tokenised them); /health answers meanwhile and the server lives on."""
+    junk = b"\xff" * MB  # not even UTF-8
+    status, body, sock = _post_until_answered(server, "/generate", {"Content-Length": str(100 * MB)}, iter([junk]))
+    try:
+        assert status == 413 and body["object"] == "error" and "larger than this route takes" in body["message"]
+        assert http(server, "/health", timeout=10)[0] == 200  # the upload's connection still open
+    finally:
+        sock.close()
+    # Chunked (no declared length): read only until it passes the route's limit.
+    framed = (f"{MB:x}\r\n".encode() + junk + b"\r\n" for _ in range(100))
+    status, body, sock = _post_until_answered(server, "/generate", {"Transfer-Encoding": "chunked"}, framed)
+    try:
+        assert status == 413 and "larger than this route takes" in body["message"], body
+        assert http(server, "/health", timeout=10)[0] == 200
+    finally:
+        sock.close()
+    assert http(server, "/health", timeout=10)[0] == 200
+    generate(server, {"input_ids": PROMPTS[1], "sampling_params": {"max_new_tokens": 2, **GREEDY}})
+
+
+def test_bodies_and_fields_of_the_wrong_type_are_400_naming_them(server):
+    def refused(body: dict | None, *words: str, raw: bytes | None = None, path: str = "/generate") -> None:
+        status, out = http(server, path, body, raw=raw, valid=False)
+        assert status == 400 and out["object"] == "error", (words, status, out)
+        for w in words:
+            assert w in out["message"], (w, out["message"])
+
+    binary = bytes(range(256)) * 64  # byte 128 is no UTF-8
+    refused(None, "request body is not UTF-8", "byte 128", raw=binary)
+    refused(None, "request body is not UTF-8", raw=binary, path="/init_weights_update_group")
+    refused(None, "must be a JSON object", raw=b"[1, 2]")
+    refused(None, "nested too deeply", raw=b"[" * 100_000)
+    refused(None, "not valid JSON", raw=b'{"input_ids": [' + b"1" * 5000 + b"]}")
+    p = PROMPTS[1]
+    refused({"text": 5}, "field 'text' must be a string")
+    refused({"input_ids": p, "sampling_params": 3}, "sampling_params must be an object")
+    refused({"input_ids": p, "sampling_params": ""}, "sampling_params must be an object")
+    # SGLang's request validation takes booleans only: "yes" is refused, not read as true.
+    refused({"input_ids": p, "return_logprob": "yes"}, "field 'return_logprob' must be a boolean")
+    refused({"input_ids": [p, p], "return_logprob": [True, 1]}, "field 'return_logprob[1]' must be a boolean")
+    refused({"input_ids": [p, p], "return_logprob": [True]}, "'return_logprob' has 1 entries for 2 prompt(s)")
+    refused({"input_ids": p, "return_text_in_logprobs": 1}, "'return_text_in_logprobs' must be a boolean")
+    refused({"input_ids": p, "stream": "no"}, "field 'stream' must be a boolean")
+    refused({"input_ids": p, "rid": 7}, "field 'rid' must be a string")
+    refused({"input_ids": p, "top_logprobs_num": "2"}, "'top_logprobs_num' must be an integer")
+    refused({"input_ids": p, "logprob_start_len": "0"}, "'logprob_start_len' must be an integer")
+    refused({"input_ids": p, "sampling_params": {"sampling_seed": 2**70}}, "sampling_seed", "64-bit")
+    refused({"input_ids": p, "sampling_params": {"n": 10**9}}, "sampling_params.n must be an integer in [1, 4096]")
+    # Prompts are bounded by the context before they are scanned or tokenised
+    # (tiny model: 512 tokens, so at most 32 * 512 characters of text).
+    refused({"text": "a" * 20_000}, "field 'text' has 20000 characters", "not tokenised")
+    refused({"text": ["ab", "a" * 20_000]}, "field 'text[1]' has 20000 characters")
+    refused({"input_ids": [5] * 600}, "field 'input_ids' has 600 tokens", "context is 512")
+    refused({"input_ids": [p, [5] * 600]}, "field 'input_ids[1]' has 600 tokens")
+    # A body past the off-loop threshold (whitespace counts) is parsed all the same.
+    padded = b" " * (300 * 1024) + json.dumps({"input_ids": p, "sampling_params": {"max_new_tokens": 2}}).encode()
+    status, out = http(server, "/generate", None, raw=padded)
+    assert status == 200 and out["meta_info"]["completion_tokens"] == 2, out
+
+
+def test_abort_request(server, pool):
+    long = {"input_ids": PROMPTS[3], "rid": "to-abort", "sampling_params": {"max_new_tokens": 400, **GREEDY}}
+    running = pool.submit(generate, server, long)
+    wait_until(lambda: load(server)["num_output_tokens"] > 3, what="decoding")
+    status, body = http(server, "/abort_request", {"rid": "to-abort"})
+    assert status == 200 and body == {"success": True, "message": "aborted 1 request(s)"}, body
+    out = running.result(timeout=60)
+    assert out["meta_info"]["finish_reason"]["type"] == "abort" and out["meta_info"]["id"] == "to-abort"
+    assert 0 < out["meta_info"]["completion_tokens"] < 400
+    assert http(server, "/abort_request", {"rid": "no-such-request"})[1]["message"] == "aborted 0 request(s)"
+    assert http(server, "/abort_request", {"abort_all": True})[1]["message"] == "aborted 0 request(s)"
+    status, body = http(server, "/abort_request", {})
+    assert status == 400 and "'rid' or 'abort_all'" in body["message"]
+    status, body = http(server, "/abort_request", {"rid": 5})
+    assert status == 400 and "field 'rid' must be a string" in body["message"]
+
+
+def test_get_weights_by_name_errors(server):
+    for query, words in [("name=model.no_such.weight", "unknown parameter 'model.no_such.weight'"),
+                         ("truncate_size=2", "missing required field 'name'"),
+                         ("name=model.norm.weight&truncate_size=two", "field 'truncate_size' must be an integer")]:
+        status, body = http(server, f"/get_weights_by_name?{query}")
+        assert status == 400 and words in body["message"], (query, body)
+    for raw, words in [(b"{not json", "not valid JSON"), (b'{"name": 5}', "field 'name' must be a string"),
+                       (b'{"name": "model.norm.weight", "truncate_size": "2"}', "'truncate_size' must be an integer")]:
+        status, body = http(server, "/get_weights_by_name", None, raw=raw)
+        assert status == 400 and words in body["message"], (raw, body)
+    status, values = http(server, "/get_weights_by_name", {"name": "model.embed_tokens.weight", "truncate_size": 2})
+    assert status == 200 and len(values) == 2
+
+
+def test_update_from_disk_errors(server, model_dir, tmp_path):
+    """A bad request shape is refused with nothing received (the session goes
+    on); a path that yields no weights fails the session (it loads nothing)."""
+    version = http(server, "/model_info")[1]["weight_version"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "model.safetensors").write_bytes(b"\x00" * 64)
+    cases = [  # (body, words, whether the session fails)
+        ({"model_path": str(tmp_path / "missing")}, "is not a directory", True),
+        ({"model_path": str(empty)}, "no *.safetensors files", True),
+        ({"model_path": str(corrupt)}, "cannot read weights", True),
+        ({"model_path": model_dir, "load_format": "pt"}, "field 'load_format' must be null, 'auto' or 'safetensors'",
+         False),
+    ]
+    for body, words, fails in cases:
+        assert http(server, "/begin_weight_update", {})[1]["success"]
+        status, out = http(server, "/update_weights_from_disk", body, valid=False)
+        assert status == 400 and not out["success"] and words in out["message"], (words, out)
+        status, out = http(server, "/end_weight_update", {})
+        assert out["success"] != fails and (fails or "loaded 0 tensor(s)" in out["message"]), (words, out)
+    assert http(server, "/begin_weight_update", {})[1]["success"]
+    status, out = http(server, "/update_weights_from_disk", {"model_path": 5}, valid=False)
+    assert status == 400 and "field 'model_path' must be a string" in out["message"]
+    assert http(server, "/end_weight_update", {})[1]["success"]
+    assert http(server, "/model_info")[1]["weight_version"] == version
 
 
 # --------------------------------------------------------------------------- #
@@ -959,7 +1115,6 @@ def test_update_weights_from_tensor_copies_from_the_senders_memory(server, model
     the server copies them before it answers and loads them at the end. A
     body that is not a list of (name, tensor) pairs is refused naming the
     field, and a pickle that would run anything else is never run."""
-    import base64
     import pickle
 
     from safetensors.torch import load_file
@@ -999,6 +1154,9 @@ def test_update_weights_from_tensor_copies_from_the_senders_memory(server, model
             ({"serialized_named_tensors": [entry, entry]}, "one entry per TP rank", False),
             ({"serialized_named_tensors": [entry], "load_format": "flattened_bucket"}, "field 'load_format'", False),
             ({"serialized_named_tensors": ["not base64!"]}, "entry 0 is not valid base64", True),
+            ({"serialized_named_tensors": [5]}, "entry 0 must be a base64 string, got int", True),
+            ({"serialized_named_tensors": [base64.b64encode(base64.b64decode(entry)[:40]).decode()]},
+             "entry 0 cannot be unpickled into tensors", True),
             ({"serialized_named_tensors": [base64.b64encode(pickle.dumps(Evil())).decode()]},
              "entry 0 refers to posix.system, which is not part of a tensor's reduction", True),
             ({"serialized_named_tensors": [base64.b64encode(pickle.dumps({"a": 1})).decode()]},

@@ -210,6 +210,42 @@ def test_completions_follow_the_vllm_schema(server, model_dir):
     assert models["data"][0]["id"] == model_dir and models["object"] == "list"
 
 
+def test_models_lists_every_name_completions_accept(server, model_dir):
+    short = os.path.basename(os.path.normpath(model_dir))
+    models = http(server, vllm.MODELS)[1]
+    assert [m["id"] for m in models["data"]] == [model_dir, short]
+    assert all(m["root"] == model_dir and m["max_model_len"] == 512 for m in models["data"])
+    for name in (model_dir, short):
+        out = complete(server, {"model": name, "prompt": PROMPT, "max_tokens": 1})
+        assert out["model"] == name
+
+
+def test_completions_strictness_and_bounds(server, model_dir):
+    """vLLM's own request checks mirrored (stream_options needs stream), types
+    and prompt sizes refused naming the field, bodies bounded, all in vLLM's
+    error shape."""
+    p = {"prompt": PROMPT, "max_tokens": 1}
+    # vLLM refuses stream options on a request that does not stream ...
+    assert_error(http(server, vllm.COMPLETIONS, {**p, "stream_options": {"include_usage": True}}), 400,
+                 "stream_options", "'stream': true")
+    assert_error(http(server, vllm.COMPLETIONS, {**p, "stream": False, "stream_options": {"include_usage": True}}),
+                 400, "stream_options")
+    assert_error(http(server, vllm.COMPLETIONS, {**p, "stream_options": "usage"}, valid=False), 400, "stream_options")
+    complete(server, {**p, "stream_options": {}})  # ... but lets an empty one through, as vLLM does
+    assert_error(http(server, vllm.COMPLETIONS, {**p, "model": 5}, valid=False), 400, "model", "a string")
+    assert_error(http(server, vllm.COMPLETIONS, {**p, "seed": 2**70}, valid=False), 400, "seed", "64-bit")
+    # prompts bounded by the context before they are tokenised or scanned
+    assert_error(http(server, vllm.COMPLETIONS, {**p, "prompt": "a" * 20_000}), 400, "prompt", "not tokenised")
+    assert_error(http(server, vllm.COMPLETIONS, {**p, "prompt": ["ab", "a" * 20_000]}), 400, "prompt[1]")
+    assert_error(http(server, vllm.COMPLETIONS, {**p, "prompt": [5] * 600}), 400, "prompt", "context is 512")
+    # bodies: too large (refused by its declared length), not UTF-8, not an object
+    big = json.dumps({**p, "prompt": "a" * (3 << 20)}).encode()
+    for raw, code, words in [(big, 413, "larger than this route takes"), (b"\xff" * 64, 400, "not UTF-8"),
+                             (b"[]", 400, "must be a JSON object")]:
+        assert_error(http_json(server + vllm.COMPLETIONS, raw, "POST", 60), code, words)
+    assert_error(http_json(server + vllm.INIT_WEIGHT_TRANSFER, b"\xff", "POST", 60), 400, "not UTF-8")
+
+
 def _sglang_generate(url: str, p: SamplingParams) -> dict:
     sp = {"max_new_tokens": p.max_new_tokens, "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k}
     if p.seed is not None:

@@ -47,6 +47,16 @@ logger = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "retract", "in_place")
 DEFAULT_WEIGHT_VERSION = "default"
 _GREEDY_EPS = 1e-6  # temperatures below this mean argmax, as in SGLang
+PROMPT_CHARS_PER_TOKEN = 32
+"""Bound on a text prompt's characters per token of context, checked before it
+is tokenised: tokenising is linear in the text and a prompt that cannot fit
+the context is refused anyway, so a 100 MB text must be refused by its length,
+not after building its ids. Real text averages ~4 characters per token; a
+prompt this bound refuses would need over 32 on average to fit."""
+MAX_SAMPLES = 4096
+"""Most samples (``n``) one request may ask for: each is a sequence object
+built at submit time, so an unbounded ``n`` is unbounded memory."""
+_INT64 = (-(1 << 63), (1 << 63) - 1)  # the range of a seed (vLLM's bound too)
 
 
 class RequestError(ValueError):
@@ -115,8 +125,8 @@ class SamplingParams:
             bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
         if not isinstance(self.min_new_tokens, int) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
             bad("min_new_tokens", f"must be in [0, max_new_tokens], got {self.min_new_tokens!r}")
-        if not isinstance(self.n, int) or self.n < 1:
-            bad("n", f"must be an integer >= 1, got {self.n!r}")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_SAMPLES:
+            bad("n", f"must be an integer in [1, {MAX_SAMPLES}], got {self.n!r}")
         if not 0.0 < self.repetition_penalty <= 2.0:
             bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty!r}")
         for name in ("frequency_penalty", "presence_penalty"):
@@ -128,8 +138,8 @@ class SamplingParams:
         for t in (self.logit_bias or {}):
             if not 0 <= t < vocab_size:
                 bad("logit_bias", f"keys must be token ids in [0, {vocab_size}), got {t!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("sampling_seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not _INT64[0] <= self.seed <= _INT64[1]):
+            bad("sampling_seed", f"must be a 64-bit signed integer, got {self.seed!r}")
 
 
 @dataclass
@@ -238,6 +248,11 @@ class EngineConfig:
     seed: int = 0
     max_batch_size: int = 64
     """Most sequences decoded together."""
+    debug_decode_delay_s: float = 0.0
+    """Debug knob for benchmarks: every decode step of the batch takes this
+    much longer (the worker sleeps in it), so one replica generates N times
+    slower than its peers (the pipelined loop's slow-replica case). 0 in
+    production."""
 
 
 def _resolve_dtype(name: str, hf_config: Any) -> torch.dtype:
@@ -292,6 +307,8 @@ class Engine:
         self._stopping = False
         self._worker: threading.Thread | None = None
         self.worker_error: BaseException | None = None
+        self._debug_sleep: Callable[[float], None] = time.sleep
+        """How ``debug_decode_delay_s`` waits (a test swaps it to count steps)."""
 
     # ---- loading --------------------------------------------------------- #
 
@@ -405,14 +422,30 @@ class Engine:
         (lets a route validate a whole batch before queueing any of it)."""
         if not prompt_ids:
             raise RequestError("the prompt is empty")
+        # The length first: a prompt too long for the context is not worth scanning.
+        if len(prompt_ids) >= self.max_context:
+            raise RequestError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.max_context}")
         bad = next((t for t in prompt_ids if not 0 <= int(t) < self.vocab_size), None)
         if bad is not None:
             raise RequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        if len(prompt_ids) >= self.max_context:
-            raise RequestError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.max_context}")
         params.validate(self.vocab_size)
         if params.stop and self.tokenizer is None:
             raise RequestError("sampling_params.stop needs a tokenizer, and this model directory has none")
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Longest text prompt (in characters) worth tokenising (:data:`PROMPT_CHARS_PER_TOKEN`)."""
+        return PROMPT_CHARS_PER_TOKEN * self.max_context
+
+    def check_prompt_text(self, text: str, field: str = "text") -> None:
+        """Raise :class:`RequestError` naming ``field`` if ``text`` is too long
+        to be a prompt of this model; call it before tokenising ``text``."""
+        if len(text) > self.max_prompt_chars:
+            raise RequestError(
+                f"field {field!r} has {len(text)} characters, more than any prompt that fits the model's "
+                f"context of {self.max_context} tokens ({self.max_prompt_chars} characters at most); "
+                "it was not tokenised"
+            )
 
     def pause(self, mode: str = "abort") -> int:
         """Stop generating between two steps; return how many requests are kept
@@ -774,8 +807,18 @@ class Engine:
         )
         self._cache = out.past_key_values
         self._next_pos = self._next_pos + 1
+        self._debug_decode_delay()
         self._last = self._sample(out.logits[:, -1, :], self._rows)
         self._after_sampling()
+
+    def _debug_decode_delay(self) -> None:
+        """``debug_decode_delay_s``: make a decode step that much longer, before
+        its tokens are sampled (a sample that ends at this step is answered
+        after the wait). It runs on the worker thread outside the lock, so
+        HTTP is answered meanwhile; pauses and aborts take effect when the
+        step ends, as after any step."""
+        if self.cfg.debug_decode_delay_s > 0:
+            self._debug_sleep(self.cfg.debug_decode_delay_s)
 
     def _merge(self, seqs: list[_Sequence], cache: Any, mask: torch.Tensor, next_pos: torch.Tensor, last: torch.Tensor) -> None:
         """Append new rows to the running batch, left-padding the shorter KV side."""

@@ -4,7 +4,7 @@ vLLM's /v1/completions + weight-transfer subset, see ``server_vllm.py``).
     python -m torchtitan_grpo.inference.server --model DIR --port 30000 \
         [--host 127.0.0.1] [--device cpu|cuda|cuda:N] [--dtype auto|float32|bfloat16|float16] \
         [--seed 0] [--max-batch-size 64] [--api-key KEY] [--weight-group-timeout 300] \
-        [--num-threads N] [--debug-update-delay-s X]
+        [--num-threads N] [--debug-update-delay-s X] [--debug-decode-delay-s S]
 
 It is the embedded default backend and the stand-in for SGLang in tests, so
 the routes below follow docs PROTOCOLS.md field by field (request names,
@@ -25,7 +25,19 @@ session that fails or is abandoned loads nothing.
 
 ``--debug-update-delay-s X`` is a test knob: every weight-update handler of
 either protocol sleeps X seconds after receiving, to play a slow replica in
-fault tests and benchmarks.
+fault tests and benchmarks. ``--debug-decode-delay-s S`` is its generation
+twin: every decode step of the engine's batch takes S seconds longer.
+
+Bounded requests: a body is refused with 413 past its route's limit
+(``BodyLimits``: generation bodies sized from the context and batch, weight
+metadata larger, control bodies small) before it is read, a text prompt is
+refused by its length before it is tokenised, large bodies are parsed off
+the event loop, and a body or field of the wrong type is a 400 naming it.
+
+``--api-key KEY``: every route but ``/health`` and ``/health_generate`` needs
+``Authorization: Bearer KEY``, the vLLM routes included (see ``_middlewares``).
+Without a key the server warns at start-up when it listens beyond loopback:
+its weight routes load whatever they are sent.
 """
 
 from __future__ import annotations
@@ -33,6 +45,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import hmac
+import ipaddress
 import json
 import logging
 import os
@@ -63,7 +77,18 @@ from torchtitan_grpo.inference.engine import (
     read_safetensors_dir,
 )
 
-from torchtitan_grpo.inference.server_vllm import VLLMRoutes, ack_posted, debug_update_delay
+from torchtitan_grpo.inference.server_vllm import (
+    JSON_KINDS,
+    BodyError,
+    BodyLimits,
+    VLLMRoutes,
+    ack_posted,
+    debug_update_delay,
+    off_loop_if_large,
+    parse_json_async,
+    read_body,
+    read_json,
+)
 from torchtitan_grpo.inference.types import BUILTIN_ENGINE
 from torchtitan_grpo.weight_sync import ipc
 from torchtitan_grpo.weight_sync.buckets import TensorSpec, specs_from_lists
@@ -83,7 +108,12 @@ SGLANG_SAMPLING_KEYS = frozenset(
 )
 # Valid in SGLang but not implemented here: a non-null value is refused.
 _UNSUPPORTED_SAMPLING_KEYS = ("stop_regex", "json_schema", "regex", "ebnf", "structural_tag", "custom_params")
-_BODY_LIMIT = 512 * 1024 * 1024  # batches of token ids get large
+_OPEN_PATHS = frozenset({"/health", "/health_generate"})
+"""Routes answered without the API key: liveness probes only. SGLang exempts
+its /health* routes (and /metrics); vLLM's current middleware exempts /health
+and a few read-only probes (/ping, /load, /version, /metrics, docs) and guards
+everything else, weight transfer included (older vLLM guarded only /v1/*).
+Here every other route of both protocols needs the key."""
 
 
 class BadRequest(Exception):
@@ -111,17 +141,8 @@ def _get(body: dict, key: str, kind: str, default: Any = None, required: bool = 
             raise BadRequest(f"missing required field {name!r}")
         return default
     v = body[key]
-    ok = {
-        "int": _is_int,
-        "num": _is_num,
-        "bool": lambda x: isinstance(x, bool),
-        "str": lambda x: isinstance(x, str),
-        "list": lambda x: isinstance(x, list),
-        "dict": lambda x: isinstance(x, dict),
-    }[kind](v)
-    if not ok:
-        expected = {"int": "an integer", "num": "a number", "bool": "a boolean", "str": "a string",
-                    "list": "a list", "dict": "an object"}[kind]
+    ok, expected = JSON_KINDS[kind]
+    if not ok(v):
         raise BadRequest(f"field {name!r} must be {expected}, got {json.dumps(v)[:80]}")
     return float(v) if kind == "num" else v
 
@@ -171,13 +192,16 @@ def sampling_params_from_sglang(d: Any, where: str = "sampling_params.") -> Samp
     )
 
 
-def _per_prompt(value: Any, n: int, name: str) -> list:
-    """A scalar applies to every prompt; a list must have one entry per prompt."""
+def _per_prompt(body: dict, key: str, kind: str, default: Any, n: int) -> list:
+    """A field SGLang takes as one value for every prompt or as a list of one
+    per prompt, each of JSON type ``kind`` (null: ``default``). Strict like
+    SGLang's validation: ``"return_logprob": "yes"`` is a 400, not true."""
+    value = body.get(key)
     if isinstance(value, list):
         if len(value) != n:
-            raise BadRequest(f"field {name!r} has {len(value)} entries for {n} prompt(s)")
-        return value
-    return [value] * n
+            raise BadRequest(f"field {key!r} has {len(value)} entries for {n} prompt(s)")
+        return [_get({f"{key}[{i}]": v}, f"{key}[{i}]", kind, default) for i, v in enumerate(value)]
+    return [_get(body, key, kind, default)] * n
 
 
 def _finish_json(r: SampleResult) -> dict | None:
@@ -222,21 +246,27 @@ class ServerConfig:
     seed: int = 0
     max_batch_size: int = 64
     api_key: str | None = None
-    """If set, every route except /health* needs ``Authorization: Bearer KEY``."""
+    """If set, every route except /health and /health_generate needs
+    ``Authorization: Bearer KEY``."""
     weight_group_timeout_s: float = 300.0
     """Rendezvous and per-broadcast timeout of weight-update groups."""
     num_threads: int | None = None
     debug_update_delay_s: float = 0.0
     """Test knob: every weight-update handler (both protocols) sleeps this long
     after receiving, to simulate a slow replica. 0 in production."""
+    debug_decode_delay_s: float = 0.0
+    """Debug knob for benchmarks: every decode step of the engine's batch takes
+    this much longer (a replica N times slower at generating). 0 in
+    production."""
 
 
 class SGLangRoutes:
     """SGLang 0.5.23's /generate and weight-update routes over an :class:`Engine`."""
 
-    def __init__(self, engine: Engine, cfg: ServerConfig):
+    def __init__(self, engine: Engine, cfg: ServerConfig, limits: BodyLimits | None = None):
         self.engine = engine
         self.cfg = cfg
+        self.limits = limits or BodyLimits.for_engine(engine.max_context, engine.cfg.max_batch_size)
         self.groups: dict[str, Any] = {}  # group_name -> WeightGroup
         # The open weight-update session (buckets arrive one request at a
         # time; /end_weight_update loads them as one version), or None.
@@ -288,7 +318,8 @@ class SGLangRoutes:
     # ---- generation ------------------------------------------------------ #
 
     async def generate(self, request: web.Request) -> web.Response:
-        call = self._parse_generate(await _json_body(request))
+        raw, body = await read_json(request, self.limits.generate)
+        call = await off_loop_if_large(len(raw), self._parse_generate, body)  # it tokenises text prompts
         futures = [
             self.engine.submit(prompt, p, rid=rid, top_logprobs_num=k if lp else 0)
             for prompt, p, rid, lp, k in zip(call.prompts, call.params, call.rids, call.want_logprobs, call.top_logprobs)
@@ -310,27 +341,31 @@ class SGLangRoutes:
         return web.json_response(out[0] if call.single else out)
 
     def _parse_generate(self, body: dict) -> "_GenerateCall":
-        """Check a whole /generate body (every prompt) before anything is queued."""
-        prompts = self._prompts(body)
-        n = len(prompts)
-        sp_raw = body.get("sampling_params") or {}
+        """Check a whole /generate body (every prompt) before anything is
+        queued; every field's type before any prompt is tokenised."""
+        inputs = self._prompt_inputs(body)
+        n = len(inputs)
+        sp_raw = body.get("sampling_params")
         if isinstance(sp_raw, list):
             if len(sp_raw) != n:
                 raise BadRequest(f"field 'sampling_params' has {len(sp_raw)} entries for {n} prompt(s)")
             params = [sampling_params_from_sglang(p, f"sampling_params[{i}].") for i, p in enumerate(sp_raw)]
         else:
-            params = [sampling_params_from_sglang(sp_raw)] * n
-        top_n = _per_prompt(body.get("top_logprobs_num") or 0, n, "top_logprobs_num")
-        if not all(_is_int(k) and k >= 0 for k in top_n):
+            params = [sampling_params_from_sglang({} if sp_raw is None else sp_raw)] * n
+        top_n = _per_prompt(body, "top_logprobs_num", "int", 0, n)
+        if any(k < 0 for k in top_n):
             raise BadRequest("field 'top_logprobs_num' must be a non-negative integer (or one per prompt)")
-        for start in _per_prompt(body.get("logprob_start_len"), n, "logprob_start_len"):
-            if start is not None and start != -1:
-                raise BadRequest(
-                    "field 'logprob_start_len' >= 0 asks for prompt logprobs, which the built-in server "
-                    "does not compute; use -1 (output tokens only)"
-                )
-        if body.get("stream"):
+        if any(start != -1 for start in _per_prompt(body, "logprob_start_len", "int", -1, n)):
+            raise BadRequest(
+                "field 'logprob_start_len' >= 0 asks for prompt logprobs, which the built-in server "
+                "does not compute; use -1 (output tokens only)"
+            )
+        want_logprobs = _per_prompt(body, "return_logprob", "bool", False, n)
+        rids = _per_prompt(body, "rid", "str", None, n)
+        text_in_logprobs = _get(body, "return_text_in_logprobs", "bool", False)
+        if _get(body, "stream", "bool", False):
             raise BadRequest("field 'stream': streaming is not supported by the built-in server")
+        prompts = self._tokenize(inputs)
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
                 self.engine.check_request(prompt, p)
@@ -340,10 +375,10 @@ class SGLangRoutes:
             prompts=prompts,
             params=params,
             # Every prompt gets an id, so a disconnected client's work can be aborted.
-            rids=[r if isinstance(r, str) else uuid.uuid4().hex for r in _per_prompt(body.get("rid"), n, "rid")],
-            want_logprobs=[bool(x) for x in _per_prompt(body.get("return_logprob") or False, n, "return_logprob")],
+            rids=[r if r is not None else uuid.uuid4().hex for r in rids],
+            want_logprobs=want_logprobs,
             top_logprobs=top_n,
-            text_in_logprobs=bool(body.get("return_text_in_logprobs")),
+            text_in_logprobs=text_in_logprobs,
             # One object for one prompt and one sample; a prompt-major array otherwise.
             single=n == 1 and params[0].n == 1 and self._single_prompt_input(body),
         )
@@ -356,25 +391,43 @@ class SGLangRoutes:
         ids = body.get("input_ids")
         return isinstance(ids, list) and (not ids or not isinstance(ids[0], list))
 
-    def _prompts(self, body: dict) -> list[list[int]]:
+    def _prompt_inputs(self, body: dict) -> list[str] | list[list[int]]:
+        """The prompts as sent (texts or token ids), their types and lengths
+        checked, none tokenised yet: a text is bounded by its length in
+        characters and ids by their count, each against the context."""
         text, ids = body.get("text"), body.get("input_ids")
         if (text is None) == (ids is None):
             raise BadRequest("exactly one of 'text' and 'input_ids' must be given")
         if ids is not None:
-            if isinstance(ids, list) and ids and all(_is_int(t) for t in ids):
+            if isinstance(ids, list) and ids and not isinstance(ids[0], list):
+                self._check_ids(ids, "input_ids")
                 return [ids]
             if isinstance(ids, list) and ids and all(isinstance(p, list) for p in ids):
                 for i, p in enumerate(ids):
-                    if not p or not all(_is_int(t) for t in p):
-                        raise BadRequest(f"field 'input_ids[{i}]' must be a non-empty list of token ids")
+                    self._check_ids(p, f"input_ids[{i}]")
                 return ids
             raise BadRequest("field 'input_ids' must be a non-empty list of token ids or a list of such lists")
-        if self.engine.tokenizer is None:
-            raise BadRequest("field 'text' needs a tokenizer and this model has none; send 'input_ids'")
         texts = [text] if isinstance(text, str) else text
         if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
-            raise BadRequest("field 'text' must be a string or a non-empty list of strings")
-        return [self.engine.tokenizer.encode(t) for t in texts]
+            raise BadRequest(f"field 'text' must be a string or a non-empty list of strings, got "
+                             f"{json.dumps(text)[:80]}")
+        if self.engine.tokenizer is None:
+            raise BadRequest("field 'text' needs a tokenizer and this model has none; send 'input_ids'")
+        for i, t in enumerate(texts):
+            self.engine.check_prompt_text(t, "text" if isinstance(text, str) else f"text[{i}]")
+        return texts
+
+    def _check_ids(self, ids: list, name: str) -> None:
+        if len(ids) >= self.engine.max_context:  # before scanning them
+            raise BadRequest(f"field {name!r} has {len(ids)} tokens; the model's context is "
+                             f"{self.engine.max_context}")
+        if not ids or not all(_is_int(t) for t in ids):
+            raise BadRequest(f"field {name!r} must be a non-empty list of token ids")
+
+    def _tokenize(self, inputs: list[str] | list[list[int]]) -> list[list[int]]:
+        if isinstance(inputs[0], str):
+            return [self.engine.tokenizer.encode(t) for t in inputs]
+        return inputs
 
     def _sample_json(self, r: SampleResult, with_logprobs: bool, with_text: bool) -> dict:
         meta: dict[str, Any] = {
@@ -400,7 +453,7 @@ class SGLangRoutes:
     # ---- weight-update session and groups -------------------------------- #
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        body = await _json_body(request)
+        body = await _json_body(request, self.limits.control)
         address = _get(body, "master_address", "str", required=True)
         port = _get(body, "master_port", "int", required=True)
         rank_offset = _get(body, "rank_offset", "int", required=True)
@@ -438,7 +491,7 @@ class SGLangRoutes:
         return _result(True, f"joined weight update group {group_name!r} as rank {rank_offset} of {world_size} ({backend})")
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
-        body = await _json_body(request)
+        body = await _json_body(request, self.limits.control)
         group_name = _get(body, "group_name", "str", "weight_update_group")
         stuck = self.groups.get(group_name)
         if stuck is not None and (self._update_lock.locked()
@@ -458,7 +511,7 @@ class SGLangRoutes:
         return _result(True, f"weight update group {group_name!r} destroyed")
 
     async def begin_weight_update(self, request: web.Request) -> web.Response:
-        body = await _json_body(request)
+        body = await _json_body(request, self.limits.control)
         selector = _get(body, "selector", "str", "all")
         if selector not in ("all", "target", "draft"):
             return _result(False, f"field 'selector' must be 'all', 'target' or 'draft', got {selector!r}")
@@ -473,7 +526,7 @@ class SGLangRoutes:
         ``weight_version`` (str), the version loaded, in place of one that
         an update carried; a trainer that sends it here sends the same
         update bodies every version (``end_weight_version`` in /model_info)."""
-        version = _get(await _json_body(request), "weight_version", "str", None)
+        version = _get(await _json_body(request, self.limits.control), "weight_version", "str", None)
         if self.session is None:
             return _result(False, "no weight update session is open (call /begin_weight_update first)")
         async with self._update_lock:  # let an update in flight finish first
@@ -503,7 +556,7 @@ class SGLangRoutes:
             )
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        raw = await request.read()
+        raw = await read_body(request, self.limits.weights)
         # A trainer sends the same buckets every version, with the version in
         # none of them (it comes with the session's end): each distinct body
         # is parsed once, its specs and layout kept, and the first receive of
@@ -511,7 +564,7 @@ class SGLangRoutes:
         update = self._updates_seen.get(raw)
         version = None
         if update is None:
-            body = _json_loads(raw)
+            body = await parse_json_async(raw)
             names = _get(body, "names", "list", required=True)
             dtypes = _get(body, "dtypes", "list", required=True)
             shapes = _get(body, "shapes", "list", required=True)
@@ -575,7 +628,7 @@ class SGLangRoutes:
             return self._keep(posted.named, version, f"{len(posted.named)} tensor(s)", adopt=adopt, posted=posted)
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        body = await _json_body(request)
+        body = await _json_body(request, self.limits.control)
         path = _get(body, "model_path", "str", required=True)
         load_format, version, abort_all = _load_fields(body)
         try:
@@ -604,7 +657,7 @@ class SGLangRoutes:
         the sender's memory (CUDA IPC or a shared-memory file, see
         ``weight_sync.ipc``). They are copied into memory of this server
         before the reply, so the sender may reuse its buffers once answered."""
-        body = await _json_body(request)
+        body = await _json_body(request, self.limits.weights)
         entries = _get(body, "serialized_named_tensors", "list", required=True)
         load_format, version, abort_all = _load_fields(body)
         try:
@@ -648,7 +701,7 @@ class SGLangRoutes:
         return named
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
-        body = await _json_body(request)
+        body = await _json_body(request, self.limits.control)
         version = _get(body, "new_version", "str", required=True)
         if _get(body, "abort_all_requests", "bool", True):
             await asyncio.to_thread(self.engine.abort_all, "aborted by /update_weight_version")
@@ -658,7 +711,7 @@ class SGLangRoutes:
     # ---- pause / resume --------------------------------------------------- #
 
     async def pause_generation(self, request: web.Request) -> web.Response:
-        body = await _json_body(request)
+        body = await _json_body(request, self.limits.control)
         mode = _get(body, "mode", "str", "abort")
         if mode not in PAUSE_MODES:
             return _result(False, f"field 'mode' must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
@@ -666,21 +719,25 @@ class SGLangRoutes:
         return _result(True, f"generation paused (mode={mode}); {kept} request(s) waiting")
 
     async def continue_generation(self, request: web.Request) -> web.Response:
-        await _json_body(request)
+        await _json_body(request, self.limits.control)
         self.engine.resume()
         return _result(True, "generation resumed")
 
     # ---- inspection -------------------------------------------------------- #
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:
-        body = dict(request.query) if request.method == "GET" else await _json_body(request)
-        name = body.get("name")
-        if not isinstance(name, str) or not name:
+        if request.method == "GET":  # query values are strings
+            name = request.query.get("name")
+            try:
+                size = int(request.query.get("truncate_size", 100))
+            except ValueError:
+                raise BadRequest("field 'truncate_size' must be an integer") from None
+        else:
+            body = await _json_body(request, self.limits.control)
+            name = _get(body, "name", "str", required=True)
+            size = _get(body, "truncate_size", "int", 100)
+        if not name:
             raise BadRequest("missing required field 'name'")
-        try:
-            size = int(body.get("truncate_size", 100))
-        except (TypeError, ValueError):
-            raise BadRequest("field 'truncate_size' must be an integer") from None
         try:
             values = await asyncio.to_thread(self.engine.get_weights, name, size)
         except RequestError as e:
@@ -713,7 +770,7 @@ class SGLangRoutes:
         )
 
     async def abort_request(self, request: web.Request) -> web.Response:
-        body = await _json_body(request)
+        body = await _json_body(request, self.limits.control)
         rid = _get(body, "rid", "str", None)
         if _get(body, "abort_all", "bool", False):
             n = await asyncio.to_thread(self.engine.abort_all, "aborted by /abort_request")
@@ -819,21 +876,9 @@ def _result(success: bool, message: str, **extra: Any) -> web.Response:
     return web.json_response({"success": success, "message": message, **extra}, status=200 if success else 400)
 
 
-async def _json_body(request: web.Request) -> dict:
-    return _json_loads(await request.read())
-
-
-def _json_loads(raw: bytes) -> dict:
-    """A request body as a JSON object (empty: ``{}``); BadRequest otherwise."""
-    if not raw.strip():
-        return {}
-    try:
-        body = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise BadRequest(f"request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    return body
+async def _json_body(request: web.Request, limit: int) -> dict:
+    """A body of at most ``limit`` bytes as a JSON object (``BodyError`` otherwise)."""
+    return (await read_json(request, limit))[1]
 
 
 # --------------------------------------------------------------------------- #
@@ -841,31 +886,51 @@ def _json_loads(raw: bytes) -> dict:
 # --------------------------------------------------------------------------- #
 
 
+def _authorized(header: str | None, api_key: str) -> bool:
+    """``Authorization: Bearer KEY``, compared in constant time (a plain ``==``
+    returns at the first differing byte, which leaks the key's prefix)."""
+    expected = f"Bearer {api_key}".encode()
+    return hmac.compare_digest((header or "").encode("utf-8", "surrogateescape"), expected)
+
+
 def _middlewares(cfg: ServerConfig) -> list:
     @web.middleware
     async def errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
         try:
             return await handler(request)
-        except BadRequest as e:
+        except (BadRequest, RequestError) as e:
             return web.json_response({"object": "error", "message": str(e)}, status=400)
-        except RequestError as e:
-            return web.json_response({"object": "error", "message": str(e)}, status=400)
+        except BodyError as e:
+            return web.json_response({"object": "error", "message": str(e)}, status=e.status)
+        except web.HTTPException:  # aiohttp's own answers (404, 405, ...)
+            raise
+        except Exception as e:
+            # A bug, not the client's fault; still a JSON answer naming it
+            # rather than aiohttp's bare 500.
+            logger.exception("%s %s failed", request.method, request.path)
+            return web.json_response({"object": "error", "message": f"internal error: {type(e).__name__}: {e}"},
+                                     status=500)
 
     @web.middleware
     async def auth(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
-        if cfg.api_key and not request.path.startswith("/health"):
-            if request.headers.get("Authorization") != f"Bearer {cfg.api_key}":
-                return web.json_response({"object": "error", "message": "missing or wrong API key"}, status=401)
+        # Outermost: an unauthorized body is never read. Both protocols' routes
+        # pass here (the vLLM ones too), so the key guards every weight route.
+        if cfg.api_key and request.path not in _OPEN_PATHS:
+            if not _authorized(request.headers.get("Authorization"), cfg.api_key):
+                # Both SGLang and vLLM answer exactly this.
+                return web.json_response({"error": "Unauthorized"}, status=401)
         return await handler(request)
 
     return [auth, errors]
 
 
 def build_app(engine: Engine, cfg: ServerConfig) -> tuple[web.Application, SGLangRoutes]:
-    app = web.Application(client_max_size=_BODY_LIMIT, middlewares=_middlewares(cfg))
-    routes = SGLangRoutes(engine, cfg)
+    limits = BodyLimits.for_engine(engine.max_context, cfg.max_batch_size)
+    # Each route reads at most its own limit (read_body); aiohttp's is the backstop.
+    app = web.Application(client_max_size=limits.largest, middlewares=_middlewares(cfg))
+    routes = SGLangRoutes(engine, cfg, limits)
     routes.register(app)
-    vllm_routes = VLLMRoutes(engine, cfg)  # the vLLM subset beside SGLang's
+    vllm_routes = VLLMRoutes(engine, cfg, limits)  # the vLLM subset beside SGLang's
     vllm_routes.register(app)
 
     async def close_vllm(_app: web.Application) -> None:
@@ -887,26 +952,58 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     p.add_argument("--max-batch-size", type=int, default=64, help="most sequences decoded together")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health and /health_generate")
     p.add_argument("--weight-group-timeout", type=float, default=300.0,
                    help="seconds to wait for the trainer to join a weight group / finish a broadcast")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--debug-update-delay-s", type=float, default=0.0,
                    help="TEST KNOB: sleep this long in every weight-update handler after receiving "
                         "(simulates a slow replica for fault tests and benchmarks)")
+    p.add_argument("--debug-decode-delay-s", type=float, default=0.0, metavar="S",
+                   help="DEBUG KNOB for benchmarks: the engine sleeps S seconds in every decode step of "
+                        "its batch, so this replica generates more slowly than its peers (default 0: off)")
     a = p.parse_args(argv)
     if a.max_batch_size < 1:
         p.error("--max-batch-size must be >= 1")
     if a.debug_update_delay_s < 0:
         p.error("--debug-update-delay-s must be >= 0")
+    if not a.debug_decode_delay_s >= 0:  # (NaN too)
+        p.error("--debug-decode-delay-s must be >= 0")
     if not a.device.startswith(("cpu", "cuda")):
         p.error(f"--device must be cpu, cuda or cuda:N, got {a.device!r}")
     return ServerConfig(
         model=a.model, host=a.host, port=a.port, device=a.device, dtype=a.dtype, seed=a.seed,
         max_batch_size=a.max_batch_size, api_key=a.api_key,
         weight_group_timeout_s=a.weight_group_timeout, num_threads=a.num_threads,
-        debug_update_delay_s=a.debug_update_delay_s,
+        debug_update_delay_s=a.debug_update_delay_s, debug_decode_delay_s=a.debug_decode_delay_s,
     )
+
+
+def engine_config(cfg: ServerConfig) -> EngineConfig:
+    return EngineConfig(cfg.model, cfg.device, cfg.dtype, cfg.seed, cfg.max_batch_size,
+                        debug_decode_delay_s=cfg.debug_decode_delay_s)
+
+
+def exposure_warning(cfg: ServerConfig) -> str | None:
+    """What to warn about when the server listens beyond this host without an
+    API key (None when it does not): anyone who can reach the port can
+    generate, and the weight routes load whatever weights they are sent."""
+    if cfg.api_key or _is_loopback(cfg.host):
+        return None
+    return (f"the server listens on {cfg.host} WITHOUT --api-key: anyone who can reach this port "
+            "can generate, pause generation and replace the model's weights (the update routes load whatever "
+            "they are sent, from the network, from a path on this host, or from shared memory). Bind to "
+            "127.0.0.1 or start it with --api-key KEY.")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
 
 
 async def serve(engine: Engine, cfg: ServerConfig) -> None:
@@ -917,12 +1014,16 @@ async def serve(engine: Engine, cfg: ServerConfig) -> None:
     site = web.TCPSite(runner, cfg.host, cfg.port)
     await site.start()
     port = runner.addresses[0][1] if runner.addresses else cfg.port
-    logger.info("ready: model %s on http://%s:%d (device %s)", cfg.model, cfg.host, port, engine.device)
-    print(f"ready http://{cfg.host}:{port}", flush=True)
+    warning = exposure_warning(cfg)
+    if warning:
+        logger.warning("%s\n!!! %s\n%s", "!" * 100, warning, "!" * 100)
+    # Before "ready": a supervisor may stop the server as soon as it reads it.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    logger.info("ready: model %s on http://%s:%d (device %s)", cfg.model, cfg.host, port, engine.device)
+    print(f"ready http://{cfg.host}:{port}", flush=True)
     await stop.wait()
     logger.info("shutting down")
     engine.shutdown()
@@ -941,7 +1042,7 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     try:
-        engine = Engine(EngineConfig(cfg.model, cfg.device, cfg.dtype, cfg.seed, cfg.max_batch_size))
+        engine = Engine(engine_config(cfg))
     except ModelLoadError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2

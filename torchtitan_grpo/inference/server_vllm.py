@@ -22,6 +22,12 @@ Deliberate differences from vLLM, each a 400 naming the field: streaming,
 echo, suffix, prompt logprobs, beam search, structured output, and the
 ``nccl_unique_id_b64`` rendezvous. Logprobs are ``log_softmax(logits / T)``
 (the SGLang routes' quantity), not vLLM's default raw logprobs.
+
+Request bodies (both protocols, :func:`read_json`): each route reads at most
+its :class:`BodyLimits` share (413 past it, refused from ``Content-Length``
+before a byte is read), a body that is not UTF-8 JSON is a 400 naming the
+body, and a large body is parsed on a worker thread so ``/health`` answers
+meanwhile.
 """
 
 from __future__ import annotations
@@ -81,7 +87,8 @@ _UNSUPPORTED = {
 class VLLMError(Exception):
     """Becomes ``{"error": {...}}`` with HTTP ``code``."""
 
-    _TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+    _TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "RequestEntityTooLargeError",
+              500: "InternalServerError", 503: "ServiceUnavailableError"}
 
     def __init__(self, code: int, message: str, param: str | None = None):
         super().__init__(message)
@@ -105,6 +112,8 @@ def _vllm_api(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
             return await handler(request)
         except VLLMError as e:
             return e.response()
+        except BodyError as e:
+            return VLLMError(e.status, str(e)).response()
         except RequestError as e:  # the engine refused a prompt or a parameter
             return _bad(str(e)).response()
 
@@ -129,7 +138,7 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+JSON_KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "int": (_is_int, "an integer"),
     "num": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
     "bool": (lambda v: isinstance(v, bool), "a boolean"),
@@ -144,23 +153,121 @@ def _field(body: dict, key: str, kind: str, default: Any = None, where: str = ""
     v = body.get(key)
     if v is None:
         return default
-    ok, expected = _KINDS[kind]
+    ok, expected = JSON_KINDS[kind]
     if not ok(v):
         raise _bad(f"'{where}{key}' must be {expected}, got {str(v)[:80]}", f"{where}{key}")
     return float(v) if kind == "num" else v
 
 
-async def _json(request: web.Request) -> dict:
-    raw = await request.read()
-    if not raw.strip():
+# --------------------------------------------------------------------------- #
+# Request bodies (shared with the SGLang routes)
+# --------------------------------------------------------------------------- #
+
+MiB = 1 << 20
+_CONTROL_BODY = 1 * MiB
+"""Control routes (pause, sessions, groups, versions): a few fields each."""
+_WEIGHT_BODY = 256 * MiB
+"""Weight-update metadata: per tensor a name, dtype and shape (~100 B), or a
+pickled shared-memory / CUDA IPC handle in base64 (~1 KB); a 100k-tensor
+checkpoint stays well under this. Also the cap of every other limit."""
+_BYTES_PER_PROMPT_TOKEN = 32
+"""JSON bytes one prompt token may take: an id (``"151643, "``: 8) or its text
+(a few characters, up to 6 bytes each as a ``\\u`` escape) with headroom."""
+_PARSE_OFF_LOOP = 256 * 1024
+"""Bodies past this many bytes are parsed on a worker thread (a few ms of
+``json.loads`` on the event loop would hold /health and every other route)."""
+
+
+class BodyError(Exception):
+    """A request body refused before (or while) it is parsed: HTTP ``status``."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class BodyLimits:
+    """Most bytes a request body may have, per kind of route: each sized to
+    what a legitimate request needs, so a huge body is refused before it is
+    read, parsed or tokenised (aiohttp's own ``client_max_size`` is only the
+    backstop: the largest of these)."""
+
+    generate: int
+    """/generate and /v1/completions."""
+    control: int = _CONTROL_BODY
+    weights: int = _WEIGHT_BODY
+    """Weight updates: name lists, shapes, by-reference handles."""
+
+    @classmethod
+    def for_engine(cls, max_context: int, max_batch_size: int) -> BodyLimits:
+        # A body holding more prompt tokens than the whole batch's context could
+        # never run at once; batches of many short prompts fit all the same.
+        tokens = max_batch_size * max_context
+        return cls(generate=min(_CONTROL_BODY + tokens * _BYTES_PER_PROMPT_TOKEN, _WEIGHT_BODY))
+
+    @property
+    def largest(self) -> int:
+        return max(self.generate, self.control, self.weights)
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The raw body, at most ``limit`` bytes (else :class:`BodyError` 413).
+    A declared ``Content-Length`` past the limit is refused before anything
+    is read; a chunked body is read only until it passes the limit."""
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise BodyError(413, f"request body of {declared} bytes is larger than this route takes ({limit} bytes)")
+    parts: list[bytes] = []
+    size = 0
+    while chunk := await request.content.readany():
+        size += len(chunk)
+        if size > limit:
+            raise BodyError(413, f"request body is larger than this route takes ({limit} bytes)")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def parse_json_object(raw: bytes) -> dict:
+    """A body as a JSON object (empty: ``{}``); :class:`BodyError` 400 naming
+    what is wrong with the body otherwise."""
+    if not raw or raw.isspace():  # (no stripped copy of a large body)
         return {}
     try:
-        body = json.loads(raw)
-    except ValueError as e:
-        raise _bad(f"request body is not valid JSON: {e}") from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BodyError(400, f"request body is not UTF-8 text (byte {e.start} is 0x{raw[e.start]:02x}); "
+                             "send a JSON object") from None
+    try:
+        body = json.loads(text)
+    except RecursionError:
+        raise BodyError(400, "request body is not valid JSON: nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, and e.g. an integer of too many digits
+        raise BodyError(400, f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
-        raise _bad("request body must be a JSON object")
+        raise BodyError(400, f"request body must be a JSON object, got a JSON {type(body).__name__}")
     return body
+
+
+async def off_loop_if_large(nbytes: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, on a worker thread when the body it works on has more
+    than :data:`_PARSE_OFF_LOOP` bytes (parsing or tokenising megabytes on
+    the event loop would stall /health and every other route meanwhile);
+    inline otherwise (a thread hop costs more than a small body's parse)."""
+    if nbytes > _PARSE_OFF_LOOP:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
+async def parse_json_async(raw: bytes) -> dict:
+    """:func:`parse_json_object`, on a worker thread for a large body."""
+    return await off_loop_if_large(len(raw), parse_json_object, raw)
+
+
+async def read_json(request: web.Request, limit: int) -> tuple[bytes, dict]:
+    """(raw bytes, JSON object) of a body of at most ``limit`` bytes."""
+    raw = await read_body(request, limit)
+    return raw, await parse_json_async(raw)
 
 
 # --------------------------------------------------------------------------- #
@@ -217,6 +324,20 @@ def _sampling_params(body: dict, max_context: int) -> SamplingParams:
         skip_special_tokens=_field(body, "skip_special_tokens", "bool", True),
         no_stop_trim=_field(body, "include_stop_str_in_output", "bool", False),
     )
+
+
+def _check_stream_options(body: dict) -> None:
+    """vLLM refuses ``stream_options`` unless ``stream`` is true (its
+    CompletionRequest validator), rather than ignoring it; so does this
+    server (which then refuses ``stream`` itself, naming that field)."""
+    options = body.get("stream_options")
+    if options is None:
+        return
+    if not isinstance(options, dict):
+        raise _bad(f"'stream_options' must be an object, got {str(options)[:80]}", "stream_options")
+    if options and body.get("stream") is not True:
+        raise _bad("'stream_options' is only valid with 'stream': true (this request is not streamed); "
+                   "drop it or stream", "stream_options")
 
 
 _ENGINE_TO_VLLM = {"sampling_params.max_new_tokens": "max_tokens", "sampling_params.min_new_tokens": "min_tokens",
@@ -513,14 +634,21 @@ class _ParsedUpdate:
     """Its adopt flags, once it was checked and accepted with ``?ack=posted``."""
 
 
+def served_names(model: str) -> list[str]:
+    """The names the server answers to: the model path as given, then its
+    last component (``/ckpt/Qwen3-0.6B/`` -> ``Qwen3-0.6B``), once each."""
+    return list(dict.fromkeys([model, os.path.basename(os.path.normpath(model))]))
+
+
 class VLLMRoutes:
     """vLLM 0.33's completions and weight-transfer routes over an :class:`Engine`."""
 
-    def __init__(self, engine: Engine, cfg: Any):
+    def __init__(self, engine: Engine, cfg: Any, limits: BodyLimits | None = None):
         self.engine = engine
         self.cfg = cfg
         """The server's ``ServerConfig``."""
-        self.served_names = [cfg.model, os.path.basename(os.path.normpath(cfg.model))]
+        self.limits = limits or BodyLimits.for_engine(engine.max_context, engine.cfg.max_batch_size)
+        self.served_names = served_names(cfg.model)
         self.t = _Transfer()
         self.gate: str | None = None
         """Pause mode (abort | wait) under which new completions get 503."""
@@ -571,8 +699,8 @@ class VLLMRoutes:
     async def completions(self, request: web.Request) -> web.Response:
         if self._rejecting():
             raise VLLMError(503, f"generation is paused (mode={self.gate}); retry after /resume")
-        body = await _json(request)
-        call = self._parse_completions(body)
+        raw, body = await read_json(request, self.limits.generate)
+        call = await off_loop_if_large(len(raw), self._parse_completions, body)  # it tokenises text prompts
         rids = [f"cmpl-{uuid.uuid4().hex}" for _ in call.prompts]
         top = max(call.logprobs or 0, 0)
         futures = [self.engine.submit(p, call.params, rid=rid, top_logprobs_num=top)
@@ -597,19 +725,21 @@ class VLLMRoutes:
         })
 
     def _parse_completions(self, body: dict) -> _CompletionCall:
-        """Check a whole body (every prompt) before anything is queued."""
-        model = body.get("model")
+        """Check a whole body (every prompt) before anything is queued; every
+        field before any prompt is tokenised."""
+        model = _field(body, "model", "str", None)
         if model is not None and model not in self.served_names:
             raise VLLMError(404, f"The model `{model}` does not exist.", "model")
+        _check_stream_options(body)
         for key, default in _UNSUPPORTED.items():
             value = body.get(key)
             if value is not None and value != default and value != []:  # [] = no bad words etc.
                 raise _bad(f"'{key}' is not supported by the built-in server", key)
-        prompts = self._prompts(body.get("prompt"))
         params = _sampling_params(body, self.engine.max_context)
         logprobs = _field(body, "logprobs", "int", None)
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise _bad(f"'logprobs' must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
+        prompts = self._prompts(body.get("prompt"))
         for i, p in enumerate(prompts):
             try:
                 self.engine.check_request(p, params)
@@ -624,13 +754,15 @@ class VLLMRoutes:
         )
 
     def _prompts(self, prompt: Any) -> list[list[int]]:
-        """str | [str] | [int] | [[int]] -> token-id prompts."""
-        if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        """str | [str] | [int] | [[int]] -> token-id prompts. Each is checked
+        against the context by its length before its ids are scanned or its
+        text tokenised (:meth:`Engine.check_prompt_text`)."""
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], (list, str)):
+            self._check_ids(prompt, "prompt")
             return [prompt]
         if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
             for i, p in enumerate(prompt):
-                if not p or not all(_is_int(t) for t in p):
-                    raise _bad(f"'prompt[{i}]' must be a non-empty list of token ids", "prompt")
+                self._check_ids(p, f"prompt[{i}]")
             return prompt
         texts = [prompt] if isinstance(prompt, str) else prompt
         if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
@@ -638,7 +770,18 @@ class VLLMRoutes:
                        "prompt")
         if self.engine.tokenizer is None:
             raise _bad("a text 'prompt' needs a tokenizer and this model has none; send token ids", "prompt")
+        for i, t in enumerate(texts):
+            try:
+                self.engine.check_prompt_text(t, "prompt" if isinstance(prompt, str) else f"prompt[{i}]")
+            except RequestError as e:
+                raise _bad(str(e), "prompt") from None
         return [self.engine.tokenizer.encode(t) for t in texts]
+
+    def _check_ids(self, ids: list, name: str) -> None:
+        if len(ids) >= self.engine.max_context:
+            raise _bad(f"'{name}' has {len(ids)} tokens; the model's context is {self.engine.max_context}", "prompt")
+        if not ids or not all(_is_int(t) for t in ids):
+            raise _bad(f"'{name}' must be a non-empty list of token ids", "prompt")
 
     def _token_str(self, token_id: int, as_id: bool) -> str:
         text = None if as_id else self.engine.token_text(token_id)
@@ -682,9 +825,12 @@ class VLLMRoutes:
         return choice
 
     async def models(self, request: web.Request) -> web.Response:
-        card = {"id": self.served_names[0], "object": "model", "created": self._created, "owned_by": "vllm",
-                "root": self.cfg.model, "parent": None, "max_model_len": self.engine.max_context}
-        return web.json_response({"object": "list", "data": [card]})
+        # Every name /v1/completions accepts as 'model' (vLLM lists each
+        # --served-model-name, all with the same root).
+        cards = [{"id": name, "object": "model", "created": self._created, "owned_by": "vllm",
+                  "root": self.cfg.model, "parent": None, "max_model_len": self.engine.max_context}
+                 for name in self.served_names]
+        return web.json_response({"object": "list", "data": cards})
 
     # ---- pause / resume --------------------------------------------------- #
 
@@ -722,7 +868,7 @@ class VLLMRoutes:
     # ---- weight transfer --------------------------------------------------- #
 
     async def init_weight_transfer_engine(self, request: web.Request) -> web.Response:
-        info = _parse_init_info((await _json(request)).get("init_info"))
+        info = _parse_init_info((await read_json(request, self.limits.control))[1].get("init_info"))
         async with self._lock:
             if self.t.group is not None:
                 raise _bad("the weight transfer engine is already initialized; call "
@@ -759,7 +905,7 @@ class VLLMRoutes:
         return web.json_response({"message": "Weight update started"})
 
     async def update_weights(self, request: web.Request) -> web.Response:
-        raw = await request.read()
+        raw = await read_body(request, self.limits.weights)
         # Everything that can be refused is refused before the first receive:
         # a receive posted for a refused update would desynchronise the group.
         try:
@@ -775,7 +921,7 @@ class VLLMRoutes:
             # A trainer sends the same metadata every version: parsing it and
             # cutting its chunks again would hold the first receive back
             # (~0.8 ms for 399 tensors).
-            specs = _parse_update_info((await _json(request)).get("update_info"), self.t.last_specs)
+            specs = _parse_update_info((await parse_json_async(raw)).get("update_info"), self.t.last_specs)
             chunks = plan_packed_chunks(specs, info.packed_buffer_size_bytes) if info.packed else None
             parsed = self.t.parsed = _ParsedUpdate(raw, specs, chunks)
         ack = ack and info.packed  # per-tensor receives (packed off) are answered after their bytes
@@ -815,7 +961,7 @@ class VLLMRoutes:
     async def finish_weight_update(self, request: web.Request) -> web.Response:
         """End the update and load what it received, all at once (waiting,
         unless paused, for running requests to finish)."""
-        version = _field(await _json(request), "weight_version", "str", None)
+        version = _field((await read_json(request, self.limits.control))[1], "weight_version", "str", None)
         if self.t.update is None:
             raise _bad("no weight update in progress: call /start_weight_update first")
         async with self._lock:  # after any update in flight
