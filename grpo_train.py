@@ -31,6 +31,8 @@ from torchtitan_grpo.checkpoint import Checkpointer, export_hf
 from torchtitan_grpo.config import parse_config
 from torchtitan_grpo.parallel import data_parallel_rank_and_degree
 from torchtitan_grpo.rollout import offpolicy
+from torchtitan_grpo.rollout.producer import ProducerStopped
+from torchtitan_grpo.stopping import Stop, StopSignals
 from torchtitan_grpo.trainer import broadcast_object, build_policy, close_distributed, init_distributed, train_step
 from torchtitan_grpo.weight_sync.gather import trainer_push
 
@@ -59,8 +61,11 @@ def main(argv: list[str]) -> dict:
     pushing = cfg.weight_sync.mode != "off"
     g = cfg.grpo
 
+    stopped: Stop | None = None
     with contextlib.ExitStack() as stack:
         stack.callback(ckpt.close)
+        # SIGTERM / SIGINT end the loop at the next step boundary (see stopping.py).
+        signals = stack.enter_context(StopSignals())
         # Rank 0 owns the inference side: servers, pool, rollouts, pusher, metrics.
         side = stack.enter_context(rollout_side(cfg, hf_dir, d, resumed)) if d.is_main else None
         pad_id = broadcast_object(side.pad_id if side else None, d)
@@ -83,17 +88,23 @@ def main(argv: list[str]) -> dict:
             # rollout.pipeline_depth > 0 it runs ahead of the trainer from here on.
             side.rollouts.start(version)
         t_prev = time.perf_counter()
+        step = start
         for step in range(start + 1, cfg.training.steps + 1):
             # 1. Rollouts: the first prompts_per_step groups to finish, with rewards
             #    and advantages; samples staler than grpo.max_staleness (and, with
             #    grpo.mask_truncated, those cut at max_new_tokens) are dropped.
+            #    Rank 0 sends a Stop instead on a signal or a rollout failure.
             batch = None
             if side:
-                batch = side.rollouts.next_batch()
-                batch.samples, kept = offpolicy.select_samples(batch.samples, version if pushing else 0,
-                                                               g.max_staleness, g.mask_truncated)
-                batch.metrics |= kept
+                batch = _next_batch(side, signals)
+                if not isinstance(batch, Stop):
+                    batch.samples, kept = offpolicy.select_samples(batch.samples, version if pushing else 0,
+                                                                   g.max_staleness, g.mask_truncated)
+                    batch.metrics |= kept
             batch = broadcast_object(batch, d)
+            if isinstance(batch, Stop):
+                stopped, step = batch, step - 1
+                break
             # data-parallel ranks split the batch; TP ranks of one DP rank share its part
             dp_rank, dp_degree = data_parallel_rank_and_degree(policy.parallel_dims)
             local = batch.samples[dp_rank::dp_degree]
@@ -125,16 +136,35 @@ def main(argv: list[str]) -> dict:
                 side.log.log(step, metrics)
             ckpt.save(step, version, side.rollouts if side else None, last_step=step == cfg.training.steps)
 
-        if pushing and cfg.weight_sync.mode == "async":
+        if stopped is not None:
+            # Keep the last completed step (if checkpointing is on); the servers stop with the stack.
+            saved = step > start and ckpt.save(step, version, side.rollouts if side else None, force=True)
+            where = f"; checkpoint of step {step} in {ckpt.folder}" if saved else ""
+            logger.error("stopped after step %d of %d: %s%s", step, cfg.training.steps, stopped.reason, where)
+        elif pushing and cfg.weight_sync.mode == "async":
             # The servers end on the final weights, whatever async mode skipped
             # (a busy buffer, or a last step whose samples were all too stale).
             push.snapshot(version, wait=True)
         summary = side.summary() if side else {}
+    if stopped is not None:
+        close_distributed()
+        raise SystemExit(stopped.exit_code)
     if cfg.checkpoint.hf_export:
         export_hf(policy, hf_dir, os.path.join(cfg.job.dump_folder, cfg.checkpoint.hf_export_folder), d,
                   cfg.checkpoint.export_dtype)
     close_distributed()
     return summary
+
+
+def _next_batch(side, signals: StopSignals):
+    """Rank 0: the next batch, or a Stop (a signal, or rollouts that cannot go on)."""
+    if signals.event.is_set():
+        return signals.stop
+    try:
+        batch = side.rollouts.next_batch(signals.event)
+    except ProducerStopped as e:
+        return Stop(str(e), 1)
+    return batch if batch is not None else signals.stop
 
 
 def _setup_logging(rank: int) -> None:

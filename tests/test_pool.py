@@ -191,7 +191,7 @@ def check_batch(groups, reference, never_from: tuple[str, ...] = ()) -> None:
 def cfg(**kw) -> PoolConfig:
     """Fast health checks and back-off so that readmission takes well under a second."""
     base = dict(health_interval_s=0.1, health_timeout_s=2.0, backoff_s=0.2, backoff_max_s=1.0,
-                request_timeout_s=30.0, slow_probe_interval_s=0.3)
+                request_timeout_s=30.0, slow_probe_interval_s=0.3, slow_hold_s=0.0)
     return PoolConfig(**(base | kw))
 
 
@@ -543,3 +543,23 @@ def test_busy_fraction(fleet, reference):
             await pool.close()
 
     asyncio.run(body())
+
+
+def test_slow_verdict_has_hysteresis():
+    """A replica's slow state changes only once the new verdict has held for
+    slow_hold_s: one flip of the medians does not flip it (nor log a line)."""
+    pool = InferencePool(["http://127.0.0.1:9", "http://127.0.0.1:10"], cfg(slow_hold_s=0.3, slow_min_samples=2,
+                                                                             latency_window=2))
+    a, b = pool.replicas
+    a.latencies.extend([0.1, 0.1])
+    b.latencies.extend([1.0, 1.0])
+    pool._update_slow()
+    assert not b.slow  # the verdict "slow" has not held yet
+    b.latencies.extend([0.1, 0.1])
+    pool._update_slow()  # it went away again: nothing changes
+    b.latencies.extend([1.0, 1.0])
+    pool._update_slow()
+    assert not b.slow
+    time.sleep(0.35)
+    pool._update_slow()  # held for slow_hold_s
+    assert b.slow and not a.slow

@@ -158,6 +158,7 @@ class Checkpointer:
             base_folder=job_config.job.dump_folder,
         )
         self.folder = os.path.join(job_config.job.dump_folder, self.cfg.folder)
+        self._saved: set[int] = set()  # steps saved by this run (a stop right after one does not save it twice)
 
     # ----------------------------------------------------------- load
 
@@ -211,12 +212,19 @@ class Checkpointer:
 
     # ----------------------------------------------------------- save
 
-    def save(self, step: int, weight_version: int, prompts=None, last_step: bool = False) -> None:
-        """Save after ``step`` when the config says so. Call on every rank;
-        ``prompts`` is rank 0's prompt source (ignored elsewhere)."""
+    def save(self, step: int, weight_version: int, prompts=None, last_step: bool = False,
+             force: bool = False) -> bool:
+        """Save after ``step`` when the config says so, or whenever checkpointing
+        is on with ``force`` (a run stopping early keeps its last completed step).
+        Call on every rank; ``prompts`` is rank 0's prompt source (ignored
+        elsewhere). True if a checkpoint was written."""
         # TorchTitan's own rule (interval, last step, first-step checkpoint, load_only)
-        if not self.cfg.enable or not self.manager._should_save(step, last_step):
-            return
+        if not self.cfg.enable or self.manager.load_only:
+            return False
+        if not (force or self.manager._should_save(step, last_step)):
+            return False
+        if step in self._saved:
+            return False
         state = broadcast_object(prompts.state_dict() if prompts is not None else None, self.d)
         rng = _all_gather(_rng_state(self.d.device), self.d)
         buf = io.BytesIO()
@@ -224,7 +232,15 @@ class Checkpointer:
         self.train_state.step, self.train_state.weight_version = step, weight_version
         self.train_state.rng = buf.getvalue()
         self.rollout_state.prompts = json.dumps(state) if state is not None else ""
-        self.manager.save(step, last_step=last_step)
+        interval = self.manager.interval
+        if force and not last_step:
+            self.manager.interval = 1  # TorchTitan saves off-interval steps only at the last step
+        try:
+            self.manager.save(step, last_step=last_step)
+        finally:
+            self.manager.interval = interval
+        self._saved.add(step)
+        return True
 
     def close(self) -> None:
         self.manager.close()

@@ -167,6 +167,12 @@ class Inference:
     startup_timeout_s: float = 180.0
     """Time a started server may take to answer /health before the run fails."""
 
+    server_max_restarts: int = 3
+    """A started server that exits is restarted on its port (then caught up to
+    the newest weights and readmitted) at most this many times in a run; 0
+    never restarts. A server given up leaves the fleet; when none is left the
+    run saves its last completed step and stops."""
+
     request_timeout_s: float = 120.0
     """Per-request timeout of a generation call."""
 
@@ -337,6 +343,7 @@ def validate(cfg) -> None:
     _check(re.fullmatch(r"cpu|cuda(:\d+)?", i.server_device) is not None, "inference.server_device",
            'must be "cpu", "cuda" or "cuda:N"', i.server_device)
     _check(i.startup_timeout_s > 0, "inference.startup_timeout_s", "must be > 0", i.startup_timeout_s)
+    _check(i.server_max_restarts >= 0, "inference.server_max_restarts", "must be >= 0", i.server_max_restarts)
     _check(i.request_timeout_s > 0, "inference.request_timeout_s", "must be > 0", i.request_timeout_s)
     _check(i.max_retries >= 1, "inference.max_retries", "must be >= 1", i.max_retries)
     _check(w.bucket_size_mb >= 1, "weight_sync.bucket_size_mb", "must be >= 1", w.bucket_size_mb)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_grpo.aio import LoopThread
-from torchtitan_grpo.inference.launcher import ServerSpec, running_servers
+from torchtitan_grpo.inference.launcher import ReplicaEvent, ServerSpec, Supervisor, format_events, running_servers
 from torchtitan_grpo.inference.pool import InferencePool, PoolConfig
 from torchtitan_grpo.inference.types import SamplingParams
 from torchtitan_grpo.metrics import MetricLogger, window_mean
@@ -56,13 +56,35 @@ class RolloutSide:
     pusher: WeightPusher
     log: MetricLogger
     pad_id: int
+    supervisor: Supervisor | None = None
+    """Watches the servers the trainer started (None for external ones)."""
 
     def summary(self) -> dict:
         h = self.log.history
         first, last = window_mean(h, "reward/mean", True), window_mean(h, "reward/mean", False)
         n = min(10, len(h))
         logger.info("mean reward: first %d steps %.3f, last %d steps %.3f", n, first, n, last)
-        return {"reward_first10": first, "reward_last10": last, "steps": len(h)}
+        out = {"reward_first10": first, "reward_last10": last, "steps": len(h)}
+        events = [ReplicaEvent(*e) for e in self.rollouts.pool.events]
+        if self.supervisor is not None:
+            events += self.supervisor.events
+            out |= {f"servers_{k}": v for k, v in self.supervisor.counts().items()}
+        if events:
+            logger.warning("inference replica events:\n%s", format_events(sorted(events, key=lambda e: e.time)))
+        out["replica_events"] = len(events)
+        return out
+
+
+def _replica_events(pool: InferencePool):
+    """What the pool does when the launcher's watcher sees a server exit, come
+    back or be given up (called on the watcher's thread)."""
+    def on_event(e: ReplicaEvent) -> None:
+        if e.kind == "exited":
+            pool.mark_down(e.url, f"process exited ({e.detail})")  # re-send its groups, leave the push
+        elif e.kind == "gave_up":
+            pool.retire(e.url, f"given up after restarts ({e.detail})")
+        # "restarted": the pool's health check sees it; the pusher catches it up and readmits it
+    return on_event
 
 
 def _prompt_source(cfg):
@@ -89,14 +111,17 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
     pause_mode = "in_place" if depth > 0 and w.pause_mode == "none" else w.pause_mode
     key = api_key(cfg)
     with contextlib.ExitStack() as stack:
+        supervisor = None
         if i.urls or i.replica_file:
             urls = list(i.urls)
         else:
             specs = [ServerSpec(hf_dir, device=i.server_device, dtype=i.server_dtype, host=i.host,
-                                threads=i.server_threads, seed=cfg.grpo.seed + k) for k in range(i.num_servers)]
+                                threads=i.server_threads, seed=cfg.grpo.seed + k, api_key=key)
+                     for k in range(i.num_servers)]
             servers = stack.enter_context(running_servers(specs, os.path.join(cfg.job.dump_folder, "servers"),
-                                                          i.startup_timeout_s))
+                                                          i.startup_timeout_s, max_restarts=i.server_max_restarts))
             urls = [s.url for s in servers]
+            supervisor = servers.supervisor
         loop = LoopThread()
         stack.callback(loop.close)
         pool = InferencePool(urls, PoolConfig(backend=i.backend, model=i.model, replica_file=i.replica_file or None,
@@ -115,8 +140,11 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
                 device=d.device, on_eject=pool.eject, on_readmit=pool.readmit)
             stack.callback(pusher.close)
             pool.on_join = pusher.add_replica  # replicas from inference.replica_file get weights too
+            pool.on_down = pusher.replica_down  # a replica known to be down leaves the push at once
         loop.run(pool.start())
         stack.callback(lambda: loop.run(pool.close(), timeout=10))
+        if supervisor is not None:
+            supervisor.on_event = _replica_events(pool)
         if w.mode != "off":
             pusher.connect(initial_version=0 if resume is None else -1)
 
@@ -141,4 +169,4 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
                            resume_step=None if resume is None else resume.step)
         stack.callback(log.close)
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-        yield RolloutSide(rollouts, pusher, log, pad_id)
+        yield RolloutSide(rollouts, pusher, log, pad_id, supervisor)

@@ -339,9 +339,9 @@ class Supervisor:
 def format_events(events: list[ReplicaEvent]) -> str:
     """The events as a short text table for the end-of-run summary."""
     if not events:
-        return "launched inference servers: no exits"
+        return "inference replicas: no events"
     width = max(len(e.url) for e in events)
-    rows = [f"launched inference servers: {len(events)} event(s)",
+    rows = [f"inference replicas: {len(events)} event(s)",
             f"  {'time':8}  {'server':{width}}  {'event':14}  detail"]
     rows += [f"  {time.strftime('%H:%M:%S', time.localtime(e.time))}  {e.url:{width}}  {e.kind:14}  {e.detail}"
              for e in events]

@@ -161,6 +161,9 @@ class PoolConfig:
     """Routing weight of an outstanding request on a slow replica."""
     slow_probe_interval_s: float = 5.0
     """An idle slow replica gets a request at least this often (re-measures it)."""
+    slow_hold_s: float = 5.0
+    """A replica becomes slow, or healthy again, only once the new verdict has
+    held this long: one log line per change that lasts."""
     slow_min_samples: int = 8
     """Latencies a replica needs before it can be judged slow (or compared
     against): a few unlucky requests must not flag a replica."""
@@ -185,7 +188,7 @@ class PoolConfig:
         for key in ("request_timeout_s", "connect_timeout_s", "health_interval_s", "health_timeout_s",
                     "keepalive_s", "replica_file_interval_s", "slow_probe_interval_s"):
             need(getattr(self, key) > 0, key, "must be > 0")
-        for key in ("abort_backoff_s", "backoff_s", "backoff_max_s", "max_aborts"):
+        for key in ("abort_backoff_s", "backoff_s", "backoff_max_s", "max_aborts", "slow_hold_s"):
             need(getattr(self, key) >= 0, key, "must be >= 0")
         need(self.max_retries >= 1, "max_retries", "must be >= 1")
         need(self.max_connections >= 1, "max_connections", "must be >= 1")
@@ -264,6 +267,10 @@ class Replica:
     """Monotonic time its outstanding count last went from 0 to 1 (None: idle)."""
     busy_s: float = 0.0
     """Seconds with at least one request outstanding, up to ``busy_since``."""
+    slow_verdict_since: float | None = None
+    """Since when the latest slow/not-slow verdict differs from ``slow`` (hysteresis)."""
+    retired: bool = False
+    """Given up by its launcher: removed for good, whatever the replica file says."""
 
     @property
     def state(self) -> str:
@@ -327,6 +334,9 @@ class InferencePool:
         """Set by the weight pusher: called with each replica that joins through
         the replica file; True means "it holds stale weights: route to it only
         after readmit()"."""
+        self.events: list[tuple[float, str, str, str]] = []
+        """(time.time(), url, kind, detail) for each replica going down, coming
+        back, ejected, readmitted or retired: the run's summary lists them."""
         self.on_down: Callable[[str, str], None] | None = None
         """Set by the weight pusher: called (on the pool's loop) with a replica's
         URL and the reason when it is marked down."""
@@ -546,6 +556,8 @@ class InferencePool:
             if any(x.routable for x in self.replicas):
                 await event.wait()  # all at max_connections: plain queueing
                 continue
+            if self.replicas and all(x.retired for x in self.replicas):
+                raise NoHealthyReplica("every inference replica is gone for good: " + self._describe())
             if not counted:
                 self.counters["waits"] += 1
                 counted = True
@@ -615,6 +627,7 @@ class InferencePool:
         r.slow = False
         with self._lock:
             r.latencies.clear()  # it may come back as a different process
+            self.events.append((time.time(), r.url, "down", reason))
         logger.warning("inference replica %s is down (%s)", r.url, reason)
         # Down means out at once: its groups in flight go to another replica now
         # (a hung replica would otherwise hold them for request_timeout_s), and
@@ -640,11 +653,19 @@ class InferencePool:
         with self._lock:
             medians = {r: statistics.median(r.latencies) for r in self.replicas
                        if not r.removed and len(r.latencies) >= cfg.slow_min_samples}
+        now = time.monotonic()
         for r in self.replicas:
             others = [m for o, m in medians.items() if o is not r]
             slow = r in medians and bool(others) and medians[r] > cfg.slow_factor * statistics.median(others)
-            if slow != r.slow:
-                r.slow = slow
+            if slow == r.slow:
+                r.slow_verdict_since = None
+                continue
+            # Hysteresis: a new verdict must hold for slow_hold_s before it is
+            # applied (and logged), so a loaded box does not flap several times a second.
+            if r.slow_verdict_since is None:
+                r.slow_verdict_since = now
+            if now - r.slow_verdict_since >= cfg.slow_hold_s:
+                r.slow, r.slow_verdict_since = slow, None
                 logger.warning("inference replica %s is %s (median latency %.3fs, fleet %.3fs)", r.url,
                                "slow" if slow else "no longer slow", medians.get(r, 0.0),
                                statistics.median(others) if others else 0.0)
@@ -684,6 +705,8 @@ class InferencePool:
         elif r.down and time.monotonic() >= r.retry_at:
             r.down, r.down_reason = False, ""
             self._open(r)
+            with self._lock:
+                self.events.append((time.time(), r.url, "back", "passed its health check"))
             # catching-up replicas stay out of routing until readmit().
             logger.warning("inference replica %s passed its health check: %s", r.url, r.state)
             self._notify()
@@ -712,6 +735,8 @@ class InferencePool:
             if r is None:
                 r = self._add(u, static=False)
                 logger.warning("inference replica %s joined from %s", u, path)
+            elif r.retired:
+                continue
             elif r.removed:
                 r.removed = False
                 logger.warning("inference replica %s is listed again in %s", u, path)
@@ -727,7 +752,42 @@ class InferencePool:
                 logger.warning("inference replica %s is no longer listed in %s: removed", r.url, path)
         self._notify()
 
-    # ---- weight pusher hooks (any thread) --------------------------------- #
+    # ---- launcher and weight pusher hooks (any thread) --------------------- #
+
+    def mark_down(self, url: str, reason: str) -> None:
+        """Take ``url`` out of routing now (its process exited): its groups in
+        flight are re-sent and ``on_down`` is called; a passing health check
+        brings it back (after the pusher readmits it, if it ejected it)."""
+        self._on_loop(self._down_now, _norm(url), reason)
+
+    def retire(self, url: str, reason: str) -> None:
+        """``url`` will never come back (its launcher gave up on it): removed
+        for good. Once every replica is retired, requests fail at once instead
+        of waiting ``request_timeout_s`` for one."""
+        self._on_loop(self._retire_now, _norm(url), reason)
+
+    def _on_loop(self, fn: Callable, *args) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        loop.call_soon_threadsafe(fn, *args)
+
+    def _down_now(self, url: str, reason: str) -> None:
+        r = self._by_url.get(url)
+        if r is not None and not r.removed:
+            self._mark_down(r, reason, self.config.backoff_s)
+            self._notify()
+
+    def _retire_now(self, url: str, reason: str) -> None:
+        r = self._by_url.get(url)
+        if r is None:
+            return
+        self._down_now(url, reason)
+        r.removed = r.retired = True
+        r.last_error = reason
+        with self._lock:
+            self.events.append((time.time(), url, "retired", reason))
+        self._notify()
 
     def eject(self, url: str) -> None:
         """Stop routing to ``url`` until ``readmit(url)`` (it holds stale weights)."""
@@ -740,6 +800,7 @@ class InferencePool:
             if r.ejected:
                 return
             r.ejected = True
+            self.events.append((time.time(), url, "ejected", "catching up on weights"))
         logger.warning("inference replica %s ejected (catching up on weights)", url)
         self._notify_threadsafe()
 
@@ -752,6 +813,7 @@ class InferencePool:
             if r is None or not r.ejected:
                 return
             r.ejected = False
+            self.events.append((time.time(), url, "readmitted", "holds the newest weights"))
         logger.warning("inference replica %s readmitted: %s", url, r.state)
         self._notify_threadsafe()
 

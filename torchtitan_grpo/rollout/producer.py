@@ -91,14 +91,17 @@ class RolloutProducer:
         self._version = version
         self._task = self.loop.submit(self._admit_loop())
 
-    def next_batch(self) -> RolloutBatch:
-        """The first ``prompts_per_step`` finished groups; waits until there are that many."""
+    def next_batch(self, stop: threading.Event | None = None) -> RolloutBatch | None:
+        """The first ``prompts_per_step`` finished groups; waits until there are
+        that many, or returns None once ``stop`` is set (a signal to stop the run)."""
         if self._task is None:
             raise RuntimeError("RolloutProducer.start() was not called")
         t0 = time.monotonic()
         with self._cond:
             while len(self._buffer) < self.prompts_per_step and self._error is None and not self._closed:
-                self._cond.wait(timeout=1.0)
+                if stop is not None and stop.is_set():
+                    return None
+                self._cond.wait(timeout=0.2)
             if self._error is not None:
                 raise ProducerStopped(f"rollout generation failed: {self._error}") from self._error
             if self._closed:

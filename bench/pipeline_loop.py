@@ -1,0 +1,247 @@
+"""Serial vs pipelined GRPO loop on the same workload, in one run.
+
+    python bench/pipeline_loop.py --cpu                # tiny Qwen3, digits task, 1 and 2 CPU servers
+    python bench/pipeline_loop.py --one-gpu            # Qwen3-0.6B shape, trainer + server on cuda:0, ipc push
+
+Each row is one real ``grpo_train.py`` run under torchrun, against built-in
+servers this script starts fresh for it (a server keeps the weights a run
+pushed, so runs never share one). "serial" is ``rollout.pipeline_depth 0``,
+"pipelined" depth 1; both push in ``weight_sync.mode async``, so the overlap
+of generation and training is the only difference. Per run, after
+``--warmup`` steps:
+
+* trained samples/s: samples trained / wall time of those steps;
+* wait, train: the trainer's wait for data and the rest of its step (train,
+  push, log); in the serial loop the wait is the generation;
+* ideal: ``(wait + train) / max(wait, train)`` from the serial run's own
+  phase times, the speed-up a perfect overlap would give;
+* "of ideal": pipelined samples/s / (serial samples/s x ideal); the
+  target is >= 0.9.
+
+The slow-replica rows (``--slow-factor``, default 10) start the second of two
+servers with ``--debug-decode-delay-s`` set so that its groups take about
+slow-factor times as long (from the 2-fast-server run's measured group
+latency), and print pipelined and serial samples/s as fractions of the
+2-fast-server pipelined figure (target: pipelined >= 0.45).
+
+Also printed: each run's first and last 10 steps' mean reward (the CPU demo
+must still learn pipelined) and the loop's wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from torchtitan_grpo.inference.launcher import free_port, log_tail  # noqa: E402
+
+
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen
+    log: str
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def start_server(model_dir: str, device: str, dtype: str, log_dir: str, decode_delay_s: float = 0.0) -> Server:
+    port = free_port()
+    log = os.path.join(log_dir, f"server_{port}.log")
+    cmd = [sys.executable, "-m", "torchtitan_grpo.inference.server", "--model", model_dir, "--port", str(port),
+           "--device", device, "--dtype", dtype, "--num-threads", "1"]
+    if decode_delay_s > 0:
+        cmd += ["--debug-decode-delay-s", f"{decode_delay_s:.6f}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p))
+    with open(log, "ab") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+    return Server(f"http://127.0.0.1:{port}", proc, log)
+
+
+def wait_healthy(s: Server, timeout_s: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if s.proc.poll() is not None:
+            raise RuntimeError(f"server {s.url} exited with {s.proc.returncode}:\n{log_tail(s.log)}")
+        with contextlib.suppress(OSError, ValueError):
+            with urllib.request.urlopen(s.url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        time.sleep(0.2)
+    raise RuntimeError(f"server {s.url} not healthy within {timeout_s}s:\n{log_tail(s.log)}")
+
+
+def stop(servers: list[Server]) -> None:
+    for s in servers:
+        if s.proc.poll() is None:
+            s.proc.terminate()
+    for s in servers:
+        try:
+            s.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            s.proc.kill()
+
+
+# --------------------------------------------------------------------- one run
+
+
+@dataclass
+class Run:
+    name: str
+    rows: list[dict]
+    warmup: int
+    wall_s: float
+
+    def _after(self) -> list[dict]:
+        return self.rows[self.warmup:]
+
+    def mean(self, key: str) -> float:
+        vals = [r.get(key, 0.0) for r in self._after()]
+        return statistics.fmean(vals) if vals else float("nan")
+
+    @property
+    def samples_per_s(self) -> float:
+        rows = self._after()
+        t = sum(r["time/step_s"] for r in rows)
+        return sum(r["offpolicy/kept_samples"] for r in rows) / t if t > 0 else float("nan")
+
+    @property
+    def wait_s(self) -> float:
+        return self.mean("time/wait_s")
+
+    @property
+    def rest_s(self) -> float:
+        return self.mean("time/step_s") - self.wait_s
+
+    def reward(self, first: bool) -> float:
+        rows = self.rows[:10] if first else self.rows[-10:]
+        return statistics.fmean(r["reward/mean"] for r in rows)
+
+
+def train(args, name: str, depth: int, delays: list[float]) -> Run:
+    dump = os.path.join(args.out, name)
+    shutil.rmtree(dump, ignore_errors=True)
+    os.makedirs(dump)
+    servers = [start_server(args.model_dir, args.server_device, args.server_dtype, dump, d) for d in delays]
+    try:
+        for s in servers:
+            wait_healthy(s)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+               os.path.join(ROOT, "grpo_train.py"), "--job.config_file", args.config,
+               "--job.dump_folder", dump, "--model.hf_assets_path", args.model_dir,
+               "--inference.urls", *[s.url for s in servers],
+               "--weight_sync.mode", "async", "--weight_sync.transport", args.transport,
+               "--rollout.pipeline_depth", str(depth), "--training.steps", str(args.steps), *args.extra]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                   PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p))
+        t0 = time.perf_counter()
+        with open(os.path.join(dump, "train.log"), "w") as log:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                timeout=args.run_timeout_s).returncode
+        wall = time.perf_counter() - t0
+        if rc != 0:
+            raise RuntimeError(f"run {name} failed (exit {rc}):\n{log_tail(os.path.join(dump, 'train.log'), 40)}")
+    finally:
+        stop(servers)
+    with open(os.path.join(dump, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    run = Run(name, rows, min(args.warmup, len(rows) - 1), wall)
+    print(f"# {name}: {len(rows)} steps in {wall:.1f} s, {run.samples_per_s:.1f} samples/s, "
+          f"wait {run.wait_s:.3f} s, rest {run.rest_s:.3f} s", flush=True)
+    return run
+
+
+# --------------------------------------------------------------------- table
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = ap.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--cpu", action="store_true", help="tiny Qwen3, digits task, CPU servers, gloo push")
+    mode.add_argument("--one-gpu", action="store_true",
+                      help="Qwen3-0.6B shape (random weights), trainer and bf16 server on cuda:0, ipc push")
+    ap.add_argument("--steps", type=int, default=None, help="steps per run (CPU 150, GPU 12)")
+    ap.add_argument("--warmup", type=int, default=None, help="steps left out of the figures (CPU 5, GPU 3)")
+    ap.add_argument("--replicas", default=None, help="comma-separated server counts (CPU '1,2', GPU '1')")
+    ap.add_argument("--slow-factor", type=float, default=10.0, help="0: no slow-replica rows")
+    ap.add_argument("--model-dir", default=None, help="HF model dir (written if missing)")
+    ap.add_argument("--out", default=os.path.join(ROOT, "outputs", "bench_pipeline"))
+    ap.add_argument("--run-timeout-s", type=float, default=1800.0)
+    ap.add_argument("extra", nargs="*", help="more grpo_train.py overrides, after --")
+    args = ap.parse_args(argv)
+
+    from torchtitan_grpo.demo_assets import QWEN3_0_6B, TinyQwen3, ensure_tiny_qwen3
+
+    gpu = args.one_gpu
+    args.steps = args.steps or (12 if gpu else 150)
+    args.warmup = args.warmup if args.warmup is not None else (3 if gpu else 5)
+    replicas = [int(x) for x in (args.replicas or ("1" if gpu else "1,2")).split(",")]
+    args.model_dir = args.model_dir or os.path.join(args.out, "qwen3-0.6b-shape" if gpu else "tiny-qwen3")
+    ensure_tiny_qwen3(args.model_dir, QWEN3_0_6B if gpu else TinyQwen3())
+    os.makedirs(args.out, exist_ok=True)
+    if gpu:
+        args.config = os.path.join(ROOT, "train_configs", "bench_pipeline_gpu.toml")
+        args.server_device, args.server_dtype, args.transport = "cuda:0", "bfloat16", "ipc"
+    else:
+        args.config = os.path.join(ROOT, "train_configs", "demo_cpu.toml")
+        args.server_device, args.server_dtype, args.transport = "cpu", "float32", "gloo"
+
+    runs: dict[str, Run] = {}
+    for n in replicas:
+        for depth, loop in ((0, "serial"), (1, "pipelined")):
+            runs[f"{loop}-{n}"] = train(args, f"{loop}-{n}", depth, [0.0] * n)
+    slow_delay = 0.0
+    if args.slow_factor > 0 and 2 in replicas:
+        fast = runs["pipelined-2"]
+        latency = fast.mean("rollout/group_latency_s")
+        tokens = max(fast.mean("rollout/completion_len"), 1.0)
+        # The delay is per decode step of the slow server's batch: a group of
+        # `tokens` steps then takes about slow_factor times its fast latency.
+        slow_delay = (args.slow_factor - 1) * latency / tokens
+        print(f"# slow replica: --debug-decode-delay-s {slow_delay:.4f} (fast group latency {latency:.3f} s, "
+              f"{tokens:.1f} tokens per completion)", flush=True)
+        for depth, loop in ((0, "serial"), (1, "pipelined")):
+            runs[f"{loop}-2-slow"] = train(args, f"{loop}-2-slow", depth, [0.0, slow_delay])
+
+    print()
+    print(f"| run | steps | samples/s | step s | wait s | train+push s | ideal x | x serial | of ideal | "
+          f"reward first 10 | last 10 | loop s |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, r in runs.items():
+        serial = runs.get(name.replace("pipelined", "serial"))
+        ideal = (serial.wait_s + serial.rest_s) / max(serial.wait_s, serial.rest_s) if serial else float("nan")
+        gain = r.samples_per_s / serial.samples_per_s if serial else float("nan")
+        loop_s = sum(x["time/step_s"] for x in r.rows)
+        print(f"| {name} | {len(r.rows)} | {r.samples_per_s:.1f} | {r.mean('time/step_s'):.3f} | {r.wait_s:.3f} | "
+              f"{r.rest_s:.3f} | {ideal:.2f} | {gain:.2f} | "
+              f"{gain / ideal if name.startswith('pipelined') else float('nan'):.2f} | "
+              f"{r.reward(True):.3f} | {r.reward(False):.3f} | {loop_s:.1f} |")
+    if "pipelined-2-slow" in runs:
+        base = runs["pipelined-2"].samples_per_s
+        lat = [runs["pipelined-2-slow"].mean(f"pool/replica{i}_latency_s") for i in (0, 1)]
+        print(f"\nslow replica (group latency {lat[1]:.3f} s against {lat[0]:.3f} s, {lat[1] / max(lat[0], 1e-9):.1f}x): "
+              f"pipelined {runs['pipelined-2-slow'].samples_per_s / base:.2f} x and serial "
+              f"{runs['serial-2-slow'].samples_per_s / base:.2f} x of the 2-fast-replica pipelined samples/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""The fault matrix over real processes: a trainer under torchrun with built-in
+servers it launched, and a fault injected mid-run (kill -9 a server, kill the
+only one for good, SIGTERM the trainer). Each test checks what the run did,
+how many steps were lost, and that it says so in one line. Waits are hang
+guards only; nothing here measures speed."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import ROOT
+
+DEMO = os.path.join(ROOT, "train_configs", "demo_cpu.toml")
+pytestmark = pytest.mark.slow
+
+
+def _env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
+
+
+def _start(dump: str, model_dir: str, *args: str) -> tuple[subprocess.Popen, str]:
+    log = os.path.join(os.path.dirname(dump), os.path.basename(dump) + ".log")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+           os.path.join(ROOT, "grpo_train.py"), "--job.config_file", DEMO, "--job.dump_folder", dump,
+           "--model.hf_assets_path", model_dir, *args]
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    return p, log
+
+
+def _steps(dump: str) -> list[dict]:
+    path = os.path.join(dump, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.endswith("\n")]
+
+
+def _wait_steps(p: subprocess.Popen, dump: str, log: str, n: int, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(_steps(dump)) < n:
+        assert p.poll() is None, open(log).read()[-4000:]
+        assert time.monotonic() < deadline, f"fewer than {n} steps in {timeout_s}s:\n" + open(log).read()[-4000:]
+        time.sleep(0.2)
+
+
+def _finish(p: subprocess.Popen, log: str, timeout_s: float = 300) -> str:
+    try:
+        p.wait(timeout_s)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    return open(log).read()
+
+
+def test_killed_server_is_restarted_caught_up_and_readmitted(tmp_path, tiny_model_dir):
+    """kill -9 one of two launched servers mid-run: the run loses no step, the
+    server comes back on its URL, gets the newest weights, serves again, and
+    the summary lists what happened."""
+    dump = str(tmp_path / "run")
+    p, log = _start(dump, tiny_model_dir, "--training.steps", "5000", "--inference.num_servers", "2",
+                    "--weight_sync.mode", "async")
+    try:
+        _wait_steps(p, dump, log, 5)
+        victims = _servers_by_port(log)
+        assert len(victims) == 2, victims
+        os.kill(victims[1], signal.SIGKILL)
+        deadline = time.monotonic() + 300
+        while "restarted on the same port" not in open(log).read():
+            assert p.poll() is None and time.monotonic() < deadline, open(log).read()[-4000:]
+            time.sleep(0.5)
+        served = _steps(dump)[-1]["pool/replica1_served"]
+        # Routed to again (healthy, caught up) and serving new groups.
+        while not (_steps(dump)[-1]["pool/replica1_state"] == 0.0
+                   and _steps(dump)[-1]["pool/replica1_served"] > served):
+            assert p.poll() is None and time.monotonic() < deadline, open(log).read()[-4000:]
+            time.sleep(0.5)
+        os.killpg(p.pid, signal.SIGTERM)
+        out = _finish(p, log, 120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    # torchrun exits 1 on its own SIGTERM; the worker's clean stop is its one line
+    assert p.returncode != 0 and "received SIGTERM" in out, out[-4000:]
+    rows = _steps(dump)
+    assert [m["step"] for m in rows] == list(range(1, len(rows) + 1))
+    summary = out.split("inference replica events:")[1]
+    for kind in ("exited", "restarted", "down", "ejected", "readmitted"):
+        assert f" {kind} " in summary, (kind, summary)
+    back = next(i for i, line in enumerate(out.splitlines()) if "restarted on the same port" in line)
+    assert any("caught up at version" in line for line in out.splitlines()[back - 5:]), out[-4000:]
+
+
+def _servers_by_port(log: str) -> list[int]:
+    """PIDs of the launched servers, in launch order, from the trainer's log."""
+    import re
+
+    return [int(m) for m in re.findall(r"inference server http://\S+ ready \(pid (\d+),", open(log).read())]
+
+
+def test_sigterm_saves_the_last_completed_step_and_resume_goes_on(tmp_path, tiny_model_dir):
+    """SIGTERM (what SLURM sends before a preemption) mid-run, checkpoint
+    interval far away: the last completed step is saved, the trainer exits
+    143 with one line saying so, and a restart resumes right after it."""
+    dump = str(tmp_path / "run")
+    args = ("--training.steps", "40", "--checkpoint.enable", "--checkpoint.interval", "1000",
+            "--weight_sync.mode", "async")
+    p, log = _start(dump, tiny_model_dir, *args)
+    try:
+        _wait_steps(p, dump, log, 8)
+        os.killpg(p.pid, signal.SIGTERM)  # torchrun and its worker, as a terminal or SLURM would
+        out = _finish(p, log, 120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    lines = [line for line in out.splitlines() if "stopped after step" in line]
+    assert len(lines) == 1, out[-4000:]
+    done = int(lines[0].split("stopped after step ")[1].split()[0])
+    assert "received SIGTERM" in lines[0] and f"checkpoint of step {done}" in lines[0], lines[0]
+    assert done >= 8 and os.path.isdir(os.path.join(dump, "checkpoint", f"step-{done}"))
+    assert [m["step"] for m in _steps(dump)] == list(range(1, done + 1))
+
+    p, log = _start(dump, tiny_model_dir, *args)
+    out = _finish(p, log)
+    assert p.returncode == 0, out[-4000:]
+    assert f"resumed from {os.path.join(dump, 'checkpoint')} at step {done}" in out
+    assert [m["step"] for m in _steps(dump)] == list(range(1, 41))
+
+
+def test_only_server_gone_for_good_stops_in_one_line_with_a_checkpoint(tmp_path, tiny_model_dir):
+    """The only server is killed and may not restart (server_max_restarts 0):
+    the run saves its last completed step and stops at once with one line
+    naming the cause, instead of waiting request_timeout_s."""
+    dump = str(tmp_path / "run")
+    p, log = _start(dump, tiny_model_dir, "--training.steps", "1000", "--checkpoint.enable",
+                    "--checkpoint.interval", "1000", "--inference.server_max_restarts", "0",
+                    "--inference.request_timeout_s", "600")
+    try:
+        _wait_steps(p, dump, log, 5)
+        (pid,) = _servers_by_port(log)
+        os.kill(pid, signal.SIGKILL)
+        out = _finish(p, log, 300)  # a hang guard: waiting request_timeout_s (600) would fail it
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode != 0
+    lines = [line for line in out.splitlines() if "stopped after step" in line]
+    assert len(lines) == 1, out[-4000:]
+    done = int(lines[0].split("stopped after step ")[1].split()[0])
+    assert "gone for good" in lines[0] and f"checkpoint of step {done}" in lines[0], lines[0]
+    assert os.path.isdir(os.path.join(dump, "checkpoint", f"step-{done}"))
+    # the worker's own output has no traceback wall (torchrun's report of the exit code follows it)
+    assert "Traceback" not in out.split(lines[0])[0], out[-4000:]
