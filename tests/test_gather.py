@@ -296,21 +296,37 @@ def _one_rank_gatherer(deliver, num_slots: int):
 
 
 def test_snapshot_is_a_copy_and_a_busy_slot_is_waited_for(one_rank):
+    """Version 1's delivery is held until the trainer has gone on: the first
+    snapshot returns without waiting for it, the trainer's next step changes
+    the weights meanwhile, and the second snapshot (one slot) returns only
+    after version 1's delivery let the slot go."""
     delivered = {}
+    order: list[str] = []
+    gate = threading.Event()
+    released: list[bool] = []
 
     def deliver(tensors, version, wait):
-        time.sleep(0.3 if version == 1 else 0.0)
+        if version == 1:
+            released.append(gate.wait(60))  # False: nobody let it go (a hang guard only)
         delivered[version] = _cpu(tensors)
+        order.append(f"delivered {version}")
         return {}
 
     model, g = _one_rank_gatherer(deliver, num_slots=1)
     before = _cpu(model.state_dict())
-    assert g.snapshot(1)["time/gather_slot_wait_s"] < 0.1
+    g.snapshot(1)
+    order.append("snapshot 1 returned")
     with torch.no_grad():
         model.weight.add_(1.0)  # the trainer's next step, while version 1 is being delivered
-    m = g.snapshot(2, wait=True)
+    # Let version 1 go a little later, from another thread: the second
+    # snapshot has started waiting for the slot by then, or the slot is free
+    # by then; either way it returns only after version 1 was delivered.
+    threading.Timer(0.2, gate.set).start()
+    g.snapshot(2)
+    order.append("snapshot 2 returned")
     g.close()
-    assert m["time/gather_slot_wait_s"] > 0.1  # the one slot was busy with version 1
+    assert released == [True]  # the first snapshot did not wait for its delivery
+    assert order.index("snapshot 1 returned") < order.index("delivered 1") < order.index("snapshot 2 returned")
     assert torch.equal(delivered[1]["weight"], before["weight"])
     assert torch.equal(delivered[2]["weight"], before["weight"] + 1.0)
 

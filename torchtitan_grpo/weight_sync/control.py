@@ -31,11 +31,12 @@ class PushError(RuntimeError):
     """A replica refused or failed a weight-update request."""
 
 
-def read_reply(url: str, status: int, text: str) -> dict:
-    """The JSON body of a weight-update route's reply to ``POST url``.
+def read_reply(url: str, status: int, text: str, method: str = "POST") -> dict:
+    """The JSON body of a weight-update route's reply to ``method url``.
 
     Raises ``FileNotFoundError`` on 404 (no such route) and :class:`PushError`
-    with the replica's message when it refused (not 200, or ``"success": false``)."""
+    with the replica's message when it refused (not 200, or ``"success": false``);
+    a 401 also says which setting supplies the key."""
     if status == 404:
         raise FileNotFoundError(url)
     try:
@@ -43,8 +44,11 @@ def read_reply(url: str, status: int, text: str) -> dict:
     except ValueError:
         data = {"message": text[:300]}
     msg = data.get("message", text[:300]) if isinstance(data, dict) else text[:300]
+    if status == 401:
+        msg = (f"{msg} (the replica wants 'Authorization: Bearer <key>': "
+               "the push's API key, PushConfig.api_key, is missing or not the replica's)")
     if status != 200 or (isinstance(data, dict) and data.get("success") is False):
-        raise PushError(f"POST {url} -> HTTP {status}: {msg}")
+        raise PushError(f"{method} {url} -> HTTP {status}: {msg}")
     return data if isinstance(data, dict) else {}
 
 
@@ -56,9 +60,11 @@ class PipelinedConnection:
 
     A connection that fails (closed by the server, a reply that is not HTTP)
     fails every unanswered request with a :class:`PushError` naming the
-    route, and is not used again (``usable`` is False)."""
+    route, and is not used again (``usable`` is False).
 
-    def __init__(self, url: str):
+    ``headers`` are written with every request (e.g. ``Authorization``)."""
+
+    def __init__(self, url: str, headers: dict[str, str] | None = None):
         parts = urllib.parse.urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"pipelined requests need an http://host:port URL, got {url!r}")
@@ -66,6 +72,11 @@ class PipelinedConnection:
         self._host, self._port = parts.hostname, parts.port or 80
         self._prefix = parts.path.rstrip("/")
         self._host_header = parts.netloc
+        self._extra_headers = ""
+        for k, v in (headers or {}).items():
+            if any(c in f"{k}{v}" for c in "\r\n"):  # it would end the header block early
+                raise ValueError(f"header {k!r} contains a line break")
+            self._extra_headers += f"{k}: {v}\r\n"
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._replies: asyncio.Task | None = None
@@ -96,7 +107,7 @@ class PipelinedConnection:
             return fut
         target = self._prefix + path + ("?" + urllib.parse.urlencode(params) if params else "")
         data = body if isinstance(body, bytes) else b"" if body is None else json.dumps(body).encode()
-        head = (f"POST {target} HTTP/1.1\r\nHost: {self._host_header}\r\n"
+        head = (f"POST {target} HTTP/1.1\r\nHost: {self._host_header}\r\n" + self._extra_headers
                 + ("Content-Type: application/json\r\n" if body is not None else "")
                 + f"Content-Length: {len(data)}\r\n\r\n")
         self._waiting.append((url, fut))

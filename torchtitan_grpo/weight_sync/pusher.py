@@ -16,6 +16,9 @@ sidecar:
 * A transfer that misses ``deadline_s`` (or fails) is abandoned: the group
   is aborted, the replica is ejected from routing, its sender reconnects in
   the background, sends it the newest version, and only then readmits it.
+* A replica the inference pool knows to be down (``replica_down``) is
+  treated the same way at once, not at its deadline: a hung replica must not
+  hold a push that waits, nor a staging buffer, for ``deadline_s``.
 
 ``mode = "sync"`` uses the same machinery and then waits until every
 admitted replica serves the new version (the on-policy baseline).
@@ -153,6 +156,10 @@ class PushConfig:
     H200s, 8B in 1 GiB buckets: 0.73 -> 0.89 of raw NCCL; docs/PERFORMANCE.md
     runs 47-48). vLLM's protocol still broadcasts once the round is started;
     its finish is then handled while the bytes arrive, not after them."""
+    api_key: str = ""
+    """Replicas started with an API key: every HTTP request of the push
+    (weight-update routes, probes, the pipelined connection) then carries
+    ``Authorization: Bearer <api_key>``. Empty: no such header."""
     large_tensor_bytes: int = 16 << 20
     """Tensors of at least this many bytes are staged with a copy of their own,
     the others with one ``_foreach_copy_`` per bucket: a launch per tensor
@@ -292,6 +299,15 @@ class _Replica:
     ``connect`` (its ranks are not known yet)."""
     last_transfer_s: float = 0.0
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    holding: _Staged | None = None
+    """The staging buffer its transfer in flight reads (under ``Pusher._lock``)."""
+    give_up: asyncio.Future | None = None
+    """While a transfer is in flight: setting its result (an exception) makes
+    the sender abandon the transfer at once and eject the replica with it."""
+
+
+class ReplicaDown(PushError):
+    """The inference pool reported the replica down (``Pusher.replica_down``)."""
 
 
 async def _post(session: aiohttp.ClientSession, url: str, body: dict | bytes | None, timeout_s: float,
@@ -347,7 +363,9 @@ class _Requests:
 
 class Pusher:
     """Created on the trainer's rank 0. ``on_eject(url)`` / ``on_readmit(url)``
-    let the inference pool stop and resume routing to a replica."""
+    let the inference pool stop and resume routing to a replica (both are
+    called on the pusher's event loop); the pool's ``replica_down(url,
+    reason)`` takes a replica it knows to be down out of the push at once."""
 
     def __init__(self, loop: LoopThread, urls: list[str], config: PushConfig, device: torch.device,
                  on_eject: Callable[[str], None] | None = None, on_readmit: Callable[[str], None] | None = None):
@@ -371,6 +389,7 @@ class Pusher:
         self._plan_key: list[tuple] | None = None  # (name, dtype, shape) of the tensors it was planned for
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task] = []
+        self._abandoned: set[asyncio.Task] = set()  # given-up transfers still running their clean-up
         self._progress = threading.Condition()
         self._closed = False
         self._started = False
@@ -413,8 +432,13 @@ class Pusher:
         replica cannot join."""
         self.loop.run(self._connect_all(initial_version))
 
+    @property
+    def _auth(self) -> dict[str, str]:
+        """The headers every request to a replica carries (``PushConfig.api_key``)."""
+        return {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
+
     async def _connect_all(self, initial_version: int) -> None:
-        self._session = aiohttp.ClientSession()
+        self._session = aiohttp.ClientSession(headers=self._auth)
         with self._lock:  # replicas added from now on join on their own (add_replica)
             self._started = True
             initial = list(self.replicas)
@@ -494,8 +518,13 @@ class Pusher:
         r.group, r.executor = group, executor
 
     async def _get(self, url: str) -> dict | None:
+        """A probe's JSON; None if the route is missing or unreadable. A 401
+        raises: taken for "no such route", it would make a replica that wants
+        another key look like a different engine."""
         try:
             async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=30)) as resp:
+                if resp.status == 401:
+                    read_reply(url, resp.status, await resp.text(), method="GET")  # raises, naming the key
                 return await resp.json(content_type=None) if resp.status == 200 else None
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             return None
@@ -578,6 +607,7 @@ class Pusher:
             self.bytes_per_version = sum(s.nbytes for s in specs)
         staged = self._free_buffer()
         while staged is None and wait:
+            self._reclaim_from_ejected()
             with self._progress:
                 self._progress.wait(timeout=0.05)
             staged = self._free_buffer()
@@ -690,20 +720,79 @@ class Pusher:
             self._staging.append(s)
         return s
 
+    def _reclaim_from_ejected(self) -> None:
+        """A push that waits for a staging buffer waits for admitted replicas
+        only. A buffer read by nothing but replicas out of routing (catch-up
+        transfers) is taken back by giving those transfers up: such a replica
+        gets the version being pushed next, instead of the one it was sent."""
+        with self._lock:
+            read_by_admitted = {id(r.holding) for r in self.replicas if r.admitted and r.holding is not None}
+            held = [(r, r.holding) for r in self.replicas
+                    if not r.admitted and r.holding is not None and id(r.holding) not in read_by_admitted]
+        for r, staged in held:
+            why = PushError(f"its catch-up transfer of version {staged.version} was given up: "
+                            "a push that waits needs the staging buffer")
+            self.loop.loop.call_soon_threadsafe(self._give_up, r, why, staged)
+
     def _take(self, r: _Replica) -> _Staged | None:
         """The staged version ``r`` should get next (None: it has the newest,
         or the newest is still being written); the caller gives it back
-        (``users -= 1`` under the lock) when its transfer ends."""
+        (``users -= 1`` and ``holding = None``, under the lock) when its
+        transfer ends."""
         with self._lock:
             staged = self._latest
             if staged is None or staged.version <= r.version:
                 return None
             staged.users += 1
+            r.holding = staged
             return staged
 
+    def replica_down(self, url: str, reason: str) -> None:
+        """The inference pool's word that ``url`` is down (connection refused,
+        its process exited, a failed health check): it leaves the push now
+        rather than at its deadline.
+
+        Any thread, the pusher's event loop included; never blocks, and calls
+        no hook from inside. Soon after, on the pusher's event loop: its
+        transfer in flight, if any, is abandoned (releasing its staging
+        buffer) and it is ejected as at a missed deadline (``on_eject``; once
+        it answers /health again it rejoins, is sent the newest version and
+        ``on_readmit`` follows), so a push or ``wait_for`` waiting for it stops
+        waiting. A no-op for a URL this pusher does not send to, for a replica
+        already out of routing with no transfer in flight, before ``connect``
+        and after ``close``."""
+        url = url.rstrip("/")
+        with self._lock:
+            r = next((x for x in self.replicas if x.url == url), None)
+            if r is None or not self._started or self._closed:
+                return
+        try:
+            self.loop.loop.call_soon_threadsafe(self._down, r, reason)
+        except RuntimeError:  # the loop is already closed: nothing is in flight
+            pass
+
+    def _down(self, r: _Replica, reason: str) -> None:
+        """Event loop: ``replica_down``'s work."""
+        if self._closed:
+            return
+        why = ReplicaDown(f"reported down by the inference pool: {reason}")
+        if not self._give_up(r, why) and r.admitted:
+            self._eject(r, why)  # nothing in flight: out of routing now all the same
+        self._notify()
+
+    def _give_up(self, r: _Replica, why: Exception, staged: _Staged | None = None) -> bool:
+        """Event loop: make ``r``'s sender abandon its transfer in flight (only
+        if that transfer reads ``staged``, when given) and eject ``r`` with
+        ``why``. False if there is no such transfer."""
+        if r.give_up is None or r.give_up.done() or (staged is not None and r.holding is not staged):
+            return False
+        r.give_up.set_result(why)
+        return True
+
     def wait_for(self, version: int, timeout_s: float | None = None) -> None:
-        """Block until every admitted replica serves ``version`` or newer (a
-        replica ejected meanwhile no longer counts)."""
+        """Block until every admitted replica serves ``version`` or newer. A
+        replica out of routing is never waited for: one ejected meanwhile (a
+        missed deadline, a failure, ``replica_down``) stops counting at once."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._progress:
             while not all(r.version >= version or not r.admitted for r in self.replicas):
@@ -772,7 +861,7 @@ class Pusher:
             t0 = time.perf_counter()
             try:
                 r.busy = True
-                await asyncio.wait_for(self._transfer(r, staged), self.cfg.deadline_s)
+                await self._transfer_or_give_up(r, staged)
                 r.version = staged.version
                 r.transfers += 1
                 r.last_transfer_s = time.perf_counter() - t0
@@ -781,15 +870,53 @@ class Pusher:
                     logger.info("replica %s caught up at version %d: readmitted", r.url, r.version)
                     self.on_readmit(r.url)
             except Exception as e:
-                self._eject(r, e if not isinstance(e, asyncio.TimeoutError)
-                            else TimeoutError(f"missed its {self.cfg.deadline_s}s deadline"))
+                if isinstance(e, TimeoutError) and not str(e):  # aiohttp's, which says nothing
+                    e = TimeoutError("a control request timed out")
+                self._eject(r, e)
             finally:
                 r.busy = False
                 with self._lock:
                     staged.users -= 1
+                    r.holding = None
                 self._notify()
             if self._newest > r.version:
                 r.wake.set()  # a newer version arrived meanwhile
+
+    async def _transfer_or_give_up(self, r: _Replica, staged: _Staged) -> None:
+        """Send ``staged`` to ``r``; raise if that fails, misses its deadline
+        or is given up (``_give_up``). A transfer still running then is
+        cancelled but not waited for: its own clean-up (e.g. an unpause
+        request to a replica that does not answer) would otherwise hold the
+        ejection, the staging buffer and a push that waits."""
+        transfer = asyncio.ensure_future(self._transfer(r, staged))
+        r.give_up = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait((transfer, r.give_up), timeout=self.cfg.deadline_s,
+                               return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # close()
+            self._abandon(transfer)
+            raise
+        finally:
+            give_up, r.give_up = r.give_up, None
+        if give_up.done():  # even if the transfer ended too: the replica is down
+            why = give_up.result()
+        elif transfer.done():
+            return transfer.result()  # its own error, if it failed
+        else:
+            why = TimeoutError(f"missed its {self.cfg.deadline_s}s deadline")
+        self._abandon(transfer)
+        raise why
+
+    def _abandon(self, transfer: asyncio.Future) -> None:
+        """Cancel ``transfer`` and let it end on its own (``close`` waits for it)."""
+        transfer.cancel()
+        self._abandoned.add(transfer)
+        transfer.add_done_callback(self._forget)
+
+    def _forget(self, transfer: asyncio.Future) -> None:
+        self._abandoned.discard(transfer)
+        if not transfer.cancelled():
+            transfer.exception()  # retrieved: the ejection already reported why the transfer ended
 
     def _caught_up(self, r: _Replica) -> bool:
         """Whether ``r``, just past a whole transfer, may be routed to again.
@@ -953,7 +1080,7 @@ class Pusher:
             if r.conn is not None:
                 r.conn.close()
             r.conn = None
-            conn = PipelinedConnection(r.url)
+            conn = PipelinedConnection(r.url, headers=self._auth)
             await conn.open(30)
             r.conn = conn
         return _Requests(self._session, r.url, r.conn)
@@ -1222,6 +1349,10 @@ class Pusher:
             for t in self._tasks:
                 t.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
+            abandoned = list(self._abandoned)  # the senders' cancelled transfers among them
+            for t in abandoned:
+                t.cancel()
+            await asyncio.gather(*abandoned, return_exceptions=True)
             for r in self.replicas:
                 if r.conn is not None:
                     r.conn.close()
