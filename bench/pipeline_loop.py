@@ -16,7 +16,13 @@ of generation and training is the only difference. Per run, after
 * ideal: ``(wait + train) / max(wait, train)`` from the serial run's own
   phase times, the speed-up a perfect overlap would give;
 * "of ideal": pipelined samples/s / (serial samples/s x ideal); the
-  target is >= 0.9.
+  target is >= 0.9;
+* push stall: what the snapshot cost the trainer's thread per step; lag: how
+  many versions the first server was behind when the step was logged.
+
+"pipelined-N-real-order" repeats the pipelined run with the weight push in
+the order a real SGLang gets it (``weight_sync.pipeline_requests`` and
+``ack_posted`` off: one request after another's reply).
 
 The slow-replica rows (``--slow-factor``, default 10) start the second of two
 servers with ``--debug-decode-delay-s`` set so that its groups take about
@@ -136,7 +142,7 @@ class Run:
         return statistics.fmean(r["reward/mean"] for r in rows)
 
 
-def train(args, name: str, depth: int, delays: list[float]) -> Run:
+def train(args, name: str, depth: int, delays: list[float], extra: tuple[str, ...] = ()) -> Run:
     dump = os.path.join(args.out, name)
     shutil.rmtree(dump, ignore_errors=True)
     os.makedirs(dump)
@@ -149,7 +155,7 @@ def train(args, name: str, depth: int, delays: list[float]) -> Run:
                "--job.dump_folder", dump, "--model.hf_assets_path", args.model_dir,
                "--inference.urls", *[s.url for s in servers],
                "--weight_sync.mode", "async", "--weight_sync.transport", args.transport,
-               "--rollout.pipeline_depth", str(depth), "--training.steps", str(args.steps), *args.extra]
+               "--rollout.pipeline_depth", str(depth), "--training.steps", str(args.steps), *extra, *args.extra]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                    PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p))
         t0 = time.perf_counter()
@@ -208,6 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     for n in replicas:
         for depth, loop in ((0, "serial"), (1, "pipelined")):
             runs[f"{loop}-{n}"] = train(args, f"{loop}-{n}", depth, [0.0] * n)
+    # What a real SGLang gets: one request after another's reply, no early answers.
+    n = replicas[0]
+    runs[f"pipelined-{n}-real-order"] = train(args, f"pipelined-{n}-real-order", 1, [0.0] * n,
+                                              ("--weight_sync.no-pipeline-requests",
+                                               "--weight_sync.no-ack-posted"))
     slow_delay = 0.0
     if args.slow_factor > 0 and 2 in replicas:
         fast = runs["pipelined-2"]
@@ -222,16 +233,16 @@ def main(argv: list[str] | None = None) -> int:
             runs[f"{loop}-2-slow"] = train(args, f"{loop}-2-slow", depth, [0.0, slow_delay])
 
     print()
-    print(f"| run | steps | samples/s | step s | wait s | train+push s | ideal x | x serial | of ideal | "
+    print(f"| run | steps | samples/s | step s | wait s | train+push s | push stall ms | lag | ideal x | x serial | of ideal | "
           f"reward first 10 | last 10 | loop s |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, r in runs.items():
-        serial = runs.get(name.replace("pipelined", "serial"))
+        serial = runs.get(name.replace("pipelined", "serial").replace("-real-order", ""))
         ideal = (serial.wait_s + serial.rest_s) / max(serial.wait_s, serial.rest_s) if serial else float("nan")
         gain = r.samples_per_s / serial.samples_per_s if serial else float("nan")
         loop_s = sum(x["time/step_s"] for x in r.rows)
         print(f"| {name} | {len(r.rows)} | {r.samples_per_s:.1f} | {r.mean('time/step_s'):.3f} | {r.wait_s:.3f} | "
-              f"{r.rest_s:.3f} | {ideal:.2f} | {gain:.2f} | "
+              f"{r.rest_s:.3f} | {r.mean('time/push_stall_s') * 1e3:.1f} | {r.mean('push/replica0_version_lag'):.1f} | {ideal:.2f} | {gain:.2f} | "
               f"{gain / ideal if name.startswith('pipelined') else float('nan'):.2f} | "
               f"{r.reward(True):.3f} | {r.reward(False):.3f} | {loop_s:.1f} |")
     if "pipelined-2-slow" in runs:

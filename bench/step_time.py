@@ -81,14 +81,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from torchtitan_grpo.aio import LoopThread  # noqa: E402
-from torchtitan_grpo.demo_assets import TinyQwen3, write_tiny_qwen3  # noqa: E402
+from torchtitan_grpo.demo_assets import QWEN3_0_6B, TinyQwen3, write_tiny_qwen3  # noqa: E402
 from torchtitan_grpo.inference.launcher import free_port, log_tail  # noqa: E402
 from torchtitan_grpo.weight_sync import buckets as bk  # noqa: E402
 
-# Qwen3-0.6B's shape (config.json of the HF release), random weights.
-QWEN3_0_6B = TinyQwen3(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                       head_dim=128, intermediate_size=3072, vocab_size=151936, max_position_embeddings=4096,
-                       tie_word_embeddings=True, rope_theta=1_000_000.0)
 GROUP_NAME = "weight_update_group"
 
 

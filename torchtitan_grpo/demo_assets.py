@@ -36,6 +36,12 @@ class TinyQwen3:
     seed: int = 0
 
 
+# Qwen3-0.6B's shape (config.json of the HF release), random weights: benchmarks' model of real size.
+QWEN3_0_6B = TinyQwen3(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, intermediate_size=3072, vocab_size=151936, max_position_embeddings=4096,
+                       tie_word_embeddings=True, rope_theta=1_000_000.0)
+
+
 def write_tokenizer(out_dir: str) -> None:
     """Write tokenizer.json + tokenizer_config.json (loadable by transformers'
     AutoTokenizer and torchtitan's HuggingFaceTokenizer)."""

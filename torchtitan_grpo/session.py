@@ -136,6 +136,7 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
                 deadline_s=w.replica_deadline_s, init_timeout_s=w.init_timeout_s, pause_mode=pause_mode,
                 protocol="vllm" if i.backend == "vllm" else "sglang",
                 dtype=push_dtype(w), staging=w.staging, pipelined=w.pipeline_requests, ack_posted=w.ack_posted,
+                api_key=key,
                 disk_folder=w.disk_folder or os.path.join(cfg.job.dump_folder, "pushed_weights")),
                 device=d.device, on_eject=pool.eject, on_readmit=pool.readmit)
             stack.callback(pusher.close)
