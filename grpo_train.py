@@ -28,7 +28,7 @@ import time
 import torch
 
 from torchtitan_grpo.checkpoint import Checkpointer, export_hf
-from torchtitan_grpo.config import parse_config
+from torchtitan_grpo.config import ConfigError, check_reachable, parse_config
 from torchtitan_grpo.parallel import data_parallel_rank_and_degree
 from torchtitan_grpo.rollout import offpolicy
 from torchtitan_grpo.rollout.producer import ProducerStopped
@@ -41,6 +41,7 @@ logger = logging.getLogger("torchtitan_grpo")
 
 def main(argv: list[str]) -> dict:
     cfg = parse_config(argv)
+    check_reachable(cfg)  # external servers: before the model is built
     d = init_distributed()
     _setup_logging(d.rank)
     torch.manual_seed(cfg.grpo.seed)
@@ -173,6 +174,21 @@ def _setup_logging(rank: int) -> None:
                         stream=sys.stdout, force=True)
 
 
+def _fail(message: str) -> None:
+    """One line for the user, and the same line where torchrun reports a failed
+    worker (its error file), instead of a traceback wall. GRPO_DEBUG=1 keeps
+    the traceback."""
+    print(f"grpo_train.py: error: {message}", file=sys.stderr, flush=True)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        import json
+
+        with open(path, "w") as f:
+            json.dump({"message": {"message": message, "extraInfo": {"py_callstack": message,
+                                                                     "timestamp": str(int(time.time()))}}}, f)
+    sys.exit(2)
+
+
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
@@ -180,3 +196,7 @@ if __name__ == "__main__":
     except KeyboardInterrupt:
         logger.warning("interrupted: inference servers stopped")
         sys.exit(130)
+    except ConfigError as e:
+        if os.environ.get("GRPO_DEBUG"):
+            raise
+        _fail(str(e))

@@ -112,3 +112,20 @@ def test_device_issue4_cpu(tmp_path):
     assert "---- verify: exit 0" in summary and "VERIFY PASS" in summary and "RESULT: ALL PASSED" in summary
     assert "imports ok" in (tmp_path / "env.log").read_text()
     assert (tmp_path / "verify.log").is_file() and (tmp_path / "verify_2gpu" / "metrics.jsonl").is_file()
+
+
+def test_pipeline_loop_cpu(tmp_path):
+    """The serial/pipelined benchmark end to end on CPU with few steps: each
+    run trains, and the table has its rows with figures (the one-GPU run of
+    it, scripts/device_pipeline.sh, takes the same code path)."""
+    r, out = _run([sys.executable, "bench/pipeline_loop.py", "--cpu", "--steps", "6", "--warmup", "1",
+                   "--replicas", "1", "--slow-factor", "0", "--out", str(tmp_path)])
+    assert r.returncode == 0, out[-4000:]
+    lines = r.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("| run | steps | samples/s"))
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[header + 2:] if line.startswith("| ")]
+    assert [row[0] for row in rows] == ["serial-1", "pipelined-1", "pipelined-1-real-order"], rows
+    assert all(row[1] == "6" and float(row[2]) > 0 for row in rows), rows
+    for name in ("serial-1", "pipelined-1"):
+        log = (tmp_path / name / "train.log").read_text()
+        assert f"pipeline depth {0 if name.startswith('serial') else 1}" in log

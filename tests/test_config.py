@@ -122,3 +122,56 @@ def test_ipc_transport_needs_sglang_protocol_and_device_staging():
     with pytest.raises(ConfigError, match=r"weight_sync\.staging = 'host': must be \"device\""):
         parse_config(["--job.config_file", DEMO, "--weight_sync.transport", "ipc", "--weight_sync.staging", "host"])
     assert parse_config(["--job.config_file", DEMO, "--weight_sync.transport", "ipc"]).weight_sync.transport == "ipc"
+
+
+def test_reward_fn_that_cannot_be_loaded_is_named_before_anything_starts():
+    with pytest.raises(ConfigError, match=r"rollout\.reward_fn = 'tests\.reward_fixtures:nope': cannot be loaded"
+                                          r".*has no attribute 'nope'"):
+        parse_config(["--job.config_file", DEMO, "--rollout.reward_fn", "tests.reward_fixtures:nope"])
+    with pytest.raises(ConfigError, match=r"rollout\.reward_fn.*module 'no_such_pkg\.rewards' not found"):
+        parse_config(["--job.config_file", DEMO, "--rollout.reward_fn", "no_such_pkg.rewards:score"])
+
+
+def test_pipeline_depth():
+    from torchtitan_grpo.config import pipeline_depth
+
+    cfg = lambda *a: parse_config(["--job.config_file", DEMO, *a])  # noqa: E731
+    assert pipeline_depth(cfg()) == 0  # the demo pushes in sync mode: serial, exactly on-policy
+    assert pipeline_depth(cfg("--weight_sync.mode", "async")) == 1
+    assert pipeline_depth(cfg("--weight_sync.mode", "off")) == 1
+    assert pipeline_depth(cfg("--weight_sync.mode", "async", "--rollout.pipeline_depth", "3")) == 3
+    assert pipeline_depth(cfg("--weight_sync.mode", "async", "--rollout.pipeline_depth", "3",
+                              "--grpo.max_staleness", "2")) == 2  # never deeper than the staleness bound
+    assert pipeline_depth(cfg("--weight_sync.mode", "async", "--rollout.pipeline_depth", "0")) == 0
+    with pytest.raises(ConfigError, match=r"rollout\.pipeline_depth = 1: must be 0 or -1 with weight_sync\.mode"):
+        cfg("--rollout.pipeline_depth", "1")
+    with pytest.raises(ConfigError, match=r"rollout\.pipeline_depth = -2"):
+        cfg("--weight_sync.mode", "async", "--rollout.pipeline_depth", "-2")
+
+
+def test_api_key_from_the_environment(monkeypatch):
+    from torchtitan_grpo.config import api_key
+
+    monkeypatch.delenv("GRPO_TEST_KEY", raising=False)
+    with pytest.raises(ConfigError, match=r"inference\.api_key = 'env:GRPO_TEST_KEY': environment variable"):
+        parse_config(["--job.config_file", DEMO, "--inference.api_key", "env:GRPO_TEST_KEY"])
+    monkeypatch.setenv("GRPO_TEST_KEY", "s3cret")
+    assert api_key(parse_config(["--job.config_file", DEMO, "--inference.api_key", "env:GRPO_TEST_KEY"])) == "s3cret"
+
+
+@pytest.mark.parametrize("args,naming", [
+    (["--grpo.group_size", "0"], "config key grpo.group_size = 0: must be >= 2"),
+    (["--inference.urls", "http://127.0.0.1:1", "--inference.backend", "sglang"],
+     "config key inference.urls: http://127.0.0.1:1 is not reachable"),
+    (["--rollout.reward_fn", "no_such_pkg.rewards:score"], "config key rollout.reward_fn"),
+])
+def test_a_bad_config_is_one_naming_line_and_starts_nothing(tmp_path, args, naming):
+    dump = tmp_path / "run"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "grpo_train.py"), "--job.config_file", DEMO,
+                        "--job.dump_folder", str(dump), *args], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert r.returncode == 2, r.stdout + r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("grpo_train.py: error: ")]
+    assert len(errors) == 1 and naming in errors[0], r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+    assert not (dump / "servers").exists()  # no server was started

@@ -323,6 +323,12 @@ def validate(cfg) -> None:
         _check(bool(r.reward_fn), "rollout.reward_fn", 'is required when rollout.task = "jsonl"', r.reward_fn)
     if r.reward_fn:
         _check(r.reward_fn.count(":") == 1, "rollout.reward_fn", 'must look like "package.module:function"', r.reward_fn)
+        from torchtitan_grpo.rollout.rewards import load_reward_fn
+
+        try:  # before any server starts: a typo must not cost a minute of start-up
+            load_reward_fn(r.reward_fn)
+        except (ImportError, AttributeError, TypeError, ValueError) as e:
+            _check(False, "rollout.reward_fn", f"cannot be loaded: {e}", r.reward_fn)
     _check(r.reward_timeout_s > 0, "rollout.reward_timeout_s", "must be > 0", r.reward_timeout_s)
     _check(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1", r.max_new_tokens)
     _check(r.temperature > 0, "rollout.temperature", "must be > 0 (GRPO needs sampled, not greedy, completions)", r.temperature)
@@ -388,6 +394,23 @@ def validate(cfg) -> None:
                "needs checkpoint.last_save_model_only = true (safetensors hold only the model)", c.last_save_in_hf)
     if c.hf_export:
         _check(bool(c.hf_export_folder), "checkpoint.hf_export_folder", "must not be empty", c.hf_export_folder)
+
+
+def check_reachable(cfg, timeout_s: float = 10.0) -> None:
+    """Every replica in inference.urls answers /health (any status: it is a
+    server); else a ConfigError naming the key, before anything starts."""
+    import urllib.error
+    import urllib.request
+
+    for url in cfg.inference.urls:
+        try:
+            urllib.request.urlopen(url.rstrip("/") + "/health", timeout=timeout_s).close()
+        except urllib.error.HTTPError:
+            continue  # it answered (a server starting up or requiring a key)
+        except (OSError, ValueError) as e:
+            reason = getattr(e, "reason", e)
+            raise ConfigError(f"config key inference.urls: {url} is not reachable ({reason}); start the "
+                              f"server first or fix the URL") from None
 
 
 def pipeline_depth(cfg) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchtitan_grpo.inference.types import Completion, SamplingParams, is_logprob, need
+from torchtitan_grpo.inference.types import Completion, SamplingParams, is_logprob, need, parse_spans
 
 
 def generate_request(prompt_ids: list[int], n: int, p: SamplingParams) -> dict[str, Any]:
@@ -60,13 +60,12 @@ def parse_generate(body: Any, n: int, replica: str) -> list[Completion]:
               f"{where}meta_info.finish_reason", f"unexpected value {fr!r}")
         version = meta.get("weight_version", "default")
         need(isinstance(version, str), replica, f"{where}meta_info.weight_version", f"not a string: {version!r}")
-        versions = [version]
-        wvs = meta.get("weight_versions")
+        spans = [(version, 0, len(ids))] if ids else []
+        wvs = meta.get("weight_versions")  # the built-in server's per-token spans (when the version changed)
         if wvs:
-            need(isinstance(wvs, list) and all(isinstance(v, dict) and "version" in v for v in wvs), replica,
-                  f"{where}meta_info.weight_versions", "not a list of {version,start,end}")
-            versions = [str(v["version"]) for v in wvs]
-        out.append(Completion(ids, logprobs, fr["type"], version, versions, replica))
+            spans = parse_spans(wvs, len(ids), replica, f"{where}meta_info.weight_versions")
+        versions = [v for v, _, _ in spans] or [version]
+        out.append(Completion(ids, logprobs, fr["type"], version, versions, replica, spans))
     return out
 
 

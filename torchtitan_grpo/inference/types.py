@@ -41,6 +41,12 @@ class Completion:
     """Every version that produced part of this completion (one element when it
     did not change mid-request)."""
     replica: str = ""
+    version_spans: list[tuple[str, int, int]] = field(default_factory=list)
+    """``(version, start, end)``: tokens ``[start, end)`` were sampled under
+    ``version``; contiguous, covering every token. From the engine's per-token
+    spans when it reports them (the built-in server, over both protocols),
+    else one span of the version it reports (SGLang: the version serving when
+    the request finished)."""
 
 
 class MalformedResponse(ValueError):
@@ -60,3 +66,27 @@ def need(cond: bool, replica: str, field_name: str, detail: str) -> None:
 def is_logprob(x: Any) -> bool:
     """A finite number <= 0 (a little slack for rounding), not a bool."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x <= 1e-6
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def parse_spans(spans: Any, n_tokens: int, replica: str, where: str) -> list[tuple[str, int, int]]:
+    """``(version, start, end)`` of contiguous spans that cover ``[0, n_tokens)``
+    (the vLLM choice's ``weight_versions``, and SGLang's ``meta_info.weight_versions``)."""
+    need(isinstance(spans, list), replica, where,
+          f"missing or not a list (was return_weight_versions sent?): {spans!r}")
+    out: list[tuple[str, int, int]] = []
+    pos = 0
+    for k, s in enumerate(spans):
+        at = f"{where}[{k}]"
+        need(isinstance(s, dict), replica, at, "not an object {version,start,end}")
+        v, start, end = s.get("version"), s.get("start"), s.get("end")
+        need(isinstance(v, str), replica, f"{at}.version", f"not a string: {v!r}")
+        need(_is_int(start) and start == pos, replica, f"{at}.start", f"expected {pos}, got {start!r}")
+        need(_is_int(end) and end > start, replica, f"{at}.end", f"must be an integer > start {start}, got {end!r}")
+        out.append((v, start, end))
+        pos = end
+    need(pos == n_tokens, replica, where, f"spans cover {pos} tokens, the choice has {n_tokens}")
+    return out

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from torchtitan_grpo.inference.types import Completion, MalformedResponse, SamplingParams, is_logprob, need
+from torchtitan_grpo.inference.types import Completion, MalformedResponse, SamplingParams, is_logprob, need, parse_spans
 
 FINISH_REASONS = ("stop", "length", "abort")
 PAUSE_MODES = ("abort", "wait", "keep")
@@ -88,25 +88,6 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _parse_spans(spans: Any, n_tokens: int, replica: str, where: str) -> list[str]:
-    """Versions of contiguous ``[start, end)`` spans that cover ``[0, n_tokens)``."""
-    need(isinstance(spans, list), replica, where,
-          f"missing or not a list (was return_weight_versions sent?): {spans!r}")
-    versions: list[str] = []
-    pos = 0
-    for k, s in enumerate(spans):
-        at = f"{where}[{k}]"
-        need(isinstance(s, dict), replica, at, "not an object {version,start,end}")
-        v, start, end = s.get("version"), s.get("start"), s.get("end")
-        need(isinstance(v, str), replica, f"{at}.version", f"not a string: {v!r}")
-        need(_is_int(start) and start == pos, replica, f"{at}.start", f"expected {pos}, got {start!r}")
-        need(_is_int(end) and end > start, replica, f"{at}.end", f"must be an integer > start {start}, got {end!r}")
-        versions.append(v)
-        pos = end
-    need(pos == n_tokens, replica, where, f"spans cover {pos} tokens, the choice has {n_tokens}")
-    return versions
-
-
 def _parse_logprobs(lp: Any, token_ids: list[int], replica: str, where: str) -> list[float]:
     need(isinstance(lp, dict), replica, where, "missing or not an object (was logprobs=0 sent?)")
     values = lp.get("token_logprobs")
@@ -152,10 +133,11 @@ def parse_completions(body: Any, n: int, replica: str, num_prompts: int = 1) -> 
         logprobs = _parse_logprobs(c.get("logprobs"), ids, replica, f"{where}.logprobs")
         fr = c.get("finish_reason")
         need(fr in FINISH_REASONS, replica, f"{where}.finish_reason", f"expected one of {FINISH_REASONS}, got {fr!r}")
-        versions = _parse_spans(c.get("weight_versions"), len(ids), replica, f"{where}.weight_versions")
+        spans = parse_spans(c.get("weight_versions"), len(ids), replica, f"{where}.weight_versions")
+        versions = [v for v, _, _ in spans]
         # A choice without tokens (aborted before its first one) has no span,
         # hence no version: "" says so rather than inventing one.
-        out.append(Completion(ids, logprobs, fr, versions[-1] if versions else "", versions, replica))
+        out.append(Completion(ids, logprobs, fr, versions[-1] if versions else "", versions, replica, spans))
     return out
 
 
