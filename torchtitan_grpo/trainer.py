@@ -171,11 +171,26 @@ class Sample:
     reward: float
     finish_reason: str
     weight_versions: list[str]
+    loss_mask: list[float] | None = None
+    """Per completion token (aligned with ``completion_ids``): 1 = trained,
+    0 = not trained (a tool result or an environment's reply inside a
+    multi-turn trajectory; its rollout logprob is ignored). None trains every
+    completion token. A multi-turn trajectory is ``prompt_ids`` = the tokens
+    before its first trained token and ``completion_ids`` = the rest."""
+
+    @property
+    def num_loss_tokens(self) -> float:
+        """Tokens the loss sees (the token-count normaliser's share of this sample)."""
+        return float(len(self.completion_ids)) if self.loss_mask is None else float(sum(self.loss_mask))
 
 
 def _pack(samples: list[Sample], pad_id: int, device: torch.device, rows: int = 0, length: int = 0):
-    """Right-padded tokens plus, at the positions that *predict* completion
-    tokens, the mask, rollout logprobs and advantages.
+    """Right-padded tokens plus, at the positions that *predict* trained
+    completion tokens, the mask, rollout logprobs and advantages.
+
+    A sample's trained tokens are all of its completion, or those its
+    ``loss_mask`` marks (the others get a zero mask and a zero rollout
+    logprob: no loss, no gradient, no metric counts them).
 
     ``rows`` / ``length``: pad to at least that many rows (pad tokens, zero
     mask: they add nothing to the loss or its gradient) and tokens per row.
@@ -191,8 +206,21 @@ def _pack(samples: list[Sample], pad_id: int, device: torch.device, rows: int = 
         tokens[i, : len(seq)] = torch.tensor(seq)
         start = len(s.prompt_ids) - 1  # logits at position t predict token t+1
         n = len(s.completion_ids)
-        mask[i, start : start + n] = 1.0
-        old[i, start : start + n] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+        if start < 0:
+            raise ValueError(f"sample {i} has no prompt token: the first completion token has nothing to predict it")
+        if len(s.rollout_logprobs) != n:
+            raise ValueError(f"sample {i}: {len(s.rollout_logprobs)} rollout logprobs for {n} completion tokens")
+        lp = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+        if s.loss_mask is None:
+            mask[i, start : start + n] = 1.0
+            old[i, start : start + n] = lp
+        else:
+            if len(s.loss_mask) != n:
+                raise ValueError(f"sample {i}: loss_mask has {len(s.loss_mask)} entries for {n} completion tokens")
+            m = torch.tensor(s.loss_mask, dtype=torch.float32)
+            mask[i, start : start + n] = m
+            # untrained positions may hold placeholders (Atropos sends 1.0): never let them reach the loss
+            old[i, start : start + n] = torch.where(m > 0, lp, torch.zeros_like(lp))
     adv = torch.zeros(B)
     adv[: len(samples)] = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
     return tokens.to(device), mask.to(device), old.to(device), adv.to(device)

@@ -1,0 +1,140 @@
+"""A two-turn digits task as an Atropos environment (atroposlib's ``BaseEnv``).
+
+Turn 1: the model sees ``"3>"`` and answers. The environment replies with a
+verdict and the question again (``"+3>"`` when the answer was right, ``"-3>"``
+otherwise): environment tokens, never trained. Turn 2: the model answers
+again and the trajectory is scored on that final answer with the built-in
+digits reward (1 for the right digit then EOS, 0.5 for the right digit then
+more). Both of the model's turns are trained; the prompt and the reply are
+masked (``-100``), and every trained token carries the log-prob the server
+sampled it with (``inference_logprobs``, 1.0 elsewhere) for the trainer's
+off-policy correction.
+
+Generation goes through atroposlib's ``SGLangServer`` handler (its token and
+log-prob path, SGLang's ``/generate``), which the trainer's built-in server
+speaks. Run it with the Atropos API and the trainer (see README.md here)::
+
+    python examples/atropos/digits_env.py serve --env.tokenizer_name ./outputs/tiny-qwen3 \
+        --env.replica_file ./outputs/atropos_demo/servers/replicas.txt
+
+``--env.replica_file``: a file with one server URL per line (the trainer
+writes the URLs of the servers it launches there); the environment waits for
+it and samples from those servers. Without it, ``--openai.base_url`` names
+the server as for any Atropos environment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+
+from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
+from atroposlib.envs.server_handling.server_manager import ServerManager
+
+from torchtitan_grpo.rollout.tasks import digits_answer, digits_reward
+
+DEFAULT_MODEL = "./outputs/tiny-qwen3"
+
+
+class DigitsEnvConfig(BaseEnvConfig):
+    replica_file: str = ""
+    """File with one inference server URL per line; empty: use the --openai servers."""
+    max_answer_tokens: int = 2
+    """Tokens per model turn (a digit and EOS)."""
+    temperature: float = 1.0
+    seed: int = 0
+
+
+def two_turn_sequence(prompt_ids: list[int], turn1: tuple[list[int], list[float]], reply_ids: list[int],
+                      turn2: tuple[list[int], list[float]]) -> dict:
+    """tokens / masks / inference_logprobs of one trajectory, in Atropos's
+    convention: ``-100`` and 1.0 on what the model did not generate."""
+    (out1, lp1), (out2, lp2) = turn1, turn2
+    return {
+        "tokens": prompt_ids + out1 + reply_ids + out2,
+        "masks": [-100] * len(prompt_ids) + out1 + [-100] * len(reply_ids) + out2,
+        "inference_logprobs": [1.0] * len(prompt_ids) + lp1 + [1.0] * len(reply_ids) + lp2,
+    }
+
+
+class DigitsTwoTurnEnv(BaseEnv):
+    name = "digits_two_turn"
+    env_config_cls = DigitsEnvConfig
+
+    @classmethod
+    def config_init(cls) -> tuple[DigitsEnvConfig, list[APIServerConfig]]:
+        model = os.environ.get("DIGITS_MODEL", DEFAULT_MODEL)
+        env = DigitsEnvConfig(
+            tokenizer_name=model, group_size=16, use_wandb=False, wandb_name="digits_two_turn",
+            max_token_length=64, max_batches_offpolicy=2, total_steps=-1, batch_size=-1,
+            ensure_scores_are_not_same=False,  # the trainer counts constant groups itself
+            steps_per_eval=0, max_num_workers_per_node=4,
+        )
+        server = APIServerConfig(model_name=model, base_url="http://127.0.0.1:30000/v1", api_key="x",
+                                 server_type="sglang", health_check=False, num_max_requests_at_once=64, timeout=120)
+        return env, [server]
+
+    async def setup(self) -> None:
+        self.rng = random.Random(self.config.seed)
+        self.eos = self.tokenizer.eos_token_id
+        if self.config.replica_file:
+            urls = await self._wait_for_replicas(self.config.replica_file)
+            template = self.server.servers[0].config
+            configs = [template.model_copy(update={"base_url": u.rstrip("/") + "/v1"}) for u in urls]
+            self.server = ServerManager(configs, server_class=self.server_cls)
+
+    @staticmethod
+    async def _wait_for_replicas(path: str, timeout_s: float = 600.0) -> list[str]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if os.path.isfile(path):
+                with open(path) as f:
+                    urls = [u.strip() for u in f if u.strip() and not u.startswith("#")]
+                if urls:
+                    return urls
+            await asyncio.sleep(1.0)
+        raise TimeoutError(f"no server URL in {path} after {timeout_s:.0f}s")
+
+    async def get_next_item(self) -> dict:
+        d = self.rng.randrange(10)
+        prompt = f"{d}>"
+        return {"prompt": prompt, "answer": digits_answer(prompt)}
+
+    async def _generate(self, input_ids: list[int], n: int) -> list[tuple[list[int], list[float], str]]:
+        _, outs, lps, finishes = await self.server.tokens_and_logprobs_completion(
+            input_ids=list(input_ids), n=n, max_tokens=self.config.max_answer_tokens,
+            temperature=self.config.temperature, stop_token_ids=[self.eos])
+        reasons = [f.get("type", "stop") if isinstance(f, dict) else (f or "stop") for f in finishes]
+        return list(zip(outs, lps, reasons))
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    async def collect_trajectories(self, item: dict) -> tuple[ScoredDataGroup | None, list]:
+        prompt_ids = self.tokenizer.encode(item["prompt"], add_special_tokens=False)
+        first = await self._generate(prompt_ids, self.config.group_size)  # turn 1: the whole group at once
+
+        async def second_turn(out1: list[int], lp1: list[float]):
+            verdict = "+" if self._text(out1).strip() == item["answer"] else "-"
+            reply_ids = self.tokenizer.encode(verdict + item["prompt"], add_special_tokens=False)
+            (out2, lp2, finish), = await self._generate(prompt_ids + out1 + reply_ids, 1)
+            seq = two_turn_sequence(prompt_ids, (out1, lp1), reply_ids, (out2, lp2))
+            return seq, digits_reward(item["prompt"], self._text(out2), item), finish
+
+        results = await asyncio.gather(*(second_turn(o, lp) for o, lp, _ in first))
+        group = ScoredDataGroup(tokens=[], masks=[], scores=[], inference_logprobs=[], overrides=[])
+        for seq, score, finish in results:
+            for key in ("tokens", "masks", "inference_logprobs"):
+                group[key].append(seq[key])
+            group["scores"].append(score)
+            group["overrides"].append({"finish_reason": finish})
+        return group, []
+
+    async def evaluate(self, *args, **kwargs) -> None:
+        return None
+
+
+if __name__ == "__main__":
+    DigitsTwoTurnEnv.cli()

@@ -1,0 +1,469 @@
+"""The Atropos rollout source against atroposlib's own API server (a real
+uvicorn subprocess, fed ScoredData as an environment posts it), its
+conversion of groups, and multi-turn packing: environment tokens get no
+gradient. Waits are hang guards only."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.server_procs import free_port
+from torchtitan_grpo.rollout.advantages import group_advantages
+from torchtitan_grpo.rollout.atropos import AtroposConfig, AtroposSource, Malformed, convert_group
+from torchtitan_grpo.rollout.producer import ProducerStopped
+from torchtitan_grpo.trainer import Sample, _LossContext, _micro_batch_loss, _pack
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------ helpers
+
+
+@dataclass
+class AtroposAPI:
+    """atroposlib's FastAPI app under uvicorn, on a fixed port (restartable there)."""
+
+    port: int
+    log: Path
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        pytest.importorskip("atroposlib")
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "atroposlib.api.server:app", "--host", "127.0.0.1",
+             "--port", str(self.port), "--log-level", "warning"],
+            stdout=open(self.log, "ab"), stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(self.url + "/", timeout=2):
+                    return
+            except OSError:
+                if self.proc.poll() is not None:
+                    break
+                time.sleep(0.1)
+        self.stop()
+        raise AssertionError(f"Atropos API did not start:\n{self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def call(self, method: str, path: str, body=None):
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read())
+
+    def post_group(self, group: dict) -> None:
+        """What BaseEnv._send_scored_data_to_api sends (JSON; env_id when registered)."""
+        reply = self.call("POST", "/scored_data", group)
+        assert reply["status"] in ("received", "buffered"), reply
+
+
+@pytest.fixture
+def api(tmp_path):
+    pytest.importorskip("atroposlib")
+    a = AtroposAPI(free_port(), tmp_path / "atropos_api.log")
+    a.start()
+    yield a
+    a.stop()
+
+
+def make_source(url: str, batch_size: int, **kw) -> AtroposSource:
+    cfg_kw = {k: kw.pop(k) for k in list(kw) if k in AtroposConfig.__dataclass_fields__}
+    cfg = AtroposConfig(url=url, batch_size=batch_size, max_token_len=cfg_kw.pop("max_token_len", 64),
+                        num_steps=cfg_kw.pop("num_steps", 10), checkpoint_dir="/tmp/ckpt", checkpoint_interval=5,
+                        startup_timeout_s=cfg_kw.pop("startup_timeout_s", 30), poll_max_s=0.2,
+                        **cfg_kw)
+    src = AtroposSource(cfg, **kw)
+    src.start(0)
+    return src
+
+
+class Pull:
+    """``next_batch`` on a thread (it blocks until Atropos has a batch)."""
+
+    def __init__(self, src: AtroposSource, stop: threading.Event | None = None):
+        self.result, self.error = None, None
+        self.stop = stop or threading.Event()
+        self.t = threading.Thread(target=self._run, args=(src,), daemon=True)
+        self.t.start()
+
+    def _run(self, src):
+        try:
+            self.result = src.next_batch(self.stop)
+        except BaseException as e:  # noqa: BLE001
+            self.error = e
+
+    def get(self, timeout: float = 60.0):
+        self.t.join(timeout)
+        assert not self.t.is_alive(), "next_batch hung"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def wait_until(pred, timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def multi_turn_group() -> dict:
+    """Two trajectories: prompt [5, 6], model [7, 8], environment [9, 10], model [11, 12] (+ a masked tail)."""
+    return {
+        "tokens": [[5, 6, 7, 8, 9, 10, 11, 12, 13], [5, 6, 17, 18, 9, 10, 21, 22, 13]],
+        "masks": [[-100, -100, 7, 8, -100, -100, 11, 12, -100], [-100, -100, 17, 18, -100, -100, 21, 22, -100]],
+        "scores": [1.0, 0.0],
+        "inference_logprobs": [[1.0, 1.0, -0.5, -0.25, 1.0, 1.0, -1.0, -2.0, 1.0],
+                               [1.0, 1.0, -0.1, -0.2, 1.0, 1.0, -0.3, -0.4, 1.0]],
+        "overrides": [{"finish_reason": "stop"}, {"finish_reason": "length", "weight_versions": ["3"]}],
+    }
+
+
+def own_advantage_group() -> dict:
+    """Single-turn, the environment's own per-token advantages, and set_advantage_to_zero."""
+    return {
+        "tokens": [[1, 2, 3, 4], [1, 2, 5, 6]],
+        "masks": [[-100, -100, 3, 4], [-100, -100, 5, 6]],
+        "scores": [0.5, 0.5],
+        "advantages": [[0.3, 0.3, 0.3, 0.3], [-0.3, -0.3, -0.3, -0.3]],
+        "inference_logprobs": [[1.0, 1.0, -0.7, -0.8], [1.0, 1.0, -0.9, -1.1]],
+        "overrides": [{"set_advantage_to_zero": True}, {}],
+    }
+
+
+# ------------------------------------------------------------------ conversion (no API)
+
+
+def test_convert_multi_turn_group_exactly():
+    c = convert_group(multi_turn_group(), scale_rewards=True, max_len=64, vocab_size=32)
+    a, b = c.samples
+    assert a.prompt_ids == [5, 6]
+    assert a.completion_ids == [7, 8, 9, 10, 11, 12]  # the masked tail (13) is trimmed
+    assert a.loss_mask == [1.0, 1.0, 0.0, 0.0, 1.0, 1.0]
+    assert a.rollout_logprobs == [-0.5, -0.25, 0.0, 0.0, -1.0, -2.0]
+    adv = group_advantages(torch.tensor([[1.0, 0.0]]), scale_by_std=True)[0]
+    assert a.advantage == pytest.approx(float(adv[0])) and b.advantage == pytest.approx(float(adv[1]))
+    assert (a.reward, b.reward) == (1.0, 0.0)
+    assert (a.finish_reason, b.finish_reason) == ("stop", "length")
+    assert (a.weight_versions, b.weight_versions) == ([], ["3"])
+    assert a.num_loss_tokens == 4.0 and c.trained_tokens == 8 and c.truncated == 1
+    # Dr. GRPO centring
+    c2 = convert_group(multi_turn_group(), scale_rewards=False)
+    assert [s.advantage for s in c2.samples] == [0.5, -0.5]
+
+
+def test_convert_own_advantages_and_overrides():
+    c = convert_group(own_advantage_group(), filter_constant_groups=True)
+    a, b = c.samples  # constant scores, but the group's own advantages carry signal: kept
+    assert a.advantage == 0.0 and b.advantage == pytest.approx(-0.3)
+    assert a.loss_mask is None and a.prompt_ids == [1, 2] and a.completion_ids == [3, 4]
+    assert a.rollout_logprobs == [-0.7, -0.8]
+    g = own_advantage_group()
+    g["advantages"] = []  # what BaseEnv sends when no item had advantages
+    assert convert_group(g, filter_constant_groups=True).samples == []  # constant scores: filtered
+    g["advantages"] = [[0.0, 0.0, 1.0, 3.0], [0.0, 0.0, -1.0, -1.0]]  # per token: a sequence takes its mean
+    g["overrides"] = [{}, {}]
+    c = convert_group(g)
+    assert [s.advantage for s in c.samples] == [2.0, -1.0] and c.averaged_advantages == 1
+
+
+def test_first_token_is_never_trained():
+    g = {"tokens": [[4, 5, 6]], "masks": [[4, -100, 6]], "scores": [1.0], "inference_logprobs": [[-0.1, 1.0, -0.2]]}
+    (s,) = convert_group(g).samples
+    assert s.prompt_ids == [4, 5] and s.completion_ids == [6] and s.rollout_logprobs == [-0.2]
+    g["masks"] = [[4, -100, -100]]
+    with pytest.raises(Malformed) as e:
+        convert_group(g)
+    assert e.value.kind == "all_masked"
+
+
+@pytest.mark.parametrize("edit,kind", [
+    (lambda g: g["masks"][0].pop(), "shape"),
+    (lambda g: g["inference_logprobs"][1].pop(), "shape"),
+    (lambda g: g["scores"].pop(), "shape"),
+    (lambda g: g.update(tokens=[]), "shape"),
+    (lambda g: g.update(masks=[[-100] * 9, [-100] * 9]), "all_masked"),
+    (lambda g: g["tokens"][0].extend([1] * 60), "too_long"),
+    (lambda g: g["tokens"][1].__setitem__(3, 99), "bad_value"),
+    (lambda g: g["scores"].__setitem__(0, float("nan")), "bad_value"),
+    (lambda g: g["inference_logprobs"][0].__setitem__(2, 0.5), "bad_value"),
+    (lambda g: g["inference_logprobs"][0].__setitem__(2, 1.0), "no_logprobs"),
+    (lambda g: g.pop("inference_logprobs"), "no_logprobs"),
+])
+def test_malformed_groups_name_their_kind(edit, kind):
+    g = multi_turn_group()
+    edit(g)
+    if kind == "too_long":
+        g["masks"][0].extend([-100] * 60)
+        g["inference_logprobs"][0].extend([1.0] * 60)
+    with pytest.raises(Malformed) as e:
+        convert_group(g, max_len=64, vocab_size=32)
+    assert e.value.kind == kind, str(e.value)
+
+
+def test_missing_logprobs_allowed_become_nan():
+    g = multi_turn_group()
+    g.pop("inference_logprobs")
+    c = convert_group(g, allow_missing_logprobs=True)
+    lp = c.samples[0].rollout_logprobs
+    assert [math.isnan(v) for v in lp] == [True, True, False, False, True, True]
+    assert c.missing_logprob_tokens == 8
+
+
+# ------------------------------------------------------------------ packing and the loss
+
+
+def _loss_ctx(num_samples: int, num_tokens: float, loss_agg: str = "token_mean"):
+    g = SimpleNamespace(is_correction="token", is_cap=2.0, clip_low=0.2, clip_high=0.2, loss_agg=loss_agg, kl_coef=0.0,
+                        kl_estimator="k3")
+    return _LossContext(g, 1.0, 8, num_samples, num_tokens)
+
+
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_environment_tokens_get_no_gradient(loss_agg):
+    """Through the trainer's loss path: the gradient wrt the logits is zero at
+    every position that predicts an environment token (and the prompt and
+    padding), non-zero at trained ones; the loss and every count equal those
+    of the same sequences with only the trained tokens masked in by hand."""
+    samples = convert_group(multi_turn_group()).samples
+    samples.append(Sample([3], [4, 5], [-0.6, -0.7], 0.4, 1.0, "stop", []))  # a plain single-turn sample
+    # placeholders on untrained positions must not reach the loss
+    samples[0].rollout_logprobs[2] = 1.0
+    tokens, mask, old, adv = _pack(samples, 0, torch.device("cpu"))
+    expected = torch.zeros_like(mask)
+    expected[0, 1:3] = expected[0, 5:7] = 1  # predict 7, 8 and 11, 12
+    expected[1, 1:3] = expected[1, 5:7] = 1
+    expected[2, 0:2] = 1
+    assert torch.equal(mask, expected)
+    assert float(old[0, 3]) == 0.0 and float(old[0, 5]) == -1.0
+    n_tok = sum(s.num_loss_tokens for s in samples)
+    assert n_tok == float(mask.sum()) == 10.0
+
+    torch.manual_seed(0)
+    logits = torch.randn(*tokens.shape, 32)[:, :-1].clone().requires_grad_(True)
+    loss, record = _micro_batch_loss(logits, tokens[:, 1:], mask, old, adv, _loss_ctx(len(samples), n_tok, loss_agg))
+    loss.backward()
+    g = logits.grad.abs().sum(-1)
+    assert torch.all(g[mask == 0] == 0), "an untrained position got gradient"
+    assert torch.all(g[mask == 1] > 0)
+    assert record["tokens"] == 10.0  # entropy and clip fraction are weighted by trained tokens only
+
+    # whatever the logits at untrained positions, the loss and its metrics do not move
+    noisy = logits.detach() + 50.0 * torch.randn_like(logits) * (mask == 0).unsqueeze(-1)
+    loss2, record2 = _micro_batch_loss(noisy, tokens[:, 1:], mask, old, adv, _loss_ctx(len(samples), n_tok, loss_agg))
+    assert float(loss2) == pytest.approx(float(loss.detach()), abs=1e-6)
+    for key in ("entropy", "clip_fraction", "lp_diff_max", "tokens"):
+        assert record2[key] == pytest.approx(record[key], abs=1e-5), key
+
+
+def test_pack_checks_mask_lengths():
+    s = Sample([1], [2, 3], [-0.1, -0.2], 1.0, 1.0, "stop", [], loss_mask=[1.0])
+    with pytest.raises(ValueError, match="loss_mask"):
+        _pack([s], 0, torch.device("cpu"))
+
+
+# ------------------------------------------------------------------ against the real API
+
+
+def test_registers_pulls_and_converts_exactly(api):
+    src = make_source(api.url, batch_size=4, scale_rewards=True, vocab_size=32)
+    p = Pull(src)
+    wait_until(lambda: api.call("GET", "/info")["batch_size"] == 4, what="registration")
+    assert api.call("GET", "/info") == {"batch_size": 4, "max_token_len": 64}
+    api.post_group(multi_turn_group())
+    api.post_group(own_advantage_group())
+    batch = p.get()
+    direct = convert_group(multi_turn_group()).samples + convert_group(own_advantage_group()).samples
+    assert batch.samples == direct  # byte-for-byte what the groups say, in the order they were queued
+    assert batch.indices == [0, 1]
+    m = batch.metrics
+    for key in ("time/wait_s", "time/generate_s", "rollout/tokens_per_s", "reward/mean", "reward/std"):
+        assert key in m and math.isfinite(m[key])
+    assert m["reward/mean"] == pytest.approx(0.5) and m["atropos/dropped_groups"] == 0
+    assert m["rollout/tokens"] == 12.0 and not any(k.startswith("_") for k in m)
+    assert api.call("GET", "/status")["current_step"] == 1 == src.step
+    assert src.state_dict()["step"] == 1
+    src.close()
+
+
+def test_null_batches_back_off_log_and_stop(api, caplog):
+    caplog.set_level(logging.INFO, logger="torchtitan_grpo")
+    src = make_source(api.url, batch_size=2, log_every_s=0.3)
+    stop = threading.Event()
+    p = Pull(src, stop)
+    wait_until(lambda: any("waiting for Atropos: queue 0" in r.message for r in caplog.records), what="the wait log")
+    stop.set()
+    assert p.get() is None  # a stop request ends the wait
+    waits = [r for r in caplog.records if "waiting for Atropos" in r.message]
+    assert len(waits) >= 1
+    # data arrives: the next call returns it
+    api.post_group(own_advantage_group())
+    batch = Pull(src).get()
+    assert len(batch.samples) == 2
+    src.close()
+
+
+def test_malformed_groups_are_dropped_once_logged_and_counted(api, caplog):
+    caplog.set_level(logging.WARNING, logger="torchtitan_grpo")
+    src = make_source(api.url, batch_size=12, vocab_size=32)
+    p = Pull(src)
+    wait_until(lambda: api.call("GET", "/info")["batch_size"] == 12, what="registration")
+    bad_shape = multi_turn_group()
+    bad_shape["masks"][0].pop()
+    all_masked = multi_turn_group()
+    all_masked["masks"] = [[-100] * 9, [-100] * 9]
+    no_lp = multi_turn_group()
+    no_lp.pop("inference_logprobs")
+    too_long = own_advantage_group()
+    too_long["tokens"][0] = [1] * 70
+    too_long["masks"][0] = [-100] * 68 + [1, 1]
+    too_long["inference_logprobs"][0] = [1.0] * 68 + [-0.1, -0.1]
+    too_long.pop("advantages")
+    for g in (bad_shape, all_masked, bad_shape, no_lp, too_long, multi_turn_group()):
+        api.post_group(g)
+    batch = p.get()
+    assert len(batch.samples) == 2
+    m = batch.metrics
+    assert m["atropos/dropped_groups"] == 5 and m["atropos/dropped_shape"] == 2
+    assert m["atropos/dropped_all_masked"] == m["atropos/dropped_no_logprobs"] == m["atropos/dropped_too_long"] == 1
+    drops = [r.message for r in caplog.records if "dropped an Atropos group" in r.message]
+    assert len(drops) == 4, drops  # one line per kind
+    src.close()
+
+
+def test_survives_api_restarts(api, caplog):
+    """Restarted between two steps (the API forgets the trainer: /batch says
+    so) and restarted while the trainer waits (refused connections): the
+    source re-registers with its step each time and the step is not lost."""
+    caplog.set_level(logging.INFO, logger="torchtitan_grpo")
+    src = make_source(api.url, batch_size=2, num_steps=7)
+    p = Pull(src)
+    wait_until(lambda: api.call("GET", "/info")["batch_size"] == 2, what="registration")
+    api.post_group(own_advantage_group())
+    assert len(p.get().samples) == 2
+    assert src.step == 1
+
+    api.stop()  # between steps
+    api.start()
+    # An environment posts to the fresh API before the trainer is back: atroposlib
+    # then cannot register a trainer until it is reset (the source does so; that group is lost).
+    api.post_group(multi_turn_group())
+    p = Pull(src)
+    wait_until(lambda: api.call("GET", "/info")["batch_size"] == 2, what="re-registration")
+    api.post_group(own_advantage_group())
+    batch = p.get()
+    # re-registered twice: once told it is unknown, once more after the reset
+    assert batch.samples == convert_group(own_advantage_group()).samples and src.reregistrations == 2
+    assert any("does not know this trainer" in r.message for r in caplog.records)
+    assert any("/reset_data" in r.message for r in caplog.records)
+    assert api.call("GET", "/status")["current_step"] == 2  # registered at step 1, then one batch
+
+    p = Pull(src)  # waiting on an empty queue
+    wait_until(lambda: api.call("GET", "/info")["batch_size"] == 2, what="the waiting poll")
+    api.stop()  # while the trainer waits
+    wait_until(lambda: any("does not answer" in r.message for r in caplog.records), what="the outage log")
+    api.start()
+    wait_until(lambda: api.call("GET", "/info")["batch_size"] == 2, what="re-registration")
+    api.post_group(own_advantage_group())
+    batch = p.get()
+    assert len(batch.samples) == 2 and src.reregistrations == 3
+    assert any("answers again" in r.message for r in caplog.records)
+    assert api.call("GET", "/status")["current_step"] == 3
+    assert src.step == 3
+    src.close()
+
+
+def test_unreachable_at_start_names_the_url():
+    port = free_port()  # nothing listens there
+    src = make_source(f"http://127.0.0.1:{port}", batch_size=2, startup_timeout_s=1.0)
+    with pytest.raises(ProducerStopped) as e:
+        Pull(src).get(timeout=60)
+    msg = str(e.value)
+    assert "rollout.atropos_url" in msg and f"127.0.0.1:{port}" in msg and "\n" not in msg
+
+
+# ------------------------------------------------------------------ the example environment
+
+
+def _load_example_env():
+    import importlib.util
+
+    pytest.importorskip("atroposlib")
+    spec = importlib.util.spec_from_file_location("digits_env", REPO / "examples" / "atropos" / "digits_env.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_example_env_samples_from_the_builtin_server(api, server, model_dir):
+    """examples/atropos/digits_env.py: atroposlib's SGLangServer handler gets
+    tokens and log-probs from the built-in server over two turns; the group
+    it posts trains exactly the model's tokens."""
+    import asyncio
+
+    from atroposlib.envs.server_handling.server_baseline import APIServerConfig
+
+    mod = _load_example_env()
+    env_cfg, _ = mod.DigitsTwoTurnEnv.config_init()
+    env_cfg = env_cfg.model_copy(update={"tokenizer_name": model_dir, "group_size": 4})
+    server_cfg = APIServerConfig(model_name=model_dir, base_url=server + "/v1", api_key="x", server_type="sglang",
+                                 health_check=False, timeout=60)
+    env = mod.DigitsTwoTurnEnv(env_cfg, [server_cfg])
+
+    async def one_group():
+        await env.setup()
+        return await env.collect_trajectories({"prompt": "3>", "answer": "0"})
+
+    group, backlog = asyncio.run(one_group())
+    assert backlog == [] and len(group["tokens"]) == 4
+    prompt = env.tokenizer.encode("3>", add_special_tokens=False)
+    for toks, masks, lps in zip(group["tokens"], group["masks"], group["inference_logprobs"]):
+        assert toks[: len(prompt)] == prompt and len(toks) == len(masks) == len(lps)
+        trained = [j for j, m in enumerate(masks) if m != -100]
+        assert all(masks[j] == toks[j] for j in trained) and all(lps[j] <= 0 for j in trained)
+        assert all(lps[j] == 1.0 for j in range(len(toks)) if j not in trained)
+        assert any(m == -100 for m in masks[trained[0]:])  # the environment's reply sits between the turns
+
+    src = make_source(api.url, batch_size=4)
+    p = Pull(src)
+    wait_until(lambda: api.call("GET", "/info")["batch_size"] == 4, what="registration")
+    api.post_group({**group, "env_id": None})
+    batch = p.get()
+    assert batch.metrics["atropos/dropped_groups"] == 0
+    for s, toks, masks in zip(batch.samples, group["tokens"], group["masks"]):
+        trained = [t for t, m in zip(s.completion_ids, s.loss_mask or [1.0] * len(s.completion_ids)) if m]
+        assert trained == [m for m in masks if m != -100]
+        assert s.prompt_ids + s.completion_ids == toks[: len(s.prompt_ids) + len(s.completion_ids)]
+    src.close()
