@@ -153,7 +153,7 @@ def train(args, name: str, depth: int, delays: list[float], extra: tuple[str, ..
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
                os.path.join(ROOT, "grpo_train.py"), "--job.config_file", args.config,
                "--job.dump_folder", dump, "--model.hf_assets_path", args.model_dir,
-               "--inference.urls", *[s.url for s in servers],
+               "--inference.urls", ",".join(s.url for s in servers),
                "--weight_sync.mode", "async", "--weight_sync.transport", args.transport,
                "--rollout.pipeline_depth", str(depth), "--training.steps", str(args.steps), *extra, *args.extra]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
