@@ -100,7 +100,8 @@ def main(argv: list[str]) -> dict:
                 batch = _next_batch(side, signals)
                 if not isinstance(batch, Stop):
                     batch.samples, kept = offpolicy.select_samples(batch.samples, version if pushing else 0,
-                                                                   g.max_staleness, g.mask_truncated)
+                                                                   g.max_staleness, g.mask_truncated,
+                                                                   token_level=g.is_correction == "token")
                     batch.metrics |= kept
             batch = broadcast_object(batch, d)
             if isinstance(batch, Stop):
@@ -109,7 +110,7 @@ def main(argv: list[str]) -> dict:
             # data-parallel ranks split the batch; TP ranks of one DP rank share its part
             dp_rank, dp_degree = data_parallel_rank_and_degree(policy.parallel_dims)
             local = batch.samples[dp_rank::dp_degree]
-            num_tokens = sum(len(s.completion_ids) for s in batch.samples)
+            num_tokens = int(sum(s.num_loss_tokens for s in batch.samples))  # the tokens the loss sees
 
             metrics = {}
             if batch.samples:  # else every sample was dropped: no step, no new version

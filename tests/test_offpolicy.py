@@ -231,3 +231,47 @@ def test_dataset_prompts_use_the_chat_template(tiny_model_dir):
                          "{% if add_generation_prompt %}[assistant]{% endif %}")
     assert manager(True).encode_prompt("3>") == tok.encode("[user]3>[assistant]", add_special_tokens=False)
     assert manager(False).encode_prompt("3>") == tok.encode("3>", add_special_tokens=False)
+
+
+def _spanned(spans: list[tuple[str, int, int]], n: int = 6):
+    s = _sample([v for v, _, _ in spans], n=n)
+    s.version_spans = spans
+    return s
+
+
+def test_token_level_staleness_masks_only_the_stale_tokens():
+    """A weight update landed mid-generation: tokens 0-3 under version 5, 4-5
+    under version 8. Trainer at 8, bound 2: with token-level IS the 4 old
+    tokens leave the loss and the 2 new ones stay; sample-level drops all."""
+    s = _spanned([("5", 0, 4), ("8", 4, 6)])
+    kept, m = offpolicy.select_samples([s], current_version=8, max_staleness=2, token_level=True)
+    assert kept == [s] and s.loss_mask == [0.0, 0.0, 0.0, 0.0, 1.0, 1.0] and s.num_loss_tokens == 2.0
+    assert m["offpolicy/stale_tokens_masked"] == 4.0 and m["offpolicy/stale_dropped"] == 0.0
+    assert m["offpolicy/staleness_0_frac"] == pytest.approx(2 / 6)
+    assert m["offpolicy/staleness_3_frac"] == pytest.approx(4 / 6)  # 3 versions old
+    s2 = _spanned([("5", 0, 4), ("8", 4, 6)])
+    kept, m = offpolicy.select_samples([s2], current_version=8, max_staleness=2, token_level=False)
+    assert kept == [] and m["offpolicy/stale_dropped"] == 1.0 and s2.loss_mask is None
+    # every token too old: dropped even token-level; an existing mask (tool tokens) is kept where fresh
+    s3 = _spanned([("1", 0, 3), ("2", 3, 6)])
+    kept, _ = offpolicy.select_samples([s3], current_version=8, max_staleness=2, token_level=True)
+    assert kept == []
+    s4 = _spanned([("5", 0, 2), ("7", 2, 6)])
+    s4.loss_mask = [1.0, 1.0, 1.0, 0.0, 0.0, 1.0]
+    kept, m = offpolicy.select_samples([s4], current_version=8, max_staleness=2, token_level=True)
+    assert s4.loss_mask == [0.0, 0.0, 1.0, 0.0, 0.0, 1.0] and m["offpolicy/stale_tokens_masked"] == 2.0
+
+
+def test_version_spans_reach_the_sample():
+    """The pool's completions carry the engine's per-token spans into the trainer's samples."""
+    from torchtitan_grpo.inference import sglang
+
+    body = {"output_ids": [4, 5, 6], "meta_info": {
+        "output_token_logprobs": [[-1.0, 4, None], [-1.0, 5, None], [-1.0, 6, None]],
+        "finish_reason": {"type": "length"}, "weight_version": "3",
+        "weight_versions": [{"version": "2", "start": 0, "end": 1}, {"version": "3", "start": 1, "end": 3}]}}
+    (c,) = sglang.parse_generate(body, 1, "r")
+    assert c.version_spans == [("2", 0, 1), ("3", 1, 3)] and c.weight_versions == ["2", "3"]
+    (c,) = sglang.parse_generate({**body, "meta_info": {k: v for k, v in body["meta_info"].items()
+                                                        if k != "weight_versions"}}, 1, "r")
+    assert c.version_spans == [("3", 0, 3)] and c.weight_versions == ["3"]

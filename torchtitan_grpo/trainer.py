@@ -178,6 +178,12 @@ class Sample:
     completion token. A multi-turn trajectory is ``prompt_ids`` = the tokens
     before its first trained token and ``completion_ids`` = the rest."""
 
+    version_spans: list[tuple[str, int, int]] | None = None
+    """``(version, start, end)`` over ``completion_ids`` when the engine reports
+    per-token versions (a weight update landed mid-generation); with
+    ``grpo.is_correction = "token"`` tokens too stale are masked out one by one
+    (``offpolicy.select_samples``)."""
+
     @property
     def num_loss_tokens(self) -> float:
         """Tokens the loss sees (the token-count normaliser's share of this sample)."""

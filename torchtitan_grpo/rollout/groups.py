@@ -82,7 +82,8 @@ class GroupScorer:
         samples = []
         if not (self.filter_constant_groups and constant):
             samples = [Sample(prompt_ids, c.token_ids, c.logprobs, float(adv[j]), scores[j], c.finish_reason,
-                              c.weight_versions) for j, c in enumerate(group)]
+                              c.weight_versions, version_spans=c.version_spans or None)
+                       for j, c in enumerate(group)]
         return ScoredGroup(index, samples, scores, sum(len(c.token_ids) for c in group),
                            sum(c.finish_reason == "length" for c in group), constant,
                            replica=group[0].replica if group else "",

@@ -75,49 +75,91 @@ def oldest_version(versions: Sequence[str]) -> int | None:
     return min(parsed) if parsed else None
 
 
+def token_versions(sample) -> list[int | None] | None:
+    """The weight version of each completion token, from the sample's
+    ``version_spans`` (``None`` when it has none: one version for all)."""
+    spans = getattr(sample, "version_spans", None)
+    if not spans or len(spans) < 2:
+        return None
+    out: list[int | None] = [None] * len(sample.completion_ids)
+    for version, start, end in spans:
+        out[start:end] = [parse_version(version)] * (end - start)
+    return out
+
+
+STALENESS_BINS = (0, 1, 2, 3)
+"""``offpolicy/staleness_{k}_frac``: share of trained-candidate tokens k versions
+old (the last bin counts k and older)."""
+
+
 def select_samples(
     samples: list,
     current_version: int,
     max_staleness: int,
     mask_truncated: bool = False,
+    token_level: bool = False,
 ) -> tuple[list, dict[str, float]]:
     """The samples a step at trainer version ``current_version`` trains on.
 
     A sample's staleness is ``current_version - oldest_version(sample)``.
     With ``max_staleness >= 0``, a sample whose oldest version is older than
-    ``current_version - max_staleness`` is dropped; ``-1`` keeps all. A sample
-    with no numeric version (an engine that never received a version tag) is
-    kept as if current and counted in ``offpolicy/unknown_version``. With
-    ``mask_truncated``, samples whose ``finish_reason`` is ``"length"`` are
-    dropped as well.
+    ``current_version - max_staleness`` is dropped; ``-1`` keeps all. With
+    ``token_level`` (``grpo.is_correction = "token"``) a sample whose tokens
+    span several versions (a weight update landed mid-generation) keeps the
+    tokens recent enough and has only the older ones masked out of the loss
+    (``loss_mask``), since each token is importance-weighted on its own; it is
+    dropped only when none is left. A sample with no numeric version (an
+    engine that never received a version tag) is kept as if current and
+    counted in ``offpolicy/unknown_version``. With ``mask_truncated``, samples
+    whose ``finish_reason`` is ``"length"`` are dropped as well.
 
     Returns ``(kept, metrics)``; the staleness metrics cover every sample
-    generated, dropped or not.
+    generated, dropped or not (the histogram counts tokens).
     """
     kept, staleness = [], []
-    stale = truncated = unknown = 0
+    hist = [0] * len(STALENESS_BINS)
+    stale = truncated = unknown = masked_tokens = 0
+
+    def lag_of(v: int | None) -> int:
+        return max(0, current_version - (current_version if v is None else v))
+
     for s in samples:
         v = oldest_version(s.weight_versions)
         if v is None:
             unknown += 1
-            v = current_version
-        lag = max(0, current_version - v)
+        lag = lag_of(v)
         staleness.append(lag)
+        per_token = token_versions(s)
+        lags = [lag_of(t) for t in per_token] if per_token is not None else [lag] * len(s.completion_ids)
+        for t in lags:
+            hist[min(t, len(hist) - 1)] += 1
         if max_staleness >= 0 and lag > max_staleness:
-            stale += 1
-        elif mask_truncated and s.finish_reason == "length":
+            mask = None
+            if token_level and per_token is not None:
+                old_mask = s.loss_mask if s.loss_mask is not None else [1.0] * len(lags)
+                mask = [m if t <= max_staleness else 0.0 for m, t in zip(old_mask, lags)]
+            if not mask or not any(mask):
+                stale += 1  # one reason per sample: a stale truncated sample counts as stale
+                continue
+            masked_tokens += sum(1 for a, b in zip(old_mask, mask) if a and not b)
+            s.loss_mask = mask
+        if mask_truncated and s.finish_reason == "length":
             truncated += 1
-        else:
-            kept.append(s)
+            continue
+        kept.append(s)
     n = max(len(samples), 1)
+    tokens = max(sum(hist), 1)
     metrics = {
         "offpolicy/staleness_mean": sum(staleness) / n,
         "offpolicy/staleness_max": float(max(staleness, default=0)),
         "offpolicy/stale_dropped": float(stale),
+        "offpolicy/stale_tokens_masked": float(masked_tokens),
         "offpolicy/truncated_dropped": float(truncated),
         "offpolicy/unknown_version": float(unknown),
         "offpolicy/kept_samples": float(len(kept)),
     }
+    for k, count in zip(STALENESS_BINS, hist):
+        metrics[f"offpolicy/staleness_{k}_frac"] = count / tokens
     if stale:
         logger.debug("dropped %d of %d samples older than %d versions (trainer at version %d)",
                     stale, len(samples), max_staleness, current_version)
