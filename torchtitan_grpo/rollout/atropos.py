@@ -360,7 +360,7 @@ class AtroposSource:
         pulled = self._pull(stop)
         if pulled is None:
             return None
-        groups, pull_s = pulled
+        groups, pull_s, polls = pulled
         t1 = time.monotonic()
         batch = self._convert(groups)
         now = time.monotonic()
@@ -369,7 +369,8 @@ class AtroposSource:
         batch.metrics |= {
             "time/wait_s": now - t0,
             "time/generate_s": now - since,
-            "atropos/pull_s": pull_s,
+            "atropos/pull_s": pull_s,  # the /batch request that brought the data
+            "atropos/polls": float(polls),
             "atropos/convert_s": now - t1,
             "atropos/step": float(self.step),
             "atropos/reregistrations": float(self.reregistrations),
@@ -445,25 +446,27 @@ class AtroposSource:
                 return True
             time.sleep(min(left, 0.05))
 
-    def _pull(self, stop: threading.Event | None) -> tuple[list[dict], float] | None:
-        """Groups of the next batch and the seconds spent in requests; None on ``stop``."""
+    def _pull(self, stop: threading.Event | None) -> tuple[list[dict], float, int] | None:
+        """Groups of the next batch, the seconds its ``/batch`` request took and
+        how many ``/batch`` requests it took; None on ``stop``."""
         poll = self.cfg.poll_min_s
         down_since: float | None = None
         last_log = time.monotonic()
-        in_requests = 0.0
+        polls = 0
         while True:
             if self._closed.is_set():
                 raise ProducerStopped("Atropos source closed")
             if stop is not None and stop.is_set():
                 return None
-            r0 = time.monotonic()
             registered_now = False
             try:
                 if not self._registered:
                     self._register()
                     registered_now = True
+                r0 = time.monotonic()
                 reply = self._request("GET", "/batch")
-                in_requests += time.monotonic() - r0
+                polls += 1
+                request_s = time.monotonic() - r0
             except _Unreachable as e:
                 now = time.monotonic()
                 if down_since is None:
@@ -504,7 +507,7 @@ class AtroposSource:
                 if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
                     raise ProducerStopped(f"Atropos API at {self.url}: /batch holds {type(groups).__name__}, "
                                           "not a list of groups")
-                return groups, in_requests
+                return groups, request_s, polls
             now = time.monotonic()
             if now - last_log >= self.cfg.log_every_s:
                 last_log = now
