@@ -156,6 +156,7 @@ class TensorEngine:
     pause/resume, and a served version. Generation never runs."""
 
     tokenizer = None
+    max_context = 4096  # sizes the server's generation body limit (never used here)
 
     def __init__(self, params: dict[str, torch.Tensor], device: torch.device):
         from types import SimpleNamespace

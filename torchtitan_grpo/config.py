@@ -87,6 +87,23 @@ class GRPO:
 
 @dataclass
 class Rollout:
+    source: Literal["builtin", "atropos"] = "builtin"
+    """Where a step's groups come from. "builtin": the trainer's own producer
+    (task, dataset, reward keys below). "atropos": Atropos environments post
+    scored groups to atropos_url and rank 0 pulls prompts_per_step * group_size
+    sequences per step; task, dataset and reward are the environments' then,
+    and rollout.temperature must match theirs."""
+
+    atropos_url: str = "http://localhost:8000"
+    """Atropos trajectory API (atroposlib's run-api), rollout.source = "atropos"."""
+
+    atropos_startup_timeout_s: float = 60.0
+    """At start the Atropos API must answer within this, or the run stops naming atropos_url."""
+
+    atropos_unreachable_timeout_s: float = 600.0
+    """Mid-run, stop at a step boundary after the Atropos API has not answered
+    for this long; 0 retries for ever."""
+
     task: str = "digits"
     """Prompt source: "digits" (the built-in demo task) or "jsonl" (dataset_path + reward_fn)."""
 
@@ -316,6 +333,14 @@ def validate(cfg) -> None:
     _check(g.is_correction in ("none", "token", "sequence"), "grpo.is_correction",
            'must be "none", "token" or "sequence"', g.is_correction)
     _check(g.is_cap > 0, "grpo.is_cap", "must be > 0", g.is_cap)
+    _check(r.source in ("builtin", "atropos"), "rollout.source", 'must be "builtin" or "atropos"', r.source)
+    if r.source == "atropos":
+        _check(r.atropos_url.startswith(("http://", "https://")), "rollout.atropos_url", "must be an http(s) URL",
+               r.atropos_url)
+        _check(r.atropos_startup_timeout_s > 0, "rollout.atropos_startup_timeout_s", "must be > 0",
+               r.atropos_startup_timeout_s)
+        _check(r.atropos_unreachable_timeout_s >= 0, "rollout.atropos_unreachable_timeout_s",
+               "must be >= 0 (0: never give up)", r.atropos_unreachable_timeout_s)
     _check(r.task in ("digits", "jsonl"), "rollout.task", 'must be "digits" or "jsonl"', r.task)
     if r.task == "jsonl":
         _check(bool(r.dataset_path), "rollout.dataset_path", 'is required when rollout.task = "jsonl"', r.dataset_path)

@@ -29,6 +29,7 @@ from torchtitan_grpo.weight_sync.pusher import NoPush, Pusher, PushConfig, Weigh
 
 if TYPE_CHECKING:
     from torchtitan_grpo.checkpoint import Resumed
+    from torchtitan_grpo.rollout.atropos import AtroposSource
 
 logger = logging.getLogger("torchtitan_grpo")
 
@@ -50,7 +51,7 @@ def prepare_model_dir(cfg, d: Dist) -> str:
 
 @dataclass
 class RolloutSide:
-    rollouts: RolloutProducer
+    rollouts: RolloutProducer | AtroposSource
     """Finished groups for the trainer; its state_dict() (the prompts handed
     to the trainer) is checkpointed."""
     pusher: WeightPusher
@@ -85,6 +86,28 @@ def _replica_events(pool: InferencePool):
             pool.retire(e.url, f"given up after restarts ({e.detail})")
         # "restarted": the pool's health check sees it; the pusher catches it up and readmits it
     return on_event
+
+
+def _atropos_source(cfg, hf_dir: str, pool: InferencePool, resume: Resumed | None):
+    """rollout.source = "atropos": scored groups pulled from Atropos's trajectory API."""
+    from torchtitan_grpo.model import load_hf_config
+    from torchtitan_grpo.rollout.atropos import AtroposConfig, AtroposSource
+
+    r, c = cfg.rollout, cfg.checkpoint
+    source = AtroposSource(
+        AtroposConfig(url=r.atropos_url, batch_size=cfg.grpo.prompts_per_step * cfg.grpo.group_size,
+                      max_token_len=cfg.training.seq_len, num_steps=cfg.training.steps,
+                      checkpoint_dir=os.path.abspath(os.path.join(cfg.job.dump_folder, c.folder)),
+                      checkpoint_interval=c.interval if c.enable else -1,
+                      wandb_group=os.path.basename(os.path.abspath(cfg.job.dump_folder)),
+                      startup_timeout_s=r.atropos_startup_timeout_s,
+                      unreachable_timeout_s=r.atropos_unreachable_timeout_s),
+        scale_rewards=cfg.grpo.scale_rewards, filter_constant_groups=cfg.grpo.filter_constant_groups,
+        temperature=r.temperature, vocab_size=int(load_hf_config(hf_dir).get("vocab_size", 0)),
+        starting_step=resume.step if resume is not None else 0, pool=pool)
+    if resume is not None and resume.prompts is not None:
+        source.load_state_dict(resume.prompts)
+    return source
 
 
 def _prompt_source(cfg):
@@ -122,6 +145,9 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
                                                           i.startup_timeout_s, max_restarts=i.server_max_restarts))
             urls = [s.url for s in servers]
             supervisor = servers.supervisor
+            # Where environments that sample from these servers (Atropos) find them.
+            with open(os.path.join(cfg.job.dump_folder, "servers", "replicas.txt"), "w") as f:
+                f.write("".join(u + "\n" for u in urls))
         loop = LoopThread()
         stack.callback(loop.close)
         pool = InferencePool(urls, PoolConfig(backend=i.backend, model=i.model, replica_file=i.replica_file or None,
@@ -149,23 +175,27 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
         if w.mode != "off":
             pusher.connect(initial_version=0 if resume is None else -1)
 
-        prompts, task_reward = _prompt_source(cfg)
-        ledger = PromptLedger(prompts)
-        if resume is not None and resume.prompts is not None:
-            ledger.load_state_dict(resume.prompts)
-        scorer = GroupScorer(tok, make_reward_fn(r.reward_fn, task_reward), group_size=cfg.grpo.group_size,
-                             prompt_key=r.prompt_key, scale_rewards=cfg.grpo.scale_rewards,
-                             filter_constant_groups=cfg.grpo.filter_constant_groups,
-                             reward_timeout_s=r.reward_timeout_s,
-                             use_chat_template=r.use_chat_template and r.task == "jsonl")
-        eos = [t for t in ([tok.eos_token_id] if tok.eos_token_id is not None else [])]
-        sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                                  top_k=r.top_k, stop_token_ids=tuple(eos))
-        rollouts = RolloutProducer(loop, pool, ledger, scorer, prompts_per_step=cfg.grpo.prompts_per_step,
-                                   depth=depth, sampling=sampling, seed=cfg.grpo.seed)
+        if r.source == "atropos":
+            rollouts = _atropos_source(cfg, hf_dir, pool, resume)
+        else:
+            prompts, task_reward = _prompt_source(cfg)
+            ledger = PromptLedger(prompts)
+            if resume is not None and resume.prompts is not None:
+                ledger.load_state_dict(resume.prompts)
+            scorer = GroupScorer(tok, make_reward_fn(r.reward_fn, task_reward), group_size=cfg.grpo.group_size,
+                                 prompt_key=r.prompt_key, scale_rewards=cfg.grpo.scale_rewards,
+                                 filter_constant_groups=cfg.grpo.filter_constant_groups,
+                                 reward_timeout_s=r.reward_timeout_s,
+                                 use_chat_template=r.use_chat_template and r.task == "jsonl")
+            eos = [t for t in ([tok.eos_token_id] if tok.eos_token_id is not None else [])]
+            sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                                      top_k=r.top_k, stop_token_ids=tuple(eos))
+            rollouts = RolloutProducer(loop, pool, ledger, scorer, prompts_per_step=cfg.grpo.prompts_per_step,
+                                       depth=depth, sampling=sampling, seed=cfg.grpo.seed)
         stack.callback(rollouts.close)
-        logger.info("rollouts: %s (pipeline depth %d)%s", "pipelined" if depth else "serial", depth,
-                    f"; weight updates pause generation {pause_mode}" if depth and w.mode != "off" else "")
+        if r.source == "builtin":
+            logger.info("rollouts: %s (pipeline depth %d)%s", "pipelined" if depth else "serial", depth,
+                        f"; weight updates pause generation {pause_mode}" if depth and w.mode != "off" else "")
         log = MetricLogger(cfg.job.dump_folder, cfg.metrics.save_tb_folder,
                            resume_step=None if resume is None else resume.step)
         stack.callback(log.close)
