@@ -13,7 +13,6 @@ all break it.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import re
@@ -333,7 +332,8 @@ def test_aborted_group_is_regenerated_without_blaming_the_replica(fleet, referen
 
 
 def test_slow_replica_is_deprioritised_then_recovers(fleet, reference):
-    fault(fleet.fa, "slow", delay_s=1.0)
+    # 2 s against the fast replica's tens of ms: slow by far more than slow_factor even on a loaded box
+    fault(fleet.fa, "slow", delay_s=2.0)
 
     async def body():
         pool = InferencePool([fleet.fa, fleet.b], cfg(latency_window=4, slow_min_samples=2, slow_factor=2.0))
@@ -440,10 +440,6 @@ def test_replica_file_joins_and_removes(fleet, reference, tmp_path):
 
 
 def test_vllm_backend(fleet, reference):
-    # Skips only while the vLLM protocol module does not exist; if it exists
-    # but fails to import, that is a failure.
-    if importlib.util.find_spec("torchtitan_grpo.inference.vllm") is None:
-        pytest.skip("torchtitan_grpo.inference.vllm not written yet")
     fault(fleet.fb, "malformed_lengths")
 
     async def body():

@@ -45,6 +45,14 @@ def _slurm_answers() -> bool:
     return r.returncode == 0 and any(s.strip(" *~#") in ("idle", "mix", "alloc", "comp") for s in r.stdout.split())
 
 
+def _unavailable(why: str) -> None:
+    """Skip where SLURM cannot be had, but never silently in CI: .ci/run
+    installs it, so a CI run without it is a failure."""
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"CI=true but no SLURM: {why}")
+    pytest.skip(why)
+
+
 @pytest.fixture(scope="module")
 def slurm():
     """A SLURM controller with an idle node: the one running here, or a
@@ -52,13 +60,13 @@ def slurm():
     if _slurm_answers():
         return
     if os.geteuid() != 0:
-        pytest.skip("no SLURM controller answers and not root: cannot start one (scripts/slurm/local_cluster.sh)")
+        _unavailable("no SLURM controller answers and not root: cannot start one (scripts/slurm/local_cluster.sh)")
     if shutil.which("sbatch") is None:
         if shutil.which("apt-get") is None:
-            pytest.skip("SLURM is not installed and there is no apt-get to install it")
+            _unavailable("SLURM is not installed and there is no apt-get to install it")
         r = _run(["bash", CLUSTER, "install"], timeout=900)
         if r.returncode != 0:
-            pytest.skip(f"could not install slurm-wlm/munge with apt-get:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+            _unavailable(f"could not install slurm-wlm/munge with apt-get:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
     r = _run(["bash", CLUSTER, "start"], timeout=180)
     assert r.returncode == 0, f"SLURM is installed but did not start:\n{r.stdout}{r.stderr}"
     assert _slurm_answers(), _run(["sinfo"]).stdout

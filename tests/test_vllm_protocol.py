@@ -312,6 +312,14 @@ def _long_request(model_dir: str) -> dict:
         {"ignore_eos": True}
 
 
+def _until(pred, what: str, timeout_s: float = 60.0) -> None:
+    """A hang guard, not a speed check."""
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
 def _wait_decoding(url: str) -> None:
     deadline = time.monotonic() + 30
     while http(url, "/get_load")[1][0]["num_output_tokens"] < 3:
@@ -336,8 +344,8 @@ def test_pause_modes(server, model_dir, pool):
     running = pool.submit(complete, server, _long_request(model_dir))
     _wait_decoding(server)
     paused = pool.submit(post, server, vllm.PAUSE, query=vllm.pause_query("wait"))
-    time.sleep(0.05)
-    assert_error(http(server, vllm.COMPLETIONS, short), 503)
+    # once the pause has arrived, new requests are refused (polled: it arrives when it arrives)
+    _until(lambda: http(server, vllm.COMPLETIONS, short)[0] == 503, "new requests to be refused")
     assert paused.result(timeout=60) == (200, {"status": "paused"})
     (c,) = vllm.parse_completions(running.result(timeout=5), 1, server)
     assert c.finish_reason == "length" and len(c.token_ids) == 400
