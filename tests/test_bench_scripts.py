@@ -57,8 +57,14 @@ def test_snapshot_copy_cpu():
 def test_step_time_cpu(tiny_model_dir, tmp_path):
     r, out = _run([sys.executable, "bench/step_time.py", "--cpu", "--model-dir", tiny_model_dir,
                    "--log-dir", str(tmp_path / "servers")])
-    assert r.returncode in (0, 1), out[-4000:]  # 1: a timing bound missed on a busy machine
     lines = r.stdout.splitlines()
+    fails = [line for line in lines if line.startswith("FAIL ")]
+    # Only the slow-replica verdicts compare times (the step-time ratio, and the
+    # fast replica's lag against its own unslowed run), which a busy 2-core box
+    # may miss; every other verdict is about what was delivered, and must pass.
+    timing = [line for line in fails if line.startswith("FAIL slow replica:")]
+    assert fails == timing, fails
+    assert r.returncode == (1 if timing else 0), out[-4000:]
     title = max(i for i, line in enumerate(lines) if line.startswith("# step time:"))
     runs = [line.split("|")[1].strip() for line in lines[title + 3:] if line.startswith("| ")]
     assert runs == ["off", "sync", "async", "async, r1 slowed", "async, r1 killed + restarted"], out[-4000:]
