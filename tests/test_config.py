@@ -1,6 +1,7 @@
 """Start-up checks: every bad input fails with a message naming the key or file."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -175,3 +176,28 @@ def test_a_bad_config_is_one_naming_line_and_starts_nothing(tmp_path, args, nami
     assert len(errors) == 1 and naming in errors[0], r.stderr
     assert "Traceback" not in r.stdout + r.stderr
     assert not (dump / "servers").exists()  # no server was started
+
+
+def test_missing_and_invalid_config_files_are_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"config file '.*nope\.toml' \(--job\.config_file\) does not exist"):
+        parse_config(["--job.config_file", str(tmp_path / "nope.toml")])
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[grpo\ngroup_size = 4\n")
+    with pytest.raises(ConfigError, match=r"config file '.*bad\.toml' is not valid TOML"):
+        parse_config(["--job.config_file", str(bad)])
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("inference.request_timeout_s", "0", "must be > 0"),
+    ("inference.startup_timeout_s", "-1", "must be > 0"),
+    ("inference.server_max_restarts", "-1", "must be >= 0"),
+    ("rollout.reward_timeout_s", "0", "must be > 0"),
+    ("weight_sync.replica_deadline_s", "0", "must be > 0"),
+    ("weight_sync.init_timeout_s", "0", "must be > 0"),
+    ("grpo.clip_low", "1.0", r"must be in \[0, 1\)"),
+    ("grpo.clip_low", "-0.1", r"must be in \[0, 1\)"),
+    ("grpo.clip_high", "-0.1", "must be >= 0"),
+])
+def test_bounds_of_timeout_and_clip_keys(key, value, message):
+    with pytest.raises(ConfigError, match=rf"config key {re.escape(key)} = .*: {message}"):
+        parse_config(["--job.config_file", DEMO, f"--{key}", value])
