@@ -120,7 +120,7 @@ def final_check(side):
             worst = max(worst, float((served - ref).abs().max()))
             if not torch.equal(served, ref):
                 unequal.append(name)
-        ids = [side.rollouts.encode_prompt(p) for p in PROMPTS]
+        ids = [side.rollouts.scorer.encode_prompt(p) for p in PROMPTS]
         gen = _post(url + "/generate", {"input_ids": ids, "return_logprob": True, "sampling_params": {
             "max_new_tokens": 8, "temperature": temperature, "ignore_eos": True, "sampling_seed": 1234}})
         lp_diff, gen_versions = 0.0, set()
