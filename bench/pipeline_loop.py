@@ -20,6 +20,9 @@ of generation and training is the only difference. Per run, after
 * push stall: what the snapshot cost the trainer's thread per step; lag: how
   many versions the first server was behind when the step was logged.
 
+On CPU, "serial-N-sync" is the demo as shipped (serial loop, synchronous
+push), the baseline of "the demo's loop time pipelined vs serial".
+
 "pipelined-N-real-order" repeats the pipelined run with the weight push in
 the order a real SGLang gets it (``weight_sync.pipeline_requests`` and
 ``ack_posted`` off: one request after another's reply).
@@ -155,7 +158,7 @@ def train(args, name: str, depth: int, delays: list[float], extra: tuple[str, ..
                "--job.dump_folder", dump, "--model.hf_assets_path", args.model_dir,
                "--inference.urls", ",".join(s.url for s in servers),
                "--weight_sync.mode", "async", "--weight_sync.transport", args.transport,
-               "--rollout.pipeline_depth", str(depth), "--training.steps", str(args.steps), *extra, *args.extra]
+               "--rollout.pipeline_depth", str(depth), "--training.steps", str(args.steps), *args.extra, *extra]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                    PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p))
         t0 = time.perf_counter()
@@ -214,8 +217,12 @@ def main(argv: list[str] | None = None) -> int:
     for n in replicas:
         for depth, loop in ((0, "serial"), (1, "pipelined")):
             runs[f"{loop}-{n}"] = train(args, f"{loop}-{n}", depth, [0.0] * n)
-    # What a real SGLang gets: one request after another's reply, no early answers.
     n = replicas[0]
+    if not gpu:
+        # The demo as shipped: the serial loop with a synchronous push (exactly on-policy).
+        runs[f"serial-{n}-sync"] = train(args, f"serial-{n}-sync", 0, [0.0] * n,
+                                         ("--weight_sync.mode", "sync"))
+    # What a real SGLang gets: one request after another's reply, no early answers.
     runs[f"pipelined-{n}-real-order"] = train(args, f"pipelined-{n}-real-order", 1, [0.0] * n,
                                               ("--weight_sync.no-pipeline-requests",
                                                "--weight_sync.no-ack-posted"))
@@ -237,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
           f"reward first 10 | last 10 | loop s |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, r in runs.items():
-        serial = runs.get(name.replace("pipelined", "serial").replace("-real-order", ""))
+        serial = runs.get(name.replace("pipelined", "serial").replace("-real-order", "").replace("-sync", ""))
         ideal = (serial.wait_s + serial.rest_s) / max(serial.wait_s, serial.rest_s) if serial else float("nan")
         gain = r.samples_per_s / serial.samples_per_s if serial else float("nan")
         loop_s = sum(x["time/step_s"] for x in r.rows)

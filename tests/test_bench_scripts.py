@@ -130,7 +130,7 @@ def test_pipeline_loop_cpu(tmp_path):
     lines = r.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("| run | steps | samples/s"))
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[header + 2:] if line.startswith("| ")]
-    assert [row[0] for row in rows] == ["serial-1", "pipelined-1", "pipelined-1-real-order"], rows
+    assert [row[0] for row in rows] == ["serial-1", "pipelined-1", "serial-1-sync", "pipelined-1-real-order"], rows
     assert all(row[1] == "6" and float(row[2]) > 0 for row in rows), rows
     for name in ("serial-1", "pipelined-1"):
         log = (tmp_path / name / "train.log").read_text()
