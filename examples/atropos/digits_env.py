@@ -12,7 +12,8 @@ off-policy correction.
 
 Generation goes through atroposlib's ``SGLangServer`` handler (its token and
 log-prob path, SGLang's ``/generate``), which the trainer's built-in server
-speaks. Run it with the Atropos API and the trainer (see README.md here)::
+speaks: turn 1 is one request for the group (``n`` = group size), turn 2 one
+batched request holding every sequence's own context. Run it with the Atropos API and the trainer (see README.md here)::
 
     python examples/atropos/digits_env.py serve --env.tokenizer_name ./outputs/tiny-qwen3 \
         --env.replica_file ./outputs/atropos_demo/servers/replicas.txt
@@ -102,7 +103,11 @@ class DigitsTwoTurnEnv(BaseEnv):
         prompt = f"{d}>"
         return {"prompt": prompt, "answer": digits_answer(prompt)}
 
-    async def _generate(self, input_ids: list[int], n: int) -> list[tuple[list[int], list[float], str]]:
+    async def _generate(self, input_ids: list[int] | list[list[int]], n: int
+                        ) -> list[tuple[list[int], list[float], str]]:
+        """``n`` samples of one prompt, or one sample of each prompt of a batch
+        (a list of token-id lists: SGLang's batched ``/generate``, answered in
+        prompt order, one request for the whole batch)."""
         _, outs, lps, finishes = await self.server.tokens_and_logprobs_completion(
             input_ids=list(input_ids), n=n, max_tokens=self.config.max_answer_tokens,
             temperature=self.config.temperature, stop_token_ids=[self.eos])
@@ -115,20 +120,21 @@ class DigitsTwoTurnEnv(BaseEnv):
     async def collect_trajectories(self, item: dict) -> tuple[ScoredDataGroup | None, list]:
         prompt_ids = self.tokenizer.encode(item["prompt"], add_special_tokens=False)
         first = await self._generate(prompt_ids, self.config.group_size)  # turn 1: the whole group at once
-
-        async def second_turn(out1: list[int], lp1: list[float]):
+        # The environment's reply depends on each sequence's first answer; turn 2
+        # continues every sequence from its own context, all in one batched request.
+        replies = []
+        for out1, _, _ in first:
             verdict = "+" if self._text(out1).strip() == item["answer"] else "-"
-            reply_ids = self.tokenizer.encode(verdict + item["prompt"], add_special_tokens=False)
-            (out2, lp2, finish), = await self._generate(prompt_ids + out1 + reply_ids, 1)
-            seq = two_turn_sequence(prompt_ids, (out1, lp1), reply_ids, (out2, lp2))
-            return seq, digits_reward(item["prompt"], self._text(out2), item), finish
-
-        results = await asyncio.gather(*(second_turn(o, lp) for o, lp, _ in first))
+            replies.append(self.tokenizer.encode(verdict + item["prompt"], add_special_tokens=False))
+        second = await self._generate([prompt_ids + out1 + reply for (out1, _, _), reply in zip(first, replies)], 1)
+        if len(second) != len(first):
+            raise RuntimeError(f"the server answered {len(second)} of {len(first)} second-turn prompts")
         group = ScoredDataGroup(tokens=[], masks=[], scores=[], inference_logprobs=[], overrides=[])
-        for seq, score, finish in results:
+        for (out1, lp1, _), reply, (out2, lp2, finish) in zip(first, replies, second):
+            seq = two_turn_sequence(prompt_ids, (out1, lp1), reply, (out2, lp2))
             for key in ("tokens", "masks", "inference_logprobs"):
                 group[key].append(seq[key])
-            group["scores"].append(score)
+            group["scores"].append(digits_reward(item["prompt"], self._text(out2), item))
             group["overrides"].append({"finish_reason": finish})
         return group, []
 
