@@ -40,73 +40,26 @@ must still learn pipelined) and the loop's wall time.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from torchtitan_grpo.inference.launcher import free_port, log_tail  # noqa: E402
+from torchtitan_grpo.inference.launcher import ServerSpec, log_tail, start_servers, stop_process  # noqa: E402
 
 
-@dataclass
-class Server:
-    url: str
-    proc: subprocess.Popen
-    log: str
-
-
-def _die_with_parent() -> None:
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def start_server(model_dir: str, device: str, dtype: str, log_dir: str, decode_delay_s: float = 0.0) -> Server:
-    port = free_port()
-    log = os.path.join(log_dir, f"server_{port}.log")
-    cmd = [sys.executable, "-m", "torchtitan_grpo.inference.server", "--model", model_dir, "--port", str(port),
-           "--device", device, "--dtype", dtype, "--num-threads", "1"]
-    if decode_delay_s > 0:
-        cmd += ["--debug-decode-delay-s", f"{decode_delay_s:.6f}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p))
-    with open(log, "ab") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
-    return Server(f"http://127.0.0.1:{port}", proc, log)
-
-
-def wait_healthy(s: Server, timeout_s: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if s.proc.poll() is not None:
-            raise RuntimeError(f"server {s.url} exited with {s.proc.returncode}:\n{log_tail(s.log)}")
-        with contextlib.suppress(OSError, ValueError):
-            with urllib.request.urlopen(s.url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        time.sleep(0.2)
-    raise RuntimeError(f"server {s.url} not healthy within {timeout_s}s:\n{log_tail(s.log)}")
-
-
-def stop(servers: list[Server]) -> None:
-    for s in servers:
-        if s.proc.poll() is None:
-            s.proc.terminate()
-    for s in servers:
-        try:
-            s.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            s.proc.kill()
+def server_specs(args, delays: list[float]) -> list[ServerSpec]:
+    """One built-in server per entry of ``delays`` (its --debug-decode-delay-s)."""
+    return [ServerSpec(args.model_dir, device=args.server_device, dtype=args.server_dtype,
+                       extra_args=("--num-threads", "1", *(("--debug-decode-delay-s", f"{d:.6f}") if d > 0 else ())))
+            for d in delays]
 
 
 # --------------------------------------------------------------------- one run
@@ -149,10 +102,8 @@ def train(args, name: str, depth: int, delays: list[float], extra: tuple[str, ..
     dump = os.path.join(args.out, name)
     shutil.rmtree(dump, ignore_errors=True)
     os.makedirs(dump)
-    servers = [start_server(args.model_dir, args.server_device, args.server_dtype, dump, d) for d in delays]
+    servers = start_servers(server_specs(args, delays), dump, timeout_s=600)  # each answers /health
     try:
-        for s in servers:
-            wait_healthy(s)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
                os.path.join(ROOT, "grpo_train.py"), "--job.config_file", args.config,
                "--job.dump_folder", dump, "--model.hf_assets_path", args.model_dir,
@@ -169,7 +120,8 @@ def train(args, name: str, depth: int, delays: list[float], extra: tuple[str, ..
         if rc != 0:
             raise RuntimeError(f"run {name} failed (exit {rc}):\n{log_tail(os.path.join(dump, 'train.log'), 40)}")
     finally:
-        stop(servers)
+        for srv in servers:
+            stop_process(srv.proc)
     with open(os.path.join(dump, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     run = Run(name, rows, min(args.warmup, len(rows) - 1), wall)
