@@ -1,0 +1,115 @@
+"""The static-cache KV batch computes the HF model's logits (fp32, CPU).
+
+Sequences of different lengths sit in one batch at different positions, share
+a prompt's prefill, leave, and new ones join mid-flight: every logit row must
+equal the HF forward of that row's whole context on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from torchtitan_grpo.inference.static_batch import StaticBatch, supports
+
+
+@dataclass
+class _Req:
+    prompt_ids: list[int]
+
+
+@dataclass(eq=False)
+class _Seq:
+    req: _Req
+    index: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+
+    def context(self) -> list[int]:
+        return self.req.prompt_ids + self.output_ids
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval().requires_grad_(False)
+    assert supports(m) is None
+    return m
+
+
+def _reference(model, ctx: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ctx])).logits[0, -1]
+
+
+def _check(model, batch: StaticBatch, logits: torch.Tensor, seqs) -> None:
+    assert logits.shape[0] == len(seqs)
+    for row, s in zip(logits, seqs):
+        torch.testing.assert_close(row, _reference(model, s.context()), atol=1e-4, rtol=1e-4)
+
+
+def test_prefill_decode_leave_join_match_hf(model):
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    rand = lambda n: torch.randint(3, vocab, (n,), generator=g).tolist()  # noqa: E731
+    batch = StaticBatch(model, torch.device("cpu"), slots=6, max_len=64)
+
+    shared = _Req(rand(5))
+    first = [_Seq(shared, 0), _Seq(shared, 1), _Seq(_Req(rand(9)))]
+    with torch.no_grad():
+        logits = batch.prefill(first)
+    _check(model, batch, logits, first)
+    assert first[1].cached_tokens == 5  # the second sample reused the first's prefill
+
+    def decode_steps(k: int) -> None:
+        for _ in range(k):
+            last = torch.tensor(rand(len(batch.rows)))
+            for s, t in zip(batch.rows, last.tolist()):
+                s.output_ids.append(t)
+            with torch.no_grad():
+                out = batch.decode(last)
+            _check(model, batch, out, batch.rows)
+
+    decode_steps(3)
+    batch.keep([0, 2])  # the middle row finishes; its slot frees
+    assert batch.room() == 4
+    decode_steps(2)
+    joiner = [_Seq(_Req(rand(3)))]
+    with torch.no_grad():
+        _check(model, batch, batch.prefill(joiner), joiner)
+    assert len(batch.rows) == 3
+    # A retracted sequence comes back with output: its whole context is prefilled.
+    back = _Seq(_Req(rand(4)), output_ids=rand(6))
+    with torch.no_grad():
+        _check(model, batch, batch.prefill([back]), [back])
+    decode_steps(4)
+    batch.clear()
+    assert batch.room() == 6 and batch.rows == []
+
+
+def test_full_batch_refuses_more(model):
+    batch = StaticBatch(model, torch.device("cpu"), slots=2, max_len=32)
+    with torch.no_grad():
+        batch.prefill([_Seq(_Req([3, 4])), _Seq(_Req([5]))])
+        with pytest.raises(RuntimeError, match="free slots"):
+            batch.prefill([_Seq(_Req([6]))])
+
+
+def test_weights_changed_drops_graphs_only_when_storage_moves(model):
+    batch = StaticBatch(model, torch.device("cpu"), slots=2, max_len=32)
+    batch._graphs[(1, 128)] = ("graph", None)  # what a capture leaves
+    p = next(model.parameters())
+    with torch.no_grad():
+        p.copy_(p.clone())  # a copy into the same storage
+    batch.weights_changed()
+    assert batch._graphs
+    old = p.data
+    p.data = old.clone()  # a storage swap (an adopted receive buffer)
+    try:
+        batch.weights_changed()
+        assert not batch._graphs
+    finally:
+        p.data = old

@@ -1,0 +1,317 @@
+"""A KV batch with a preallocated cache and CUDA-graph decode steps.
+
+The dynamic batch (``batch.py``) runs the HF model's own forward on a
+``DynamicCache``: every decode step is ~30 Python-level module calls per layer
+and a few hundred kernel launches, so on a GPU a small model's step costs
+tens of milliseconds of launch overhead for well under a millisecond of HBM
+traffic. This batch removes that overhead without hand-written kernels:
+
+- **Slots.** The KV cache is one tensor per layer, ``[slots, max_len, kv_heads,
+  head_dim]``, allocated once. A sequence owns a slot from admission to its end;
+  nothing is ever moved, concatenated or left-padded. Each slot's next position
+  is its own (rows of one batch may sit at different lengths).
+- **Decode over a slot prefix.** A decode step runs the first ``B`` slots, ``B``
+  the smallest bucket that covers every live slot (free slots compute rows
+  nobody reads), and attends over the first ``L`` cache positions, ``L`` the
+  smallest bucket over the longest live row. So each ``(B, L)`` pair has fixed
+  shapes and is captured once as a CUDA graph and replayed.
+- **The model's own modules.** The step calls the HF model's embedding, norms,
+  projections, MLPs and LM head; only attention is written here (rotary on
+  per-row positions, a cache write at per-row positions, SDPA with a per-row
+  length mask), because the HF attention assumes one cache position per batch.
+  Weights are read from the model's parameters, so a weight update that
+  copies into the parameters' storage is seen by every captured graph; an
+  update that swaps storage must call :meth:`StaticBatch.weights_changed`.
+
+Supported: the plain pre-norm decoder family (Llama, Qwen2, Qwen3, Mistral
+without sliding windows): ``supports(model)`` says so, else the engine keeps
+the dynamic batch. On CPU the same code runs without graphs (tests compare
+its logits with the HF forward).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+_SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+_MIN_LEN_BUCKET = 128
+
+
+def supports(model: Any) -> str | None:
+    """None if ``model`` can run on a static batch, else why not (for the log)."""
+    cfg = model.config
+    if cfg.model_type not in _SUPPORTED_TYPES:
+        return f"model_type {cfg.model_type!r} (static batch knows {', '.join(_SUPPORTED_TYPES)})"
+    types = getattr(cfg, "layer_types", None) or []
+    if any(t != "full_attention" for t in types) or getattr(cfg, "sliding_window", None) and getattr(
+        cfg, "use_sliding_window", cfg.model_type == "mistral"
+    ):
+        return "sliding-window attention"
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
+        return "not a decoder with model.layers and model.rotary_emb"
+    attn = inner.layers[0].self_attn
+    if not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling")):
+        return "attention without q/k/v/o projections"
+    return None
+
+
+def _bucket(n: int, buckets: Sequence[int], cap: int) -> int:
+    for b in buckets:
+        if b >= n:
+            return min(b, cap)
+    return cap
+
+
+def _len_bucket(n: int, cap: int) -> int:
+    b = _MIN_LEN_BUCKET
+    while b < n:
+        b *= 2
+    return min(b, cap)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # HF's rotate_half convention: the two halves of the head dim are the pair.
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+class StaticBatch:
+    """The :class:`~torchtitan_grpo.inference.batch.KVBatch` of a preallocated
+    slot cache; decode steps are CUDA graphs on a GPU (``graphs``)."""
+
+    can_merge = True
+
+    def __init__(self, model: Any, device: torch.device, slots: int, max_len: int, graphs: bool = True):
+        why = supports(model)
+        if why is not None:
+            raise ValueError(f"static KV batch: unsupported model: {why}")
+        self.model = model
+        self.device = device
+        self.slots = slots
+        self.max_len = max_len
+        self.graphs = graphs and device.type == "cuda"
+        inner = model.model
+        self._inner = inner
+        self._layers = list(inner.layers)
+        cfg = model.config
+        attn = self._layers[0].self_attn
+        self.n_heads = int(cfg.num_attention_heads)
+        self.n_kv = int(cfg.num_key_value_heads)
+        self.head_dim = int(getattr(attn, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        self.scaling = float(attn.scaling)
+        dtype = inner.embed_tokens.weight.dtype
+        shape = (slots, max_len, self.n_kv, self.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in self._layers]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in self._layers]
+        with torch.no_grad():
+            pos = torch.arange(max_len, device=device)[None]
+            probe = torch.zeros((1, 1), dtype=dtype, device=device)
+            cos, sin = inner.rotary_emb(probe, pos)
+        self._cos, self._sin = cos[0].contiguous(), sin[0].contiguous()  # [max_len, head_dim]
+        # Decode inputs live in fixed buffers (graph inputs are addresses).
+        self._tokens = torch.zeros(slots, dtype=torch.long, device=device)
+        self._pos = torch.zeros(slots, dtype=torch.long, device=device)
+        self._len = [0] * slots  # host mirror of each slot's cached length
+        self._free = list(range(slots))  # lowest slot first keeps the live prefix short
+        self._slot_of: list[int] = []  # per row
+        self.rows: list[Any] = []
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+        self._param_ptrs = self._ptrs()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    # ---- KVBatch --------------------------------------------------------- #
+
+    def room(self) -> int:
+        return len(self._free)
+
+    def clear(self) -> None:
+        self.rows, self._slot_of = [], []
+        self._free = list(range(self.slots))
+        self._len = [0] * self.slots
+
+    def keep(self, idx: list[int]) -> None:
+        kept = set(idx)
+        for i, slot in enumerate(self._slot_of):
+            if i not in kept:
+                self._len[slot] = 0
+                self._free.append(slot)
+        self._free.sort()
+        self.rows = [self.rows[i] for i in idx]
+        self._slot_of = [self._slot_of[i] for i in idx]
+
+    def prefill(self, seqs: list[Any]) -> torch.Tensor:
+        """Prefill the new sequences (one row per distinct context: samples of
+        one request with no output yet share it, their slots get a copy of its
+        KV) and return their last-position logits in ``seqs`` order."""
+        if len(seqs) > len(self._free):
+            raise RuntimeError(f"static KV batch: {len(seqs)} sequences for {len(self._free)} free slots")
+        groups: dict[tuple, int] = {}
+        ctxs: list[list[int]] = []
+        owner: list[int] = []  # per unique context: the slot its prefill writes
+        row_of: list[int] = []
+        slots: list[int] = []
+        for s in seqs:
+            slot = self._free.pop(0)
+            slots.append(slot)
+            key = (id(s.req),) if not s.output_ids else (id(s.req), s.index)
+            if key not in groups:
+                ctx = s.context()
+                if len(ctx) >= self.max_len:
+                    raise RuntimeError(f"context of {len(ctx)} tokens does not fit max_len {self.max_len}")
+                groups[key] = len(ctxs)
+                ctxs.append(ctx)
+                owner.append(slot)
+            else:
+                s.cached_tokens = len(s.req.prompt_ids)
+            row_of.append(groups[key])
+        logits = self._prefill(ctxs, owner)
+        # Siblings share the owner's KV: copy it into their own slots.
+        src = [owner[r] for r in row_of]
+        copies = [(d, s) for d, s in zip(slots, src) if d != s]
+        if copies:
+            dst_t = torch.tensor([d for d, _ in copies], device=self.device)
+            src_t = torch.tensor([s for _, s in copies], device=self.device)
+            width = max(len(ctxs[r]) for r in row_of)
+            for cache in self.k + self.v:
+                cache[dst_t, :width] = cache[src_t, :width]
+        for slot, r in zip(slots, row_of):
+            self._len[slot] = len(ctxs[r])
+        pos = torch.tensor([len(ctxs[r]) for r in row_of], device=self.device)
+        self._pos[torch.tensor(slots, device=self.device)] = pos
+        self.rows.extend(seqs)
+        self._slot_of.extend(slots)
+        return logits[torch.tensor(row_of, device=self.device)]
+
+    def decode(self, last: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row, return logits ``[len(rows), vocab]``."""
+        slots = torch.tensor(self._slot_of, device=self.device)
+        self._tokens[slots] = last
+        live = max(self._slot_of) + 1
+        longest = max(self._len[s] for s in self._slot_of) + 1
+        if longest > self.max_len:
+            raise RuntimeError(f"static KV batch: a row reached max_len {self.max_len}")
+        b = _bucket(live, _BATCH_BUCKETS, self.slots)
+        n = _len_bucket(longest, self.max_len)
+        if self.graphs:
+            out = self._replay(b, n)
+        else:
+            out = self._step(b, n)
+        for s in self._slot_of:
+            self._len[s] += 1
+        self._pos[slots] += 1
+        return out[slots]
+
+    # ---- weights --------------------------------------------------------- #
+
+    def _ptrs(self) -> list[int]:
+        return [p.data_ptr() for p in self.model.parameters()]
+
+    def weights_changed(self) -> None:
+        """Call after a weight update: graphs captured on parameter storage
+        that has since been replaced (a ``.data`` swap) are dropped and
+        recaptured on next use; copies into the same storage keep them."""
+        ptrs = self._ptrs()
+        if ptrs != self._param_ptrs:
+            self._param_ptrs = ptrs
+            self._graphs.clear()
+
+    # ---- the forward ----------------------------------------------------- #
+
+    def _attn_qkv(self, layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        a = layer.self_attn
+        shape = x.shape[:-1]
+        q = a.q_proj(x).view(*shape, self.n_heads, self.head_dim)
+        k = a.k_proj(x).view(*shape, self.n_kv, self.head_dim)
+        v = a.v_proj(x).view(*shape, self.n_kv, self.head_dim)
+        if hasattr(a, "q_norm"):
+            q, k = a.q_norm(q), a.k_norm(k)
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
+        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+    def _mlp(self, layer: Any, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        h = h + layer.self_attn.o_proj(attn_out)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def _prefill(self, ctxs: list[list[int]], owner: list[int]) -> torch.Tensor:
+        """Right-padded, causal: a real token never sees a pad (pads come after it)."""
+        n = len(ctxs)
+        width = max(len(c) for c in ctxs)
+        ids = torch.zeros((n, width), dtype=torch.long)
+        for i, c in enumerate(ctxs):
+            ids[i, : len(c)] = torch.tensor(c)
+        ids = ids.to(self.device)
+        slot = torch.tensor(owner, device=self.device)
+        cos, sin = self._cos[:width][None], self._sin[:width][None]
+        h = self._inner.embed_tokens(ids)
+        for li, layer in enumerate(self._layers):
+            q, k, v = self._attn_qkv(layer, layer.input_layernorm(h), cos, sin)
+            self.k[li][slot, :width] = k
+            self.v[li][slot, :width] = v
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                is_causal=True, scale=self.scaling, enable_gqa=self.n_kv != self.n_heads,
+            )
+            h = self._mlp(layer, h, o.transpose(1, 2).reshape(n, width, -1))
+        last = torch.tensor([len(c) - 1 for c in ctxs], device=self.device)
+        h = self._inner.norm(h[torch.arange(n, device=self.device), last])
+        return self.model.lm_head(h)
+
+    def _step(self, b: int, n: int) -> torch.Tensor:
+        """One decode step of slots ``[0, b)`` over cache positions ``[0, n)``."""
+        ids, pos = self._tokens[:b], self._pos[:b]
+        rows = torch.arange(b, device=self.device)
+        cos, sin = self._cos[pos], self._sin[pos]
+        mask = (torch.arange(n, device=self.device)[None] <= pos[:, None])[:, None, None, :]
+        h = self._inner.embed_tokens(ids)
+        for li, layer in enumerate(self._layers):
+            q, k, v = self._attn_qkv(layer, layer.input_layernorm(h), cos, sin)
+            self.k[li][rows, pos] = k
+            self.v[li][rows, pos] = v
+            # GQA without copying K/V per query head: the heads of one KV head
+            # are its query rows (HF's repeat_kv order: head h reads kv h // group).
+            o = F.scaled_dot_product_attention(
+                q.view(b, self.n_kv, self.n_heads // self.n_kv, self.head_dim),
+                self.k[li][:b, :n].transpose(1, 2), self.v[li][:b, :n].transpose(1, 2),
+                attn_mask=mask, scale=self.scaling,
+            )
+            h = self._mlp(layer, h, o.reshape(b, -1))
+        return self.model.lm_head(self._inner.norm(h))
+
+    def _replay(self, b: int, n: int) -> torch.Tensor:
+        entry = self._graphs.get((b, n))
+        if entry is None:
+            entry = self._capture(b, n)
+            self._graphs[(b, n)] = entry
+        graph, out = entry
+        graph.replay()
+        return out
+
+    def _capture(self, b: int, n: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        # Warm up on a side stream (lazy inits, cuBLAS workspaces), then capture.
+        # The step writes the cache at the slots' current positions: harmless,
+        # the replay that follows writes the same values there.
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._step(b, n)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self._step(b, n)
+        logger.debug("captured decode graph for %d slots x %d positions", b, n)
+        return graph, out
