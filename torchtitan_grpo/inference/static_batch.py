@@ -77,6 +77,15 @@ def _len_bucket(n: int, cap: int) -> int:
     return min(b, cap)
 
 
+def _norm(module: Any, x: torch.Tensor) -> torch.Tensor:
+    # One fused kernel where the HF module spends about seven (cast, pow,
+    # mean, add, rsqrt, mul, mul): per layer that is most of a decode step's
+    # launches. Same math (fp32 statistics); the weight multiply is in fp32
+    # before the cast instead of after it, a bf16 rounding difference.
+    eps = getattr(module, "variance_epsilon", None) or getattr(module, "eps", 1e-6)
+    return F.rms_norm(x, (x.shape[-1],), module.weight, eps)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # HF's rotate_half convention: the two halves of the head dim are the pair.
     half = x.shape[-1] // 2
@@ -237,13 +246,13 @@ class StaticBatch:
         k = a.k_proj(x).view(*shape, self.n_kv, self.head_dim)
         v = a.v_proj(x).view(*shape, self.n_kv, self.head_dim)
         if hasattr(a, "q_norm"):
-            q, k = a.q_norm(q), a.k_norm(k)
+            q, k = _norm(a.q_norm, q), _norm(a.k_norm, k)
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
         return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
     def _mlp(self, layer: Any, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         h = h + layer.self_attn.o_proj(attn_out)
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        return h + layer.mlp(_norm(layer.post_attention_layernorm, h))
 
     def _prefill(self, ctxs: list[list[int]], owner: list[int]) -> torch.Tensor:
         """Right-padded, causal: a real token never sees a pad (pads come after it)."""
@@ -257,7 +266,7 @@ class StaticBatch:
         cos, sin = self._cos[:width][None], self._sin[:width][None]
         h = self._inner.embed_tokens(ids)
         for li, layer in enumerate(self._layers):
-            q, k, v = self._attn_qkv(layer, layer.input_layernorm(h), cos, sin)
+            q, k, v = self._attn_qkv(layer, _norm(layer.input_layernorm, h), cos, sin)
             self.k[li][slot, :width] = k
             self.v[li][slot, :width] = v
             o = F.scaled_dot_product_attention(
@@ -266,7 +275,7 @@ class StaticBatch:
             )
             h = self._mlp(layer, h, o.transpose(1, 2).reshape(n, width, -1))
         last = torch.tensor([len(c) - 1 for c in ctxs], device=self.device)
-        h = self._inner.norm(h[torch.arange(n, device=self.device), last])
+        h = _norm(self._inner.norm, h[torch.arange(n, device=self.device), last])
         return self.model.lm_head(h)
 
     def _step(self, b: int, n: int) -> torch.Tensor:
@@ -277,7 +286,7 @@ class StaticBatch:
         mask = (torch.arange(n, device=self.device)[None] <= pos[:, None])[:, None, None, :]
         h = self._inner.embed_tokens(ids)
         for li, layer in enumerate(self._layers):
-            q, k, v = self._attn_qkv(layer, layer.input_layernorm(h), cos, sin)
+            q, k, v = self._attn_qkv(layer, _norm(layer.input_layernorm, h), cos, sin)
             self.k[li][rows, pos] = k
             self.v[li][rows, pos] = v
             # GQA without copying K/V per query head: the heads of one KV head
@@ -288,7 +297,7 @@ class StaticBatch:
                 attn_mask=mask, scale=self.scaling,
             )
             h = self._mlp(layer, h, o.reshape(b, -1))
-        return self.model.lm_head(self._inner.norm(h))
+        return self.model.lm_head(_norm(self._inner.norm, h))
 
     def _replay(self, b: int, n: int) -> torch.Tensor:
         entry = self._graphs.get((b, n))
