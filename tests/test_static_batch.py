@@ -98,21 +98,31 @@ def test_full_batch_refuses_more(model):
             batch.prefill([_Seq(_Req([6]))])
 
 
-def test_weights_changed_drops_graphs_only_when_storage_moves(model):
+def test_weight_updates_reach_the_fused_buffers(tiny_model_dir):
+    """A copy into a parameter (what a weight update does) is seen at once and
+    keeps captured graphs; a storage swap (an adopted receive buffer) is seen
+    after ``weights_changed``, which re-fuses and drops the graphs."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval().requires_grad_(False)
     batch = StaticBatch(model, torch.device("cpu"), slots=2, max_len=32)
-    batch._graphs[(1, 128)] = ("graph", None)  # what a capture leaves
-    p = next(model.parameters())
+    q = model.model.layers[0].self_attn.q_proj.weight
+    up = model.model.layers[-1].mlp.up_proj.weight
+    seq = lambda: [_Seq(_Req([5, 9, 4, 7]))]  # noqa: E731
     with torch.no_grad():
-        p.copy_(p.clone())  # a copy into the same storage
-    batch.weights_changed()
-    assert batch._graphs
-    old = p.data
-    p.data = old.clone()  # a storage swap (an adopted receive buffer)
-    try:
+        q.copy_(q * 1.5)
+        up.add_(0.25)
+        batch._graphs[(1, 128)] = ("graph", None)  # what a capture leaves
+        batch.weights_changed()
+        assert batch._graphs
+        s = seq()
+        _check(model, batch, batch.prefill(s), s)
+        batch.clear()
+        q.data = q.data * -1.0  # a swap: new storage
         batch.weights_changed()
         assert not batch._graphs
-    finally:
-        p.data = old
+        s = seq()
+        _check(model, batch, batch.prefill(s), s)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on a device machine: docs/GPU_RUNS.md)")

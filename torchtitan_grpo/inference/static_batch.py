@@ -60,6 +60,8 @@ def supports(model: Any) -> str | None:
     attn = inner.layers[0].self_attn
     if not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling")):
         return "attention without q/k/v/o projections"
+    if not all(hasattr(inner.layers[0].mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+        return "MLP without gate/up/down projections"
     return None
 
 
@@ -91,6 +93,24 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = x.shape[-1] // 2
     rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rot * sin
+
+
+def _fuse(linears: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) buffer holding ``linears``' rows back to back,
+    each module's parameter re-pointed to a view of its rows: one GEMM where
+    there were several, and a weight update that copies into a parameter
+    writes the fused buffer the graphs read."""
+    w = torch.cat([m.weight.data for m in linears])
+    with_bias = all(m.bias is not None for m in linears)
+    b = torch.cat([m.bias.data for m in linears]) if with_bias else None
+    off = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight.data = w[off : off + rows]
+        if b is not None:
+            m.bias.data = b[off : off + rows]
+        off += rows
+    return w, b
 
 
 class StaticBatch:
@@ -135,7 +155,19 @@ class StaticBatch:
         self.rows: list[Any] = []
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
+        self._fused: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]] = []
+        self._fuse_weights()
         self._param_ptrs = self._ptrs()
+
+    def _fuse_weights(self) -> None:
+        self._fused = []
+        for layer in self._layers:
+            a, m = layer.self_attn, layer.mlp
+            wqkv, bqkv = _fuse([a.q_proj, a.k_proj, a.v_proj])
+            if any(p.bias is not None for p in (a.q_proj, a.k_proj, a.v_proj)) and bqkv is None:
+                raise ValueError("static KV batch: q/k/v projections with and without bias")
+            wgu, bgu = _fuse([m.gate_proj, m.up_proj])
+            self._fused.append((wqkv, bqkv, wgu, bgu))
 
     @property
     def nbytes(self) -> int:
@@ -232,27 +264,33 @@ class StaticBatch:
         """Call after a weight update: graphs captured on parameter storage
         that has since been replaced (a ``.data`` swap) are dropped and
         recaptured on next use; copies into the same storage keep them."""
-        ptrs = self._ptrs()
-        if ptrs != self._param_ptrs:
-            self._param_ptrs = ptrs
+        if self._ptrs() != self._param_ptrs:
+            self._fuse_weights()  # the swapped-in tensors are copied into new fused buffers
+            self._param_ptrs = self._ptrs()
             self._graphs.clear()
 
     # ---- the forward ----------------------------------------------------- #
 
-    def _attn_qkv(self, layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        a = layer.self_attn
+    def _attn_qkv(self, li: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        a = self._layers[li].self_attn
+        wqkv, bqkv = self._fused[li][:2]
         shape = x.shape[:-1]
-        q = a.q_proj(x).view(*shape, self.n_heads, self.head_dim)
-        k = a.k_proj(x).view(*shape, self.n_kv, self.head_dim)
-        v = a.v_proj(x).view(*shape, self.n_kv, self.head_dim)
+        nq, nkv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        q, k, v = F.linear(x, wqkv, bqkv).split((nq, nkv, nkv), dim=-1)
+        q = q.reshape(*shape, self.n_heads, self.head_dim)
+        k = k.reshape(*shape, self.n_kv, self.head_dim)
+        v = v.reshape(*shape, self.n_kv, self.head_dim)
         if hasattr(a, "q_norm"):
             q, k = _norm(a.q_norm, q), _norm(a.k_norm, k)
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
         return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
-    def _mlp(self, layer: Any, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, li: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        layer = self._layers[li]
+        wgu, bgu = self._fused[li][2:]
         h = h + layer.self_attn.o_proj(attn_out)
-        return h + layer.mlp(_norm(layer.post_attention_layernorm, h))
+        gate, up = F.linear(_norm(layer.post_attention_layernorm, h), wgu, bgu).chunk(2, dim=-1)
+        return h + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
 
     def _prefill(self, ctxs: list[list[int]], owner: list[int]) -> torch.Tensor:
         """Right-padded, causal: a real token never sees a pad (pads come after it)."""
@@ -266,14 +304,14 @@ class StaticBatch:
         cos, sin = self._cos[:width][None], self._sin[:width][None]
         h = self._inner.embed_tokens(ids)
         for li, layer in enumerate(self._layers):
-            q, k, v = self._attn_qkv(layer, _norm(layer.input_layernorm, h), cos, sin)
+            q, k, v = self._attn_qkv(li, _norm(layer.input_layernorm, h), cos, sin)
             self.k[li][slot, :width] = k
             self.v[li][slot, :width] = v
             o = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                 is_causal=True, scale=self.scaling, enable_gqa=self.n_kv != self.n_heads,
             )
-            h = self._mlp(layer, h, o.transpose(1, 2).reshape(n, width, -1))
+            h = self._mlp(li, h, o.transpose(1, 2).reshape(n, width, -1))
         last = torch.tensor([len(c) - 1 for c in ctxs], device=self.device)
         h = _norm(self._inner.norm, h[torch.arange(n, device=self.device), last])
         return self.model.lm_head(h)
@@ -286,7 +324,7 @@ class StaticBatch:
         mask = (torch.arange(n, device=self.device)[None] <= pos[:, None])[:, None, None, :]
         h = self._inner.embed_tokens(ids)
         for li, layer in enumerate(self._layers):
-            q, k, v = self._attn_qkv(layer, _norm(layer.input_layernorm, h), cos, sin)
+            q, k, v = self._attn_qkv(li, _norm(layer.input_layernorm, h), cos, sin)
             self.k[li][rows, pos] = k
             self.v[li][rows, pos] = v
             # GQA without copying K/V per query head: the heads of one KV head
@@ -296,7 +334,7 @@ class StaticBatch:
                 self.k[li][:b, :n].transpose(1, 2), self.v[li][:b, :n].transpose(1, 2),
                 attn_mask=mask, scale=self.scaling,
             )
-            h = self._mlp(layer, h, o.reshape(b, -1))
+            h = self._mlp(li, h, o.reshape(b, -1))
         return self.model.lm_head(_norm(self._inner.norm, h))
 
     def _replay(self, b: int, n: int) -> torch.Tensor:
