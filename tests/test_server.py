@@ -497,7 +497,7 @@ def test_update_from_disk_errors(server, model_dir, tmp_path):
 ])
 def test_update_metadata_is_refused_naming_the_field(field, value, words):
     """SGLang's ``names``/``dtypes``/``shapes``, checked before any receive is posted."""
-    from torchtitan_grpo.inference.server import _Refused, _tensor_specs
+    from torchtitan_grpo.inference.sglang_weights import _Refused, _tensor_specs
 
     good = {"names": ["a", "b"], "dtypes": ["float32", "bfloat16"], "shapes": [[64], [2, 3]]}
     specs = _tensor_specs(**good)

@@ -37,7 +37,9 @@ import torch
 
 from tests.server_procs import free_port, http_json, start_server, stop_server
 from torchtitan_grpo.inference import vllm
-from torchtitan_grpo.inference.server_vllm import GROUP_NAME, VLLMError, _parse_update_info, receive_packed
+from torchtitan_grpo.inference.packed_receive import receive_packed
+from torchtitan_grpo.inference.vllm_http import VLLMError
+from torchtitan_grpo.inference.vllm_weights import GROUP_NAME, parse_update_info
 from torchtitan_grpo.inference.types import MalformedResponse, SamplingParams
 from torchtitan_grpo.weight_sync import vllm_group as vg
 from torchtitan_grpo.weight_sync.buckets import TensorSpec, dtype_name, plan_packed_chunks
@@ -685,7 +687,7 @@ def test_receive_packed_views_aligned_tensors_and_copies_the_rest():
 
 def _parse_error(update_info: dict) -> VLLMError:
     with pytest.raises(VLLMError) as e:
-        _parse_update_info(update_info, None)
+        parse_update_info(update_info, None)
     return e.value
 
 
@@ -702,7 +704,7 @@ def _parse_error(update_info: dict) -> VLLMError:
 ])
 def test_update_info_refuses_bad_metadata_naming_the_field(field, value, param, words):
     good = {"names": ["a", "b"], "dtype_names": ["float32", "bfloat16"], "shapes": [[64], [2, 3]]}
-    specs = _parse_update_info(good, None)
+    specs = parse_update_info(good, None)
     assert [(s.name, s.dtype, s.shape) for s in specs] == [("a", torch.float32, (64,)), ("b", torch.bfloat16, (2, 3))]
     err = _parse_error({**good, field: value})
     assert err.code == 400 and err.param == param, (err.param, err.message)
@@ -914,7 +916,7 @@ def test_post_packed_returns_before_the_bytes_and_wait_delivers_them():
     the trainer has sent a byte (several gloo receives outstanding, matched
     in order), and ``wait`` delivers every tensor exactly, the unaligned
     copies included."""
-    from torchtitan_grpo.inference.server_vllm import post_packed
+    from torchtitan_grpo.inference.packed_receive import post_packed
 
     g = torch.Generator().manual_seed(9)
     named = [("a.bf16", torch.randn(3, generator=g).to(torch.bfloat16)),  # chunk 1 @0

@@ -2,8 +2,8 @@
 parsing of responses, for /v1/completions and the weight-transfer routes.
 
 The client-side twin of ``sglang.py``. The built-in server speaks the same
-subset (``server_vllm.py``), so everything here is exercised against it in
-tests and checked against vLLM's own JSON schemas.
+subset (``vllm_openai.py``, ``vllm_weights.py``), so everything here is
+exercised against it in tests and checked against vLLM's own JSON schemas.
 
 Logprob semantics differ between engines and are a deployment choice, not a
 request field: vLLM 0.33 reports ``raw_logprobs`` (``log_softmax(logits)``,

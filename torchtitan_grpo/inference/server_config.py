@@ -1,0 +1,31 @@
+"""Settings of the built-in server (its command line, ``server.parse_args``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ServerConfig:
+    """Command-line settings of the built-in server."""
+
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 30000
+    device: str = "cpu"
+    dtype: str = "auto"
+    seed: int = 0
+    max_batch_size: int = 64
+    api_key: str | None = None
+    """If set, every route except /health and /health_generate needs
+    ``Authorization: Bearer KEY``."""
+    weight_group_timeout_s: float = 300.0
+    """Rendezvous and per-broadcast timeout of weight-update groups."""
+    num_threads: int | None = None
+    debug_update_delay_s: float = 0.0
+    """Test knob: every weight-update handler (both protocols) sleeps this long
+    after receiving, to simulate a slow replica. 0 in production."""
+    debug_decode_delay_s: float = 0.0
+    """Debug knob for benchmarks: every decode step of the engine's batch takes
+    this much longer (a replica N times slower at generating). 0 in
+    production."""

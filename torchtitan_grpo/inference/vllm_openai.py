@@ -1,0 +1,282 @@
+"""vLLM 0.33's OpenAI routes on the built-in server: ``/v1/completions``
+(non-streaming) and ``/v1/models``. Errors use vLLM's shape
+(``vllm_http``); generation is the :class:`Engine`'s, exactly as for the
+SGLang routes, so both protocols serve the same model and the same version.
+
+Deliberate differences from vLLM, each a 400 naming the field: streaming,
+echo, suffix, prompt logprobs, beam search, structured output. Logprobs are
+``log_softmax(logits / T)`` (the SGLang routes' quantity), not vLLM's default
+raw logprobs. Unknown top-level fields are ignored, as vLLM ignores them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from torchtitan_grpo.inference import vllm as proto
+from torchtitan_grpo.inference.engine import Engine, RequestError, SampleResult, SamplingParams, parse_stop
+from torchtitan_grpo.inference.httputil import BodyLimits, is_int as _is_int, off_loop_if_large, read_json
+from torchtitan_grpo.inference.vllm_http import (
+    MAX_LOGPROBS,
+    PauseGate,
+    bad as _bad,
+    check_model,
+    field as _field,
+    served_names,
+    vllm_api,
+)
+
+# Valid in vLLM but not implemented here: a value other than the default is a 400.
+_UNSUPPORTED = {
+    "stream": False, "echo": False, "suffix": None, "prompt_logprobs": None, "use_beam_search": False,
+    "response_format": None, "structured_outputs": None, "prompt_embeds": None, "logprob_token_ids": None,
+    "allowed_token_ids": None, "bad_words": None, "truncate_prompt_tokens": None,
+}
+
+
+
+@dataclass
+class _CompletionCall:
+    """A checked /v1/completions body."""
+
+    prompts: list[list[int]]
+    params: SamplingParams
+    logprobs: int | None
+    """None: no logprobs object; k: the sampled token plus the top k."""
+    return_token_ids: bool
+    tokens_as_ids: bool
+    return_weight_versions: bool
+
+
+def _sampling_params(body: dict, max_context: int) -> SamplingParams:
+    """Map vLLM's CompletionRequest fields onto engine :class:`SamplingParams`."""
+    stop_t = parse_stop(body.get("stop"))
+    if stop_t is None:
+        raise _bad("'stop' must be a string or a list of strings", "stop")
+    stop_ids = _field(body, "stop_token_ids", "list", [])
+    if not all(_is_int(t) for t in stop_ids):
+        raise _bad("'stop_token_ids' must be a list of integers", "stop_token_ids")
+    bias = _field(body, "logit_bias", "dict", None)
+    try:
+        bias = {int(k): float(v) for k, v in bias.items()} if bias else None
+    except (TypeError, ValueError):
+        raise _bad("'logit_bias' must map token ids to numbers", "logit_bias") from None
+    top_k = _field(body, "top_k", "int", -1)
+    # An explicit null means "up to the context": the engine stops there anyway.
+    max_tokens = max_context if "max_tokens" in body and body["max_tokens"] is None else \
+        _field(body, "max_tokens", "int", 16)
+    return SamplingParams(
+        max_new_tokens=max_tokens,
+        temperature=_field(body, "temperature", "num", 1.0),
+        top_p=_field(body, "top_p", "num", 1.0),
+        top_k=-1 if top_k in (0, -1) else top_k,  # vLLM: 0 and -1 both keep all
+        min_p=_field(body, "min_p", "num", 0.0),
+        min_new_tokens=_field(body, "min_tokens", "int", 0),
+        stop_token_ids=tuple(stop_ids),
+        stop=stop_t,
+        ignore_eos=_field(body, "ignore_eos", "bool", False),
+        n=_field(body, "n", "int", 1),
+        seed=_field(body, "seed", "int", None),
+        repetition_penalty=_field(body, "repetition_penalty", "num", 1.0),
+        frequency_penalty=_field(body, "frequency_penalty", "num", 0.0),
+        presence_penalty=_field(body, "presence_penalty", "num", 0.0),
+        logit_bias=bias,
+        skip_special_tokens=_field(body, "skip_special_tokens", "bool", True),
+        no_stop_trim=_field(body, "include_stop_str_in_output", "bool", False),
+    )
+
+
+def _check_stream_options(body: dict) -> None:
+    """vLLM refuses ``stream_options`` unless ``stream`` is true (its
+    CompletionRequest validator), rather than ignoring it; so does this
+    server (which then refuses ``stream`` itself, naming that field)."""
+    options = body.get("stream_options")
+    if options is None:
+        return
+    if not isinstance(options, dict):
+        raise _bad(f"'stream_options' must be an object, got {str(options)[:80]}", "stream_options")
+    if options and body.get("stream") is not True:
+        raise _bad("'stream_options' is only valid with 'stream': true (this request is not streamed); "
+                   "drop it or stream", "stream_options")
+
+
+_ENGINE_TO_VLLM = {"sampling_params.max_new_tokens": "max_tokens", "sampling_params.min_new_tokens": "min_tokens",
+                   "sampling_params.sampling_seed": "seed", "sampling_params.": ""}
+
+
+def _vllm_names(message: str) -> str:
+    """Engine messages use SGLang's field names; say vLLM's instead."""
+    for engine_name, vllm_name in _ENGINE_TO_VLLM.items():
+        message = message.replace(engine_name, vllm_name)
+    return message
+
+
+def _version_spans(r: SampleResult) -> list[dict]:
+    """vLLM reports spans covering every output token, even when the version
+    never changed (the engine records spans only on a change)."""
+    if r.weight_versions:
+        return [{"version": s.version, "start": s.start, "end": s.end} for s in r.weight_versions]
+    n = len(r.output_ids)
+    return [{"version": r.weight_version, "start": 0, "end": n}] if n else []
+
+
+
+
+class OpenAIRoutes:
+    """vLLM 0.33's OpenAI completions routes over an :class:`Engine`."""
+
+    def __init__(self, engine: Engine, cfg: Any, gate: PauseGate, limits: BodyLimits | None = None):
+        self.engine = engine
+        self.cfg = cfg
+        """The server's ``ServerConfig``."""
+        self.gate = gate
+        """503 while vLLM's /pause (abort | wait) holds."""
+        self.limits = limits or BodyLimits.for_engine(engine.max_context, engine.cfg.max_batch_size)
+        self.served_names = served_names(cfg.model)
+        self._created = int(time.time())
+
+    def register(self, app: web.Application) -> None:
+        r = app.router
+        r.add_post(proto.COMPLETIONS, vllm_api(self.completions))
+        r.add_get(proto.MODELS, vllm_api(self.models))
+
+    async def completions(self, request: web.Request) -> web.Response:
+        self.gate.check()
+        raw, body = await read_json(request, self.limits.generate)
+        call = await off_loop_if_large(len(raw), self._parse_completions, body)  # it tokenises text prompts
+        rids = [f"cmpl-{uuid.uuid4().hex}" for _ in call.prompts]
+        top = max(call.logprobs or 0, 0)
+        futures = [self.engine.submit(p, call.params, rid=rid, top_logprobs_num=top)
+                   for p, rid in zip(call.prompts, rids)]
+        try:
+            results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        except asyncio.CancelledError:
+            for f, rid in zip(futures, rids):  # the client went away: stop its samples
+                if f.cancelled() or not f.done():
+                    self.engine.abort(rid, "client disconnected", wait=False)
+            raise
+        choices: list[dict] = []
+        for samples in results:  # prompt-major: index = prompt * n + sample
+            for r in samples:
+                choices.append(self._choice(len(choices), r, call))
+        n_prompt = sum(len(p) for p in call.prompts)
+        n_out = sum(len(r.output_ids) for samples in results for r in samples)
+        return web.json_response({
+            "id": rids[0], "object": "text_completion", "created": int(time.time()),
+            "model": body.get("model") or self.served_names[0], "choices": choices,
+            "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out},
+        })
+
+    def _parse_completions(self, body: dict) -> _CompletionCall:
+        """Check a whole body (every prompt) before anything is queued; every
+        field before any prompt is tokenised."""
+        check_model(body, self.served_names)
+        _check_stream_options(body)
+        for key, default in _UNSUPPORTED.items():
+            value = body.get(key)
+            if value is not None and value != default and value != []:  # [] = no bad words etc.
+                raise _bad(f"'{key}' is not supported by the built-in server", key)
+        params = _sampling_params(body, self.engine.max_context)
+        logprobs = _field(body, "logprobs", "int", None)
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise _bad(f"'logprobs' must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
+        prompts = self._prompts(body.get("prompt"))
+        for i, p in enumerate(prompts):
+            try:
+                self.engine.check_request(p, params)
+            except RequestError as e:
+                msg = _vllm_names(str(e))
+                raise _bad(f"prompt {i}: {msg}" if len(prompts) > 1 else msg, "prompt") from None
+        return _CompletionCall(
+            prompts=prompts, params=params, logprobs=logprobs,
+            return_token_ids=bool(_field(body, "return_token_ids", "bool", False)),
+            tokens_as_ids=bool(_field(body, "return_tokens_as_token_ids", "bool", False)),
+            return_weight_versions=bool(_field(body, "return_weight_versions", "bool", False)),
+        )
+
+    def _prompts(self, prompt: Any) -> list[list[int]]:
+        """str | [str] | [int] | [[int]] -> token-id prompts. Each is checked
+        against the context by its length before its ids are scanned or its
+        text tokenised (:meth:`Engine.check_prompt_text`)."""
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], (list, str)):
+            self._check_ids(prompt, "prompt")
+            return [prompt]
+        if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+            for i, p in enumerate(prompt):
+                self._check_ids(p, f"prompt[{i}]")
+            return prompt
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+            raise _bad("'prompt' must be a string, a list of strings, a list of token ids or a list of such lists",
+                       "prompt")
+        if self.engine.tokenizer is None:
+            raise _bad("a text 'prompt' needs a tokenizer and this model has none; send token ids", "prompt")
+        for i, t in enumerate(texts):
+            try:
+                self.engine.check_prompt_text(t, "prompt" if isinstance(prompt, str) else f"prompt[{i}]")
+            except RequestError as e:
+                raise _bad(str(e), "prompt") from None
+        return [self.engine.tokenizer.encode(t) for t in texts]
+
+    def _check_ids(self, ids: list, name: str) -> None:
+        if len(ids) >= self.engine.max_context:
+            raise _bad(f"'{name}' has {len(ids)} tokens; the model's context is {self.engine.max_context}", "prompt")
+        if not ids or not all(_is_int(t) for t in ids):
+            raise _bad(f"'{name}' must be a non-empty list of token ids", "prompt")
+
+    def _token_str(self, token_id: int, as_id: bool) -> str:
+        text = None if as_id else self.engine.token_text(token_id)
+        return f"{proto.TOKEN_ID_PREFIX}{token_id}" if text is None else text
+
+    def _logprobs(self, r: SampleResult, k: int, as_ids: bool) -> dict:
+        """OpenAI completions logprobs: per token its string, its logprob and a
+        dict of the sampled token plus the top k (at most k+1 entries)."""
+        tokens = [self._token_str(t, as_ids) for t in r.output_ids]
+        values = [max(lp, -9999.0) for lp in r.output_logprobs]  # -inf is not JSON
+        tops = []
+        for step, (tok, lp) in enumerate(zip(tokens, values)):
+            d = {tok: lp}
+            for top_lp, top_id in (r.top_logprobs[step] if r.top_logprobs else [])[:k]:
+                if len(d) > k:
+                    break
+                d.setdefault(self._token_str(top_id, as_ids), max(top_lp, -9999.0))
+            tops.append(d)
+        offsets, pos = [], 0
+        for tok in tokens:
+            offsets.append(pos)
+            pos += len(tok)
+        return {"text_offset": offsets, "token_logprobs": values, "tokens": tokens, "top_logprobs": tops}
+
+    def _choice(self, index: int, r: SampleResult, call: _CompletionCall) -> dict:
+        f = r.finish_reason
+        # stop_reason: the stop string or stop token id; None for EOS or length.
+        stop_reason = None
+        if f.kind == "stop" and (isinstance(f.matched, str) or f.matched in call.params.stop_token_ids):
+            stop_reason = f.matched
+        choice: dict[str, Any] = {
+            "index": index, "text": r.text or "",
+            "logprobs": None if call.logprobs is None else self._logprobs(r, call.logprobs, call.tokens_as_ids),
+            "finish_reason": f.kind, "stop_reason": stop_reason,
+        }
+        if call.return_token_ids:
+            choice["prompt_token_ids"] = r.prompt_ids
+            choice["token_ids"] = r.output_ids
+        if call.return_weight_versions:
+            choice["weight_versions"] = _version_spans(r)
+        return choice
+
+    async def models(self, request: web.Request) -> web.Response:
+        # Every name /v1/completions accepts as 'model' (vLLM lists each
+        # --served-model-name, all with the same root).
+        cards = [{"id": name, "object": "model", "created": self._created, "owned_by": "vllm",
+                  "root": self.cfg.model, "parent": None, "max_model_len": self.engine.max_context}
+                 for name in self.served_names]
+        return web.json_response({"object": "list", "data": cards})
+
+    # ---- pause / resume --------------------------------------------------- #
