@@ -549,13 +549,13 @@ def test_slow_verdict_has_hysteresis():
     a, b = pool.replicas
     a.latencies.extend([0.1, 0.1])
     b.latencies.extend([1.0, 1.0])
-    pool._update_slow()
+    pool.fleet.update_slow()
     assert not b.slow  # the verdict "slow" has not held yet
     b.latencies.extend([0.1, 0.1])
-    pool._update_slow()  # it went away again: nothing changes
+    pool.fleet.update_slow()  # it went away again: nothing changes
     b.latencies.extend([1.0, 1.0])
-    pool._update_slow()
+    pool.fleet.update_slow()
     assert not b.slow
     time.sleep(0.35)
-    pool._update_slow()  # held for slow_hold_s
+    pool.fleet.update_slow()  # held for slow_hold_s
     assert b.slow and not a.slow

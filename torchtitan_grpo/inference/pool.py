@@ -12,16 +12,16 @@ fewest outstanding requests, preferring replicas it has not tried yet; a
 replica never gets more than ``max_connections`` outstanding requests (extra
 requests queue in the pool, where they do not burn their timeout).
 
-Replica states (``states()``, ``metrics()``):
+Replica states (``states()``, ``metrics()``) and the machine that moves a
+replica between them live in ``replicas.py`` (:class:`ReplicaSet`, the
+pool's ``fleet``); this module dispatches requests over it:
 
 * ``healthy``: routable.
-* ``slow``: routable but deprioritised. Its median latency over the last
-  ``latency_window`` successful requests is more than ``slow_factor`` times
-  the median of the other replicas' medians (the others, so that a fleet of
-  two can tell which one is slow). Each outstanding request on a slow replica
-  counts ``slow_weight`` times in routing, and an idle slow replica gets one
-  request every ``slow_probe_interval_s`` so that its latency is re-measured:
-  that is how it becomes healthy again.
+* ``slow``: routable but deprioritised (``replicas.py`` says when). Each
+  outstanding request on a slow replica counts ``slow_weight`` times in
+  routing, and an idle slow replica gets one request every
+  ``slow_probe_interval_s`` so that its latency is re-measured: that is how
+  it becomes healthy again.
 * ``down``: not routed to. Entered on a failed request (connection error,
   timeout, an HTTP status other than 200/400/422/503, a malformed response)
   or a failed health check. Its requests in flight are cancelled at once
@@ -65,24 +65,34 @@ import asyncio
 import json
 import logging
 import math
-import os
 import statistics
-import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import aiohttp
 
 from torchtitan_grpo.inference import sglang
+from torchtitan_grpo.inference.replicas import (
+    CATCHING_UP,
+    DOWN,
+    HEALTHY,
+    REMOVED,
+    SLOW,
+    STATE_CODES,
+    Replica,
+    ReplicaSet,
+    read_replica_file,
+)
 from torchtitan_grpo.inference.types import Completion, MalformedResponse, SamplingParams
 
-logger = logging.getLogger(__name__)
+__all__ = [
+    "BACKENDS", "CATCHING_UP", "DOWN", "HEALTHY", "REMOVED", "SLOW", "STATE_CODES", "Backend", "GenerationFailed",
+    "InferencePool", "NoHealthyReplica", "PoolConfig", "PoolError", "Replica", "percentile", "read_replica_file",
+]
 
-HEALTHY, SLOW, DOWN, CATCHING_UP, REMOVED = "healthy", "slow", "down", "catching-up", "removed"
-STATE_CODES: dict[str, float] = {HEALTHY: 0.0, SLOW: 1.0, DOWN: 2.0, CATCHING_UP: 3.0, REMOVED: 4.0}
-"""``pool/replica{i}_state`` holds these codes (metrics are floats)."""
+logger = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- #
@@ -226,84 +236,6 @@ class _Rejected(Exception):
     """HTTP 400/422: the replica refused this request."""
 
 
-# --------------------------------------------------------------------------- #
-# Replica
-# --------------------------------------------------------------------------- #
-
-
-@dataclass(eq=False)
-class Replica:
-    index: int
-    """Position in ``pool.replicas`` (stable: metric names use it)."""
-    url: str
-    static: bool = True
-    """Given to the constructor, so never removed by ``replica_file``."""
-    session: aiohttp.ClientSession | None = None
-    outstanding: int = 0
-    down: bool = False
-    down_reason: str = ""
-    retry_at: float = 0.0
-    """Monotonic time before which a passing health check does not readmit."""
-    epoch: int = 0
-    """Bumped when marked down: failures of requests sent before that do not
-    lengthen the back-off (one crash fails every in-flight request at once)."""
-    consecutive_failures: int = 0
-    ejected: bool = False
-    slow: bool = False
-    removed: bool = False
-    checking: bool = False
-    last_dispatch: float = -math.inf
-    latencies: deque = field(default_factory=deque)
-    dispatched: int = 0
-    served: int = 0
-    failures: int = 0
-    downs: int = 0
-    """Times it went down (a flapping replica shows here)."""
-    last_error: str = ""
-    attempts: set = field(default_factory=set)
-    """Its requests in flight (asyncio tasks): cancelled, and so re-sent
-    elsewhere, the moment it is marked down."""
-    busy_since: float | None = None
-    """Monotonic time its outstanding count last went from 0 to 1 (None: idle)."""
-    busy_s: float = 0.0
-    """Seconds with at least one request outstanding, up to ``busy_since``."""
-    slow_verdict_since: float | None = None
-    """Since when the latest slow/not-slow verdict differs from ``slow`` (hysteresis)."""
-    retired: bool = False
-    """Given up by its launcher: removed for good, whatever the replica file says."""
-
-    @property
-    def state(self) -> str:
-        if self.removed:
-            return REMOVED
-        if self.ejected:
-            return CATCHING_UP
-        if self.down:
-            return DOWN
-        return SLOW if self.slow else HEALTHY
-
-    @property
-    def routable(self) -> bool:
-        return not (self.removed or self.ejected or self.down)
-
-
-def _norm(url: str) -> str:
-    return url.strip().rstrip("/")
-
-
-def read_replica_file(path: str) -> list[str]:
-    """URLs listed in ``path`` (one per line; blanks and ``#`` comments skipped)."""
-    urls = []
-    with open(path) as f:
-        for line in f:
-            line = line.split("#", 1)[0].strip()
-            if not line:
-                continue
-            if not line.startswith(("http://", "https://")):
-                raise ValueError(f"{path}: {line!r} is not an http(s) URL")
-            urls.append(_norm(line))
-    return urls
-
 
 def percentile(sorted_values: list[float], q: float) -> float:
     """Nearest-rank percentile (q in [0, 100]) of an ascending list."""
@@ -326,88 +258,75 @@ class InferencePool:
         if not urls and not self.config.replica_file:
             raise ValueError("InferencePool needs replica URLs or PoolConfig.replica_file")
         self.backend = BACKENDS[self.config.backend]()
-        self.replicas: list[Replica] = []
-        self._by_url: dict[str, Replica] = {}
-        self._lock = threading.Lock()  # replica list, eject flags, latency windows
-        self._pending_eject: set[str] = set()  # ejected before the replica joined
-        self.on_join: Callable[[str], bool] | None = None
-        """Set by the weight pusher: called with each replica that joins through
-        the replica file; True means "it holds stale weights: route to it only
-        after readmit()"."""
-        self.events: list[tuple[float, str, str, str]] = []
-        """(time.time(), url, kind, detail) for each replica going down, coming
-        back, ejected, readmitted or retired: the run's summary lists them."""
-        self.on_down: Callable[[str, str], None] | None = None
-        """Set by the weight pusher: called (on the pool's loop) with a replica's
-        URL and the reason when it is marked down."""
+        self.fleet = ReplicaSet(urls, self.config, self.backend.health_path)
+        """The replicas and their health / state machine."""
         self._busy_mark = (time.monotonic(), {})  # (time, {index: busy_s}) at the last metrics()
-        for u in dict.fromkeys(_norm(u) for u in urls):
-            self._add(u, static=True)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._changed: asyncio.Event | None = None
-        self._health_session: aiohttp.ClientSession | None = None
-        self._tasks: list[asyncio.Task] = []
-        self._checks: set[asyncio.Task] = set()
-        self._file_mtime: float | None = None
         self._closed = False
         self._latency: deque[float] = deque(maxlen=4096)  # end-to-end, successful requests
         self.counters: dict[str, int] = dict.fromkeys(
             ("requests", "failed_requests", "attempts", "retries", "failures", "timeouts", "malformed",
              "connection_errors", "http_errors", "rejected", "aborts", "waits", "resent"), 0)
 
+    # ---- the fleet, as the pool's callers see it --------------------------- #
+
+    @property
+    def replicas(self) -> list[Replica]:
+        return self.fleet.replicas
+
+    @property
+    def events(self) -> list[tuple[float, str, str, str]]:
+        """(time.time(), url, kind, detail) for each replica going down, coming
+        back, ejected, readmitted or retired: the run's summary lists them."""
+        return self.fleet.events
+
+    @property
+    def on_join(self) -> Callable[[str], bool] | None:
+        """Set by the weight pusher: called with each replica that joins through
+        the replica file; True means "it holds stale weights: route to it only
+        after readmit()"."""
+        return self.fleet.on_join
+
+    @on_join.setter
+    def on_join(self, hook: Callable[[str], bool] | None) -> None:
+        self.fleet.on_join = hook
+
+    @property
+    def on_down(self) -> Callable[[str, str], None] | None:
+        """Set by the weight pusher: called (on the pool's loop) with a replica's
+        URL and the reason when it is marked down."""
+        return self.fleet.on_down
+
+    @on_down.setter
+    def on_down(self, hook: Callable[[str, str], None] | None) -> None:
+        self.fleet.on_down = hook
+
+    def mark_down(self, url: str, reason: str) -> None:
+        """Out of routing now (its process exited): see :meth:`ReplicaSet.mark_down`."""
+        self.fleet.mark_down(url, reason)
+
+    def retire(self, url: str, reason: str) -> None:
+        """Gone for good: see :meth:`ReplicaSet.retire`."""
+        self.fleet.retire(url, reason)
+
+    def eject(self, url: str) -> None:
+        """Stop routing to ``url`` until ``readmit(url)`` (it holds stale weights)."""
+        self.fleet.eject(url)
+
+    def readmit(self, url: str) -> None:
+        """Route to ``url`` again (the pusher confirmed it holds the newest weights)."""
+        self.fleet.readmit(url)
+
+    def states(self) -> dict[str, str]:
+        return self.fleet.states()
+
     # ---- lifecycle -------------------------------------------------------- #
 
     async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._changed = asyncio.Event()
-        # Health checks get their own small session: a replica busy with
-        # max_connections generations must still answer its health check.
-        self._health_session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, limit_per_host=2, keepalive_timeout=self.config.keepalive_s),
-            headers=self._headers())
-        for r in self.replicas:
-            self._open(r)
-        if self.config.replica_file:
-            self._reread_file()
-            self._tasks.append(asyncio.create_task(self._file_loop(), name="pool-replica-file"))
-        self._tasks.append(asyncio.create_task(self._health_loop(), name="pool-health"))
+        await self.fleet.start()
 
     async def close(self) -> None:
         self._closed = True
-        self._notify()  # requests still waiting for a replica fail now, not at their timeout
-        tasks = self._tasks + list(self._checks)
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        self._tasks, self._checks = [], set()
-        for r in self.replicas:
-            if r.session is not None:
-                await r.session.close()
-                r.session = None
-        if self._health_session is not None:
-            await self._health_session.close()
-            self._health_session = None
-
-    def _open(self, r: Replica) -> None:
-        if r.session is None:
-            cfg = self.config
-            r.session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=cfg.max_connections, keepalive_timeout=cfg.keepalive_s),
-                headers=self._headers())
-
-    def _headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
-
-    def _add(self, url: str, static: bool) -> Replica:
-        stale = not static and self.on_join is not None and self.on_join(url)
-        with self._lock:
-            r = Replica(len(self.replicas), url, static=static,
-                        latencies=deque(maxlen=self.config.latency_window))
-            r.ejected = stale or url in self._pending_eject
-            self._pending_eject.discard(url)
-            self.replicas.append(r)
-            self._by_url[url] = r
-        return r
+        await self.fleet.close()
 
     # ---- generation ------------------------------------------------------- #
 
@@ -439,7 +358,7 @@ class InferencePool:
             r.attempts.add(task)
             try:
                 # Not ``await task``: a replica marked down cancels its attempts
-                # (``_mark_down``), and that must end this attempt, not this request.
+                # (``ReplicaSet._mark_down``), and that must end this attempt, not this request.
                 await asyncio.wait({task})
                 if task.cancelled():
                     raise _ReplicaFailure("down", f"re-sent: the replica went down ({r.down_reason})")
@@ -453,8 +372,8 @@ class InferencePool:
                 r.attempts.discard(task)
                 self._release(r)
             if outcome is None:
-                self._succeeded(r, time.monotonic() - t_attempt)
-                with self._lock:
+                self.fleet.succeeded(r, time.monotonic() - t_attempt)
+                with self.fleet.lock:
                     self._latency.append(time.monotonic() - t0)
                 self.counters["requests"] += 1
                 return out
@@ -539,7 +458,7 @@ class InferencePool:
 
     async def _acquire(self, tried: set[str], wait_budget: list[float]) -> Replica:
         """A replica with one more outstanding request, waiting if none is routable."""
-        assert self._changed is not None, "InferencePool.start() was not awaited"
+        assert self.fleet.changed is not None, "InferencePool.start() was not awaited"
         counted = False
         while True:
             if self._closed:
@@ -552,18 +471,18 @@ class InferencePool:
                 r.dispatched += 1
                 r.last_dispatch = time.monotonic()
                 return r
-            event = self._changed
-            if any(x.routable for x in self.replicas):
+            event = self.fleet.changed
+            if self.fleet.routable():
                 await event.wait()  # all at max_connections: plain queueing
                 continue
-            if self.replicas and all(x.retired for x in self.replicas):
-                raise NoHealthyReplica("every inference replica is gone for good: " + self._describe())
+            if self.fleet.all_retired():
+                raise NoHealthyReplica("every inference replica is gone for good: " + self.fleet.describe())
             if not counted:
                 self.counters["waits"] += 1
                 counted = True
             if wait_budget[0] <= 0:
                 raise NoHealthyReplica(
-                    f"no routable inference replica within {self.config.request_timeout_s}s: " + self._describe())
+                    f"no routable inference replica within {self.config.request_timeout_s}s: " + self.fleet.describe())
             t = time.monotonic()
             try:
                 await asyncio.wait_for(event.wait(), wait_budget[0])
@@ -574,260 +493,26 @@ class InferencePool:
     def _release(self, r: Replica) -> None:
         r.outstanding -= 1
         if r.outstanding == 0 and r.busy_since is not None:
-            with self._lock:
+            with self.fleet.lock:
                 r.busy_s += time.monotonic() - r.busy_since
                 r.busy_since = None
-        self._notify()
-
-    def _notify(self) -> None:
-        """Wake every request waiting for a replica (call on the loop)."""
-        if self._changed is not None:
-            event, self._changed = self._changed, asyncio.Event()
-            event.set()
-
-    def _notify_threadsafe(self) -> None:
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        try:
-            on_loop = asyncio.get_running_loop() is loop
-        except RuntimeError:
-            on_loop = False
-        if on_loop:
-            self._notify()
-        else:
-            loop.call_soon_threadsafe(self._notify)
-
-    def _describe(self) -> str:
-        return "; ".join(f"{r.url} {r.state}" + (f" ({r.last_error})" if r.last_error else "")
-                         for r in self.replicas)
+        self.fleet.notify()
 
     # ---- outcomes --------------------------------------------------------- #
 
     def _failed(self, r: Replica, e: _ReplicaFailure, epoch: int) -> None:
-        cfg = self.config
         self.counters["failures"] += 1
         self.counters[{"timeout": "timeouts", "malformed": "malformed", "connection": "connection_errors",
                        "http": "http_errors", "down": "resent"}[e.kind]] += 1
-        r.failures += 1
-        r.last_error = f"{e.kind}: {e}"
-        if epoch != r.epoch:
-            return  # sent before the replica was marked down: same incident
-        r.consecutive_failures += 1
-        backoff = min(cfg.backoff_s * 2 ** (r.consecutive_failures - 1), cfg.backoff_max_s)
-        self._mark_down(r, r.last_error, backoff)
-
-    def _mark_down(self, r: Replica, reason: str, backoff_s: float) -> None:
-        r.retry_at = max(r.retry_at, time.monotonic() + backoff_s)
-        if r.down:
-            return
-        r.down, r.down_reason = True, reason
-        r.downs += 1
-        r.epoch += 1
-        r.slow = False
-        with self._lock:
-            r.latencies.clear()  # it may come back as a different process
-            self.events.append((time.time(), r.url, "down", reason))
-        logger.warning("inference replica %s is down (%s)", r.url, reason)
-        # Down means out at once: its groups in flight go to another replica now
-        # (a hung replica would otherwise hold them for request_timeout_s), and
-        # the weight pusher stops waiting for it.
-        for t in list(r.attempts):
-            t.cancel()
-        if self.on_down is not None:
-            try:
-                self.on_down(r.url, reason)
-            except Exception:  # a hook's bug must not stop routing
-                logger.exception("on_down hook failed for %s", r.url)
-
-    def _succeeded(self, r: Replica, latency_s: float) -> None:
-        r.served += 1
-        if r.routable:
-            r.consecutive_failures = 0
-        with self._lock:
-            r.latencies.append(latency_s)
-        self._update_slow()
-
-    def _update_slow(self) -> None:
-        cfg = self.config
-        with self._lock:
-            medians = {r: statistics.median(r.latencies) for r in self.replicas
-                       if not r.removed and len(r.latencies) >= cfg.slow_min_samples}
-        now = time.monotonic()
-        for r in self.replicas:
-            others = [m for o, m in medians.items() if o is not r]
-            slow = r in medians and bool(others) and medians[r] > cfg.slow_factor * statistics.median(others)
-            if slow == r.slow:
-                r.slow_verdict_since = None
-                continue
-            # Hysteresis: a new verdict must hold for slow_hold_s before it is
-            # applied (and logged), so a loaded box does not flap several times a second.
-            if r.slow_verdict_since is None:
-                r.slow_verdict_since = now
-            if now - r.slow_verdict_since >= cfg.slow_hold_s:
-                r.slow, r.slow_verdict_since = slow, None
-                logger.warning("inference replica %s is %s (median latency %.3fs, fleet %.3fs)", r.url,
-                               "slow" if slow else "no longer slow", medians.get(r, 0.0),
-                               statistics.median(others) if others else 0.0)
-
-    # ---- health checks and replica file ----------------------------------- #
-
-    async def _health_loop(self) -> None:
-        while True:
-            for r in list(self.replicas):
-                if not r.removed and not r.checking:
-                    r.checking = True  # a hung replica must not delay the others' checks
-                    t = asyncio.create_task(self._check(r))
-                    self._checks.add(t)
-                    t.add_done_callback(self._checks.discard)
-            await asyncio.sleep(self.config.health_interval_s)
-
-    async def _check(self, r: Replica) -> None:
-        assert self._health_session is not None
-        ok, why = False, ""
-        try:
-            async with self._health_session.get(
-                    r.url + self.backend.health_path,
-                    timeout=aiohttp.ClientTimeout(total=self.config.health_timeout_s)) as resp:
-                await resp.read()
-                ok, why = resp.status == 200, f"health check: HTTP {resp.status}"
-        except asyncio.TimeoutError:
-            why = f"health check: no reply within {self.config.health_timeout_s}s"
-        except aiohttp.ClientError as e:
-            why = f"health check: {type(e).__name__}: {e}"
-        finally:
-            r.checking = False
-        if r.removed:
-            return
-        if not ok:
-            r.last_error = why
-            self._mark_down(r, why, 0.0)
-        elif r.down and time.monotonic() >= r.retry_at:
-            r.down, r.down_reason = False, ""
-            self._open(r)
-            with self._lock:
-                self.events.append((time.time(), r.url, "back", "passed its health check"))
-            # catching-up replicas stay out of routing until readmit().
-            logger.warning("inference replica %s passed its health check: %s", r.url, r.state)
-            self._notify()
-
-    async def _file_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.replica_file_interval_s)
-            self._reread_file()
-
-    def _reread_file(self) -> None:
-        path = self.config.replica_file
-        assert path is not None
-        try:
-            mtime = os.stat(path).st_mtime_ns
-            if mtime == self._file_mtime:
-                return
-            urls = read_replica_file(path)
-        except (OSError, ValueError) as e:
-            # A launcher may not have written it yet; keep the replicas we know.
-            logger.warning("cannot read replica file %s: %s", path, e)
-            return
-        self._file_mtime = mtime
-        listed = set(urls)
-        for u in urls:
-            r = self._by_url.get(u)
-            if r is None:
-                r = self._add(u, static=False)
-                logger.warning("inference replica %s joined from %s", u, path)
-            elif r.retired:
-                continue
-            elif r.removed:
-                r.removed = False
-                logger.warning("inference replica %s is listed again in %s", u, path)
-            else:
-                continue
-            # Joining replicas are routed to only after a passing health check.
-            r.down, r.down_reason, r.retry_at = True, "joining", 0.0
-            r.epoch += 1
-            self._open(r)
-        for r in self.replicas:
-            if not r.static and not r.removed and r.url not in listed:
-                r.removed = True
-                logger.warning("inference replica %s is no longer listed in %s: removed", r.url, path)
-        self._notify()
-
-    # ---- launcher and weight pusher hooks (any thread) --------------------- #
-
-    def mark_down(self, url: str, reason: str) -> None:
-        """Take ``url`` out of routing now (its process exited): its groups in
-        flight are re-sent and ``on_down`` is called; a passing health check
-        brings it back (after the pusher readmits it, if it ejected it)."""
-        self._on_loop(self._down_now, _norm(url), reason)
-
-    def retire(self, url: str, reason: str) -> None:
-        """``url`` will never come back (its launcher gave up on it): removed
-        for good. Once every replica is retired, requests fail at once instead
-        of waiting ``request_timeout_s`` for one."""
-        self._on_loop(self._retire_now, _norm(url), reason)
-
-    def _on_loop(self, fn: Callable, *args) -> None:
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        loop.call_soon_threadsafe(fn, *args)
-
-    def _down_now(self, url: str, reason: str) -> None:
-        r = self._by_url.get(url)
-        if r is not None and not r.removed:
-            self._mark_down(r, reason, self.config.backoff_s)
-            self._notify()
-
-    def _retire_now(self, url: str, reason: str) -> None:
-        r = self._by_url.get(url)
-        if r is None:
-            return
-        self._down_now(url, reason)
-        r.removed = r.retired = True
-        r.last_error = reason
-        with self._lock:
-            self.events.append((time.time(), url, "retired", reason))
-        self._notify()
-
-    def eject(self, url: str) -> None:
-        """Stop routing to ``url`` until ``readmit(url)`` (it holds stale weights)."""
-        url = _norm(url)
-        with self._lock:
-            r = self._by_url.get(url)
-            if r is None:
-                self._pending_eject.add(url)  # applies if it joins later
-                return
-            if r.ejected:
-                return
-            r.ejected = True
-            self.events.append((time.time(), url, "ejected", "catching up on weights"))
-        logger.warning("inference replica %s ejected (catching up on weights)", url)
-        self._notify_threadsafe()
-
-    def readmit(self, url: str) -> None:
-        """Route to ``url`` again (the pusher confirmed it holds the newest weights)."""
-        url = _norm(url)
-        with self._lock:
-            self._pending_eject.discard(url)
-            r = self._by_url.get(url)
-            if r is None or not r.ejected:
-                return
-            r.ejected = False
-            self.events.append((time.time(), url, "readmitted", "holds the newest weights"))
-        logger.warning("inference replica %s readmitted: %s", url, r.state)
-        self._notify_threadsafe()
+        self.fleet.failed(r, f"{e.kind}: {e}", epoch)
 
     # ---- introspection (any thread) --------------------------------------- #
-
-    def states(self) -> dict[str, str]:
-        with self._lock:
-            return {r.url: r.state for r in self.replicas}
 
     def metrics(self) -> dict[str, float]:
         """Counters and states; ``pool/replica{i}_busy_frac`` is the share of the
         time since the previous call during which replica i had a request outstanding."""
         now = time.monotonic()
-        with self._lock:
+        with self.fleet.lock:
             replicas = list(self.replicas)
             latency = sorted(self._latency)
             medians = {r.index: statistics.median(r.latencies) if r.latencies else 0.0 for r in replicas}
