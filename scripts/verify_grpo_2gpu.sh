@@ -8,7 +8,7 @@
 #     (e.g. --one-gpu --weight_sync.transport gloo, or disk)
 #
 # Runs grpo_train.py (torchrun, one trainer rank) with train_configs/verify_2gpu.toml:
-# the demo's tiny Qwen3 (written locally), the digits task, one built-in server
+# the demo's tiny Qwen3 (written to $DUMP/tiny-qwen3 first), the digits task, one built-in server
 # in float32. The driver below calls grpo_train.main unchanged and only
 # observes: it keeps a handle on the policy that train_step receives, and just
 # before the run's summary (after the last push, which waits for delivery,
@@ -47,6 +47,9 @@ done
 DUMP=${VERIFY_DUMP:-${OUT:-outputs}/verify_2gpu}
 mkdir -p "$DUMP"
 rm -f "$DUMP/metrics.jsonl" "$DUMP/check.json"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+# The trainer creates a missing model only at the demo's own path: write ours first (kept if there).
+"$PYTHON" -m torchtitan_grpo.demo_assets "$DUMP/tiny-qwen3" > /dev/null
 ARGS=(--job.config_file train_configs/verify_2gpu.toml --job.dump_folder "$DUMP"
       --model.hf_assets_path "$DUMP/tiny-qwen3")
 if [ "$CPU" = 1 ]; then
@@ -67,7 +70,6 @@ else
   fi
   export VERIFY_TOL=${VERIFY_TOL:-1e-3}
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 
 DRIVER=$(mktemp --suffix=_verify_driver.py)
 trap 'rm -f "$DRIVER"' EXIT

@@ -63,6 +63,42 @@ def test_missing_model_dir_is_named(tmp_path):
         parse_config(["--job.config_file", path])
 
 
+def test_a_missing_model_path_given_by_the_user_is_an_error_not_a_new_model(tmp_path):
+    """grpo.tiny_model_if_missing (on in the demo config) writes the tiny model
+    only at the demo's own default path; any other path that holds no model
+    is a config error naming the key, and nothing is written there."""
+    missing = tmp_path / "nonexistent" / "model"
+    with pytest.raises(ConfigError, match=r"^config key model\.hf_assets_path = '.*nonexistent/model': does not exist; "
+                                          r"grpo\.tiny_model_if_missing writes the tiny demo model only at the "
+                                          r"demo's own \./outputs/tiny-qwen3"):
+        parse_config(["--job.config_file", DEMO, "--model.hf_assets_path", str(missing)])
+    assert not missing.exists() and not missing.parent.exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match=r"model\.hf_assets_path = '.*empty': has no config\.json"):
+        parse_config(["--job.config_file", DEMO, "--model.hf_assets_path", str(empty)])
+    # Written first (the demo_assets CLI), the same path is a model like any other.
+    from torchtitan_grpo.demo_assets import main as write_demo_model
+
+    assert write_demo_model([str(missing)]) == str(missing)
+    assert parse_config(["--job.config_file", DEMO, "--model.hf_assets_path", str(missing)]).model.hf_assets_path \
+        == str(missing)
+
+
+def test_the_demo_default_model_path_may_be_missing(tmp_path, monkeypatch):
+    """The demo's own ./outputs/tiny-qwen3 (relative to the working directory),
+    however it is spelled, is accepted while missing: the trainer writes it."""
+    monkeypatch.chdir(tmp_path)
+    assert parse_config(["--job.config_file", DEMO]).model.hf_assets_path == "./outputs/tiny-qwen3"
+    for spelling in ("outputs/tiny-qwen3", str(tmp_path / "outputs" / "tiny-qwen3")):
+        assert parse_config(["--job.config_file", DEMO, "--model.hf_assets_path", spelling])
+    assert not (tmp_path / "outputs").exists()  # validation writes nothing
+    # Without grpo.tiny_model_if_missing even the demo path must hold a model.
+    with pytest.raises(ConfigError, match=r"model\.hf_assets_path = '\./outputs/tiny-qwen3': does not exist: it must "
+                                          r"be an HF checkpoint directory"):
+        parse_config(["--job.config_file", DEMO, "--grpo.no-tiny_model_if_missing"])
+
+
 def test_jsonl_task_needs_existing_file(tmp_path):
     with pytest.raises(ConfigError, match=r"rollout\.dataset_path"):
         parse_config(["--job.config_file", DEMO, "--rollout.task", "jsonl",
@@ -165,6 +201,8 @@ def test_api_key_from_the_environment(monkeypatch):
     (["--inference.urls", "http://127.0.0.1:1", "--inference.backend", "sglang"],
      "config key inference.urls: http://127.0.0.1:1 is not reachable"),
     (["--rollout.reward_fn", "no_such_pkg.rewards:score"], "config key rollout.reward_fn"),
+    (["--model.hf_assets_path", "/nonexistent/model"],
+     "config key model.hf_assets_path = '/nonexistent/model': does not exist; grpo.tiny_model_if_missing"),
 ])
 def test_a_bad_config_is_one_naming_line_and_starts_nothing(tmp_path, args, naming):
     dump = tmp_path / "run"
@@ -176,6 +214,7 @@ def test_a_bad_config_is_one_naming_line_and_starts_nothing(tmp_path, args, nami
     assert len(errors) == 1 and naming in errors[0], r.stderr
     assert "Traceback" not in r.stdout + r.stderr
     assert not (dump / "servers").exists()  # no server was started
+    assert not os.path.exists("/nonexistent/model")  # and no model was written
 
 
 def test_missing_and_invalid_config_files_are_named(tmp_path):

@@ -22,10 +22,10 @@ def _env() -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
 
 
-def _torchrun(nproc: int, *args: str, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
+def _torchrun(nproc: int, *args: str, timeout: float = 600, cwd: str = ROOT, **kw) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            os.path.join(ROOT, "grpo_train.py"), "--job.config_file", DEMO, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=timeout, **kw)
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, env=_env(), timeout=timeout, **kw)
 
 
 def _metrics(dump: str) -> list[dict]:
@@ -194,12 +194,17 @@ def test_raising_reward_scores_zero_and_run_goes_on(tmp_path, tiny_model_dir):
     assert len(_metrics(dump)) == 2
 
 
-def test_demo_learns_the_digits_task(tmp_path, tiny_model_dir):
-    """The README's demo, unchanged: a random tiny model learns the task by RL
-    alone, from near chance (a constant output scores <= 0.15) to >= 0.8."""
+def test_demo_learns_the_digits_task(tmp_path):
+    """The README's demo, unchanged: run from a fresh working directory, it
+    writes its tiny random model at its own default path (./outputs/tiny-qwen3,
+    the only path grpo.tiny_model_if_missing creates), and the model learns the
+    task by RL alone, from near chance (a constant output scores <= 0.15) to >= 0.8."""
     dump = str(tmp_path / "run")
-    r = _torchrun(1, "--job.dump_folder", dump, "--model.hf_assets_path", str(tmp_path / "fresh-model"))
+    r = _torchrun(1, "--job.dump_folder", dump, cwd=str(tmp_path))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    model = tmp_path / "outputs" / "tiny-qwen3"
+    assert "writing a tiny random Qwen3 model and tokenizer to ./outputs/tiny-qwen3" in r.stdout
+    assert (model / "config.json").is_file() and (model / "model.safetensors").is_file()
     rows = _metrics(dump)
     first = sum(m["reward/mean"] for m in rows[:10]) / 10
     last = sum(m["reward/mean"] for m in rows[-10:]) / 10

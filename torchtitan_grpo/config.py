@@ -78,8 +78,11 @@ class GRPO:
     """Drop groups whose rewards are all equal (they carry no signal); they are counted either way."""
 
     tiny_model_if_missing: bool = False
-    """If model.hf_assets_path has no config.json, write a tiny random Qwen3
-    checkpoint and a character tokenizer there (demos and tests; nothing is downloaded)."""
+    """If model.hf_assets_path is the demo's own ./outputs/tiny-qwen3 and has
+    no config.json, write a tiny random Qwen3 checkpoint and a character
+    tokenizer there (the demo; nothing is downloaded). Any other missing path
+    is an error at start-up: write a demo model elsewhere with
+    ``python -m torchtitan_grpo.demo_assets DIR``."""
 
     seed: int = 0
     """Seed for the prompt order, sampling seeds and model init."""
@@ -401,13 +404,7 @@ def validate(cfg) -> None:
                f"put them on cuda:{trainer_gpus} or later, or set weight_sync.transport = \"ipc\" (one GPU for "
                f"both: the server copies from the trainer's memory), \"gloo\" or \"disk\"", i.server_device)
     _check(cfg.model.name in ("qwen3", "llama3"), "model.name", 'must be "qwen3" or "llama3"', cfg.model.name)
-    if not g.tiny_model_if_missing:
-        _check(
-            os.path.isfile(os.path.join(cfg.model.hf_assets_path, "config.json")),
-            "model.hf_assets_path",
-            "must be an HF checkpoint directory with config.json (or set grpo.tiny_model_if_missing = true for a demo model)",
-            cfg.model.hf_assets_path,
-        )
+    _check_model_dir(cfg)
     _check(cfg.training.steps >= 1, "training.steps", "must be >= 1", cfg.training.steps)
     c = cfg.checkpoint
     if c.enable:
@@ -419,6 +416,26 @@ def validate(cfg) -> None:
                "needs checkpoint.last_save_model_only = true (safetensors hold only the model)", c.last_save_in_hf)
     if c.hf_export:
         _check(bool(c.hf_export_folder), "checkpoint.hf_export_folder", "must not be empty", c.hf_export_folder)
+
+
+def _check_model_dir(cfg) -> None:
+    """model.hf_assets_path holds an HF checkpoint (config.json), or it is the
+    demo's own default path and grpo.tiny_model_if_missing will write the tiny
+    model there. A path the user gave is never created: a typo must not train
+    a random model."""
+    from torchtitan_grpo.demo_assets import DEMO_MODEL_DIR, is_demo_model_dir
+
+    path = cfg.model.hf_assets_path
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return
+    what = "does not exist" if not os.path.exists(path) else "has no config.json"
+    if not cfg.grpo.tiny_model_if_missing:
+        _check(False, "model.hf_assets_path", f"{what}: it must be an HF checkpoint directory (config.json, "
+                                              "safetensors, tokenizer files)", path)
+    _check(is_demo_model_dir(path), "model.hf_assets_path",
+           f"{what}; grpo.tiny_model_if_missing writes the tiny demo model only at the demo's own {DEMO_MODEL_DIR}, "
+           "never at a path given to it: fix the path, or write the demo model there first "
+           "(python -m torchtitan_grpo.demo_assets DIR)", path)
 
 
 def check_reachable(cfg, timeout_s: float = 10.0) -> None:

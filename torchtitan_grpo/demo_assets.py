@@ -18,6 +18,17 @@ from dataclasses import asdict, dataclass
 PAD, EOS = "<|pad|>", "<|endoftext|>"
 CHARS = [chr(c) for c in range(32, 127)]
 
+DEMO_MODEL_DIR = "./outputs/tiny-qwen3"
+"""The demo configs' own ``model.hf_assets_path`` (relative to the working
+directory): the only path ``grpo.tiny_model_if_missing`` creates. A path the
+user gives is never created; write a tiny model there first with
+``python -m torchtitan_grpo.demo_assets DIR``."""
+
+
+def is_demo_model_dir(path: str) -> bool:
+    """Whether ``path`` is :data:`DEMO_MODEL_DIR` (however it is spelled)."""
+    return os.path.abspath(path) == os.path.abspath(DEMO_MODEL_DIR)
+
 
 @dataclass
 class TinyQwen3:
@@ -120,11 +131,27 @@ def ensure_tiny_qwen3(out_dir: str, shape: TinyQwen3 | None = None) -> str:
     return out_dir
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> str:
+    """``python -m torchtitan_grpo.demo_assets DIR [--seed N] [--shape tiny|qwen3-0.6b] [--force]``:
+    write the model to DIR (kept if DIR already holds a config.json, unless
+    ``--force``) and print DIR. Scripts and tests that train on a demo model
+    at a path of their own call this first."""
     import argparse
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("out_dir")
-    p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args()
-    print(write_tiny_qwen3(a.out_dir, TinyQwen3(seed=a.seed)))
+    p = argparse.ArgumentParser(prog="python -m torchtitan_grpo.demo_assets",
+                                description="Write the demo's tiny random Qwen3 (or the Qwen3-0.6B shape) and its "
+                                            "character tokenizer to DIR.")
+    p.add_argument("out_dir", metavar="DIR")
+    p.add_argument("--seed", type=int, default=0, help="init seed (grpo.seed of the run that would write it)")
+    p.add_argument("--shape", choices=("tiny", "qwen3-0.6b"), default="tiny")
+    p.add_argument("--force", action="store_true", help="overwrite a model already in DIR")
+    a = p.parse_args(argv)
+    base = QWEN3_0_6B if a.shape == "qwen3-0.6b" else TinyQwen3()
+    shape = TinyQwen3(**{**asdict(base), "seed": a.seed})
+    out = write_tiny_qwen3(a.out_dir, shape) if a.force else ensure_tiny_qwen3(a.out_dir, shape)
+    print(out)
+    return out
+
+
+if __name__ == "__main__":
+    main()
