@@ -28,7 +28,6 @@ from __future__ import annotations
 import concurrent.futures
 import glob
 import logging
-import math
 import os
 import threading
 import time
@@ -40,197 +39,29 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from torchtitan_grpo.inference.requests import (
+    DEFAULT_WEIGHT_VERSION,
+    PAUSE_MODES,
+    PROMPT_CHARS_PER_TOKEN,
+    FinishReason,
+    ModelLoadError,
+    RequestError,
+    SampleResult,
+    SamplingParams,
+    WeightUpdateError,
+    _Request,
+    _sample_generator,
+    _Sequence,
+    _version_spans,
+)
+from torchtitan_grpo.inference.sampling import sample_tokens
 from torchtitan_grpo.weight_sync.buckets import TensorSpec, misaligned_message, unpack
 
+# Moved out of this module (issue #23) and still imported from here by modules
+# not yet switched to their new homes; the engine itself does not use them.
+from torchtitan_grpo.inference.requests import parse_stop  # noqa: F401  isort: skip
+
 logger = logging.getLogger(__name__)
-
-PAUSE_MODES = ("abort", "retract", "in_place")
-DEFAULT_WEIGHT_VERSION = "default"
-_GREEDY_EPS = 1e-6  # temperatures below this mean argmax, as in SGLang
-PROMPT_CHARS_PER_TOKEN = 32
-"""Bound on a text prompt's characters per token of context, checked before it
-is tokenised: tokenising is linear in the text and a prompt that cannot fit
-the context is refused anyway, so a 100 MB text must be refused by its length,
-not after building its ids. Real text averages ~4 characters per token; a
-prompt this bound refuses would need over 32 on average to fit."""
-MAX_SAMPLES = 4096
-"""Most samples (``n``) one request may ask for: each is a sequence object
-built at submit time, so an unbounded ``n`` is unbounded memory."""
-_INT64 = (-(1 << 63), (1 << 63) - 1)  # the range of a seed (vLLM's bound too)
-
-
-class RequestError(ValueError):
-    """A request the engine cannot serve as asked (maps to HTTP 400)."""
-
-
-class WeightUpdateError(RuntimeError):
-    """A weight update that was refused; the model was left unchanged."""
-
-
-class ModelLoadError(RuntimeError):
-    """The model directory is missing or cannot be loaded."""
-
-
-# --------------------------------------------------------------------------- #
-# Request / result types
-# --------------------------------------------------------------------------- #
-
-
-@dataclass
-class SamplingParams:
-    """How to sample one prompt (engine-neutral names; routes map theirs)."""
-
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    """0 (or below 1e-6) means greedy."""
-    top_p: float = 1.0
-    top_k: int = -1
-    """-1 (or 0) keeps the whole vocabulary."""
-    min_p: float = 0.0
-    min_new_tokens: int = 0
-    stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()
-    """Stop strings; need a tokenizer."""
-    ignore_eos: bool = False
-    n: int = 1
-    seed: int | None = None
-    """Per-request seed: sample j uses a generator derived from (seed, j), so a
-    seeded request is reproducible whatever else is in the batch."""
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logit_bias: dict[int, float] | None = None
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < _GREEDY_EPS
-
-    def validate(self, vocab_size: int) -> None:
-        """Raise :class:`RequestError` naming the first bad field."""
-
-        def bad(name: str, why: str) -> None:
-            raise RequestError(f"sampling_params.{name} {why}")
-
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
-            bad("max_new_tokens", f"must be an integer >= 0, got {self.max_new_tokens!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            bad("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
-            bad("top_k", f"must be -1 (all) or an integer >= 1, got {self.top_k!r}")
-        if not 0.0 <= self.min_p <= 1.0:
-            bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
-        if not isinstance(self.min_new_tokens, int) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            bad("min_new_tokens", f"must be in [0, max_new_tokens], got {self.min_new_tokens!r}")
-        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_SAMPLES:
-            bad("n", f"must be an integer in [1, {MAX_SAMPLES}], got {self.n!r}")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            bad("repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty!r}")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                bad(name, f"must be in [-2, 2], got {getattr(self, name)!r}")
-        for t in self.stop_token_ids:
-            if not isinstance(t, int) or not 0 <= t < vocab_size:
-                bad("stop_token_ids", f"must hold token ids in [0, {vocab_size}), got {t!r}")
-        for t in (self.logit_bias or {}):
-            if not 0 <= t < vocab_size:
-                bad("logit_bias", f"keys must be token ids in [0, {vocab_size}), got {t!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not _INT64[0] <= self.seed <= _INT64[1]):
-            bad("sampling_seed", f"must be a 64-bit signed integer, got {self.seed!r}")
-
-
-@dataclass
-class FinishReason:
-    """Why a sample ended."""
-
-    kind: str
-    """"stop" (EOS, stop token or stop string), "length" or "abort"."""
-    matched: int | str | None = None
-    length: int | None = None
-    message: str | None = None
-
-
-@dataclass
-class VersionSpan:
-    """Output tokens ``[start, end)`` were generated under weight ``version``."""
-
-    version: str
-    start: int
-    end: int
-
-
-@dataclass
-class SampleResult:
-    """One finished sample."""
-
-    rid: str
-    sample_index: int
-    prompt_ids: list[int]
-    output_ids: list[int]
-    output_logprobs: list[float]
-    top_logprobs: list[list[tuple[float, int]]] | None
-    finish_reason: FinishReason
-    weight_version: str
-    """Version that produced the last token (the current one if none)."""
-    weight_versions: list[VersionSpan] | None
-    """Set only when the version changed while the sample had output."""
-    cached_tokens: int
-    e2e_latency: float
-    text: str | None = None
-
-
-# --------------------------------------------------------------------------- #
-# Internal per-sequence state
-# --------------------------------------------------------------------------- #
-
-
-@dataclass
-class _Request:
-    rid: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    top_logprobs_num: int
-    future: concurrent.futures.Future
-    created: float = field(default_factory=time.monotonic)
-    seqs: list["_Sequence"] = field(default_factory=list)
-    remaining: int = 0
-
-
-@dataclass(eq=False)
-class _Sequence:
-    req: _Request
-    index: int
-    generator: torch.Generator | None
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top: list[list[tuple[float, int]]] | None = None
-    finish: FinishReason | None = None
-    end_version: str | None = None  # version when the sample finished
-    stop_text: str | None = None
-    cached_tokens: int = 0
-    # (old_version, number of output tokens it produced), one per change.
-    version_events: list[tuple[str, int]] = field(default_factory=list)
-
-    @property
-    def params(self) -> SamplingParams:
-        return self.req.params
-
-    def context(self) -> list[int]:
-        return self.req.prompt_ids + self.output_ids
-
-
-def _sample_generator(seed: int | None, index: int, device: torch.device) -> torch.Generator | None:
-    if seed is None:
-        return None
-    # Sample 0 uses the seed itself, so n=1 reproduces a standalone request.
-    derived = seed if index == 0 else hash((seed, index)) & 0x7FFF_FFFF_FFFF_FFFF
-    g = torch.Generator(device=device)
-    g.manual_seed(derived)
-    return g
-
 
 # --------------------------------------------------------------------------- #
 # Engine
@@ -865,92 +696,17 @@ class Engine:
 
     def _sample(self, logits: torch.Tensor, seqs: list[_Sequence]) -> torch.Tensor:
         """Pick one token per row, record it (and its logprob), check stops."""
-        logits = logits.float()
-        n, vocab = logits.shape
-        temps = torch.tensor([s.params.temperature for s in seqs], device=self.device)
-        greedy = temps < _GREEDY_EPS
-        scale = torch.where(greedy, torch.ones_like(temps), temps)
-        logp = torch.log_softmax(logits / scale[:, None], dim=-1)
-
-        proc = self._process_logits(logits, seqs)
-        tokens = torch.empty(n, dtype=torch.long, device=self.device)
-        if bool(greedy.any()):
-            tokens[greedy] = proc[greedy].argmax(dim=-1)
-        sampled = ~greedy
-        if bool(sampled.any()):
-            rows = sampled.nonzero().flatten().tolist()
-            x = proc[sampled] / scale[sampled, None]
-            x = _truncate(
-                x,
-                torch.tensor([_top_k(seqs[i].params.top_k, vocab) for i in rows], device=self.device),
-                torch.tensor([seqs[i].params.top_p for i in rows], device=self.device),
-                torch.tensor([seqs[i].params.min_p for i in rows], device=self.device),
-            )
-            probs = torch.softmax(x, dim=-1)
-            noise = torch.empty_like(probs)
-            unseeded = [k for k, i in enumerate(rows) if seqs[i].generator is None]
-            if unseeded:
-                noise[unseeded] = torch.empty(
-                    (len(unseeded), vocab), device=self.device
-                ).exponential_(generator=self._rng)
-            for k, i in enumerate(rows):
-                if seqs[i].generator is not None:
-                    noise[k].exponential_(generator=seqs[i].generator)
-            # argmax(p / E), E ~ Exp(1), draws from p (the exponential race)
-            tokens[sampled] = (probs / noise).argmax(dim=-1)
-
-        chosen = logp.gather(1, tokens[:, None]).squeeze(1).tolist()
-        tok_list = tokens.tolist()
-        tops = {}
-        want_top = [i for i, s in enumerate(seqs) if s.req.top_logprobs_num > 0]
-        for i in want_top:
-            k = min(seqs[i].req.top_logprobs_num, vocab)
-            v, ix = logp[i].topk(k)
-            tops[i] = list(zip(v.tolist(), ix.tolist()))
+        picked = sample_tokens(logits, seqs, self.device, self._rng, self.eos_token_ids)
         with self._cv:
             for i, s in enumerate(seqs):
                 if s.finish is not None:
                     continue
-                s.output_ids.append(tok_list[i])
-                s.logprobs.append(chosen[i])
-                if i in tops:
-                    s.top = (s.top or []) + [tops[i]]
+                s.output_ids.append(picked.token_ids[i])
+                s.logprobs.append(picked.logprobs[i])
+                if i in picked.top:
+                    s.top = (s.top or []) + [picked.top[i]]
                 self._check_stop(s)
-        return tokens
-
-    def _process_logits(self, logits: torch.Tensor, seqs: list[_Sequence]) -> torch.Tensor:
-        """Penalties, logit bias and min_new_tokens, applied to a copy."""
-        proc = logits
-        copied = False
-        for i, s in enumerate(seqs):
-            p = s.params
-            edits = (
-                p.repetition_penalty != 1.0
-                or p.frequency_penalty
-                or p.presence_penalty
-                or p.logit_bias
-                or len(s.output_ids) < p.min_new_tokens
-            )
-            if not edits:
-                continue
-            if not copied:
-                proc, copied = logits.clone(), True
-            row = proc[i]
-            if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(s.context())), device=self.device)
-                vals = row[seen]
-                row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-            if (p.frequency_penalty or p.presence_penalty) and s.output_ids:
-                counts = torch.bincount(torch.tensor(s.output_ids, device=self.device), minlength=row.numel())[: row.numel()]
-                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
-            if p.logit_bias:
-                for tok, bias in p.logit_bias.items():
-                    row[tok] += bias
-            if len(s.output_ids) < p.min_new_tokens:
-                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
-                if banned:
-                    row[torch.tensor(sorted(banned), device=self.device)] = float("-inf")
-        return proc
+        return picked.tokens
 
     def _check_stop(self, s: _Sequence) -> None:
         p = s.params
@@ -979,30 +735,6 @@ class Engine:
 # --------------------------------------------------------------------------- #
 
 
-def _top_k(k: int, vocab: int) -> int:
-    return vocab if k is None or k <= 0 else min(k, vocab)
-
-
-def _truncate(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) what top-k, then top-p (renormalised), then min-p exclude."""
-    vocab = x.shape[-1]
-    if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
-        sorted_x, order = x.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab, device=x.device)
-        sorted_x = sorted_x.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
-        probs = torch.softmax(sorted_x, dim=-1)
-        before = probs.cumsum(dim=-1) - probs  # mass strictly ahead of each token
-        drop = before > top_p[:, None]
-        drop[:, 0] = False  # the most likely token always survives
-        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-        x = torch.empty_like(x).scatter_(1, order, sorted_x)
-    if bool((min_p > 0).any()):
-        probs = torch.softmax(x, dim=-1)
-        floor = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
-        x = x.masked_fill(probs < floor, float("-inf"))
-    return x
-
-
 def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     """Zero-pad ``t`` on the left along ``dim`` up to ``width``."""
     missing = width - t.shape[dim]
@@ -1011,21 +743,6 @@ def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     shape = list(t.shape)
     shape[dim] = missing
     return torch.cat([t.new_zeros(shape), t], dim=dim)
-
-
-def _version_spans(events: list[tuple[str, int]], current: str, n_out: int) -> list[VersionSpan]:
-    """Turn (old_version, tokens_so_far) change events into contiguous spans."""
-    spans: list[VersionSpan] = []
-    for version, end in events + [(current, n_out)]:
-        end = min(end, n_out)
-        start = spans[-1].end if spans else 0
-        if end <= start:
-            continue
-        if spans and spans[-1].version == version:
-            spans[-1].end = end
-        else:
-            spans.append(VersionSpan(version, start, end))
-    return spans
 
 
 @dataclass
@@ -1361,15 +1078,3 @@ def read_safetensors_dir(path: str, device: torch.device | str = "cpu") -> list[
                 t = fh.get_tensor(k)
                 out.append((k, t.clone() if t.device.type == "cpu" else t))
     return out
-
-
-def parse_stop(value) -> tuple[str, ...] | None:
-    """The ``stop`` field of both protocols: absent, a string, or a list of
-    strings (empty ones ignored). None when it is none of these."""
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        return (value,)
-    if isinstance(value, list) and all(isinstance(v, str) for v in value):
-        return tuple(v for v in value if v)
-    return None
