@@ -54,8 +54,11 @@ class _CompletionCall:
     return_weight_versions: bool
 
 
-def _sampling_params(body: dict, max_context: int) -> SamplingParams:
-    """Map vLLM's CompletionRequest fields onto engine :class:`SamplingParams`."""
+def sampling_params(body: dict, max_new_tokens: int) -> SamplingParams:
+    """Map vLLM's sampling fields (those its CompletionRequest,
+    ChatCompletionRequest and SamplingParams share) onto engine
+    :class:`SamplingParams`; ``max_new_tokens`` is resolved by the caller
+    (each request type names and defaults it its own way)."""
     stop_t = parse_stop(body.get("stop"))
     if stop_t is None:
         raise _bad("'stop' must be a string or a list of strings", "stop")
@@ -68,11 +71,8 @@ def _sampling_params(body: dict, max_context: int) -> SamplingParams:
     except (TypeError, ValueError):
         raise _bad("'logit_bias' must map token ids to numbers", "logit_bias") from None
     top_k = _field(body, "top_k", "int", -1)
-    # An explicit null means "up to the context": the engine stops there anyway.
-    max_tokens = max_context if "max_tokens" in body and body["max_tokens"] is None else \
-        _field(body, "max_tokens", "int", 16)
     return SamplingParams(
-        max_new_tokens=max_tokens,
+        max_new_tokens=max_new_tokens,
         temperature=_field(body, "temperature", "num", 1.0),
         top_p=_field(body, "top_p", "num", 1.0),
         top_k=-1 if top_k in (0, -1) else top_k,  # vLLM: 0 and -1 both keep all
@@ -92,7 +92,7 @@ def _sampling_params(body: dict, max_context: int) -> SamplingParams:
     )
 
 
-def _check_stream_options(body: dict) -> None:
+def check_stream_options(body: dict) -> None:
     """vLLM refuses ``stream_options`` unless ``stream`` is true (its
     CompletionRequest validator), rather than ignoring it; so does this
     server (which then refuses ``stream`` itself, naming that field)."""
@@ -110,22 +110,73 @@ _ENGINE_TO_VLLM = {"sampling_params.max_new_tokens": "max_tokens", "sampling_par
                    "sampling_params.sampling_seed": "seed", "sampling_params.": ""}
 
 
-def _vllm_names(message: str) -> str:
+def vllm_names(message: str) -> str:
     """Engine messages use SGLang's field names; say vLLM's instead."""
     for engine_name, vllm_name in _ENGINE_TO_VLLM.items():
         message = message.replace(engine_name, vllm_name)
     return message
 
 
-def _version_spans(r: SampleResult) -> list[dict]:
+def refuse_unsupported(body: dict, unsupported: dict[str, Any]) -> None:
+    """A field vLLM has but this server does not implement, sent with a value
+    other than its default (``[]`` counts as the default: no bad words etc.)."""
+    for key, default in unsupported.items():
+        value = body.get(key)
+        if value is not None and value != default and value != []:
+            raise _bad(f"'{key}' is not supported by the built-in server", key)
+
+
+def stop_reason(r: SampleResult, params: SamplingParams) -> int | str | None:
+    """vLLM's ``stop_reason``: the stop string or stop token id that ended the
+    sample; None for EOS, length or abort."""
+    f = r.finish_reason
+    if f.kind == "stop" and (isinstance(f.matched, str) or f.matched in params.stop_token_ids):
+        return f.matched
+    return None
+
+
+def token_str(engine: Engine, token_id: int, as_id: bool) -> str:
+    """A token as vLLM's logprobs name it: its text, or ``"token_id:<id>"``
+    with ``return_tokens_as_token_ids`` (or when it has no text)."""
+    text = None if as_id else engine.token_text(token_id)
+    return f"{proto.TOKEN_ID_PREFIX}{token_id}" if text is None else text
+
+
+def top_entries(r: SampleResult, step: int, k: int) -> list[tuple[int, float]]:
+    """vLLM's per-position logprob dict as ``(token_id, logprob)`` pairs:
+    the sampled token first, then the top ``k`` by rank, each id once (the
+    sampled token keeps the first place when it is among the top)."""
+    out = {r.output_ids[step]: max(r.output_logprobs[step], -9999.0)}  # -inf is not JSON
+    for top_lp, top_id in (r.top_logprobs[step] if r.top_logprobs else [])[:k]:
+        out.setdefault(top_id, max(top_lp, -9999.0))
+    return list(out.items())
+
+
+async def gather_samples(engine: Engine, gate: PauseGate, prompts: list[list[int]], params: SamplingParams,
+                         rids: list[str], top_logprobs: int) -> list[list[SampleResult]]:
+    """Submit every prompt and wait for all their samples; a client that goes
+    away aborts what is still running. The pause gate is checked again right
+    before the submit (nothing awaited in between): a request that was being
+    read when ``/pause?mode=wait`` arrived is refused, not queued behind it."""
+    gate.check()
+    futures = [engine.submit(p, params, rid=rid, top_logprobs_num=top_logprobs) for p, rid in zip(prompts, rids)]
+    try:
+        return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+    except asyncio.CancelledError:
+        for f, rid in zip(futures, rids):  # the client went away: stop its samples
+            # (cancelling the wrapper also cancels f, so f.done() is no test)
+            if f.cancelled() or not f.done():
+                engine.abort(rid, "client disconnected", wait=False)
+        raise
+
+
+def version_spans(r: SampleResult) -> list[dict]:
     """vLLM reports spans covering every output token, even when the version
     never changed (the engine records spans only on a change)."""
     if r.weight_versions:
         return [{"version": s.version, "start": s.start, "end": s.end} for s in r.weight_versions]
     n = len(r.output_ids)
     return [{"version": r.weight_version, "start": 0, "end": n}] if n else []
-
-
 
 
 class OpenAIRoutes:
@@ -151,16 +202,8 @@ class OpenAIRoutes:
         raw, body = await read_json(request, self.limits.generate)
         call = await off_loop_if_large(len(raw), self._parse_completions, body)  # it tokenises text prompts
         rids = [f"cmpl-{uuid.uuid4().hex}" for _ in call.prompts]
-        top = max(call.logprobs or 0, 0)
-        futures = [self.engine.submit(p, call.params, rid=rid, top_logprobs_num=top)
-                   for p, rid in zip(call.prompts, rids)]
-        try:
-            results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
-        except asyncio.CancelledError:
-            for f, rid in zip(futures, rids):  # the client went away: stop its samples
-                if f.cancelled() or not f.done():
-                    self.engine.abort(rid, "client disconnected", wait=False)
-            raise
+        results = await gather_samples(self.engine, self.gate, call.prompts, call.params, rids,
+                                       max(call.logprobs or 0, 0))
         choices: list[dict] = []
         for samples in results:  # prompt-major: index = prompt * n + sample
             for r in samples:
@@ -177,12 +220,12 @@ class OpenAIRoutes:
         """Check a whole body (every prompt) before anything is queued; every
         field before any prompt is tokenised."""
         check_model(body, self.served_names)
-        _check_stream_options(body)
-        for key, default in _UNSUPPORTED.items():
-            value = body.get(key)
-            if value is not None and value != default and value != []:  # [] = no bad words etc.
-                raise _bad(f"'{key}' is not supported by the built-in server", key)
-        params = _sampling_params(body, self.engine.max_context)
+        check_stream_options(body)
+        refuse_unsupported(body, _UNSUPPORTED)
+        # An explicit null means "up to the context": the engine stops there anyway.
+        max_tokens = self.engine.max_context if "max_tokens" in body and body["max_tokens"] is None else \
+            _field(body, "max_tokens", "int", 16)
+        params = sampling_params(body, max_tokens)
         logprobs = _field(body, "logprobs", "int", None)
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise _bad(f"'logprobs' must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
@@ -191,7 +234,7 @@ class OpenAIRoutes:
             try:
                 self.engine.check_request(p, params)
             except RequestError as e:
-                msg = _vllm_names(str(e))
+                msg = vllm_names(str(e))
                 raise _bad(f"prompt {i}: {msg}" if len(prompts) > 1 else msg, "prompt") from None
         return _CompletionCall(
             prompts=prompts, params=params, logprobs=logprobs,
@@ -230,22 +273,16 @@ class OpenAIRoutes:
         if not ids or not all(_is_int(t) for t in ids):
             raise _bad(f"'{name}' must be a non-empty list of token ids", "prompt")
 
-    def _token_str(self, token_id: int, as_id: bool) -> str:
-        text = None if as_id else self.engine.token_text(token_id)
-        return f"{proto.TOKEN_ID_PREFIX}{token_id}" if text is None else text
-
     def _logprobs(self, r: SampleResult, k: int, as_ids: bool) -> dict:
         """OpenAI completions logprobs: per token its string, its logprob and a
         dict of the sampled token plus the top k (at most k+1 entries)."""
-        tokens = [self._token_str(t, as_ids) for t in r.output_ids]
+        tokens = [token_str(self.engine, t, as_ids) for t in r.output_ids]
         values = [max(lp, -9999.0) for lp in r.output_logprobs]  # -inf is not JSON
         tops = []
-        for step, (tok, lp) in enumerate(zip(tokens, values)):
-            d = {tok: lp}
-            for top_lp, top_id in (r.top_logprobs[step] if r.top_logprobs else [])[:k]:
-                if len(d) > k:
-                    break
-                d.setdefault(self._token_str(top_id, as_ids), max(top_lp, -9999.0))
+        for step in range(len(tokens)):
+            d: dict[str, float] = {}
+            for t, lp in top_entries(r, step, k):
+                d.setdefault(token_str(self.engine, t, as_ids), lp)
             tops.append(d)
         offsets, pos = [], 0
         for tok in tokens:
@@ -254,21 +291,16 @@ class OpenAIRoutes:
         return {"text_offset": offsets, "token_logprobs": values, "tokens": tokens, "top_logprobs": tops}
 
     def _choice(self, index: int, r: SampleResult, call: _CompletionCall) -> dict:
-        f = r.finish_reason
-        # stop_reason: the stop string or stop token id; None for EOS or length.
-        stop_reason = None
-        if f.kind == "stop" and (isinstance(f.matched, str) or f.matched in call.params.stop_token_ids):
-            stop_reason = f.matched
         choice: dict[str, Any] = {
             "index": index, "text": r.text or "",
             "logprobs": None if call.logprobs is None else self._logprobs(r, call.logprobs, call.tokens_as_ids),
-            "finish_reason": f.kind, "stop_reason": stop_reason,
+            "finish_reason": r.finish_reason.kind, "stop_reason": stop_reason(r, call.params),
         }
         if call.return_token_ids:
             choice["prompt_token_ids"] = r.prompt_ids
             choice["token_ids"] = r.output_ids
         if call.return_weight_versions:
-            choice["weight_versions"] = _version_spans(r)
+            choice["weight_versions"] = version_spans(r)
         return choice
 
     async def models(self, request: web.Request) -> web.Response:
@@ -278,5 +310,3 @@ class OpenAIRoutes:
                   "root": self.cfg.model, "parent": None, "max_model_len": self.engine.max_context}
                  for name in self.served_names]
         return web.json_response({"object": "list", "data": cards})
-
-    # ---- pause / resume --------------------------------------------------- #
