@@ -14,6 +14,30 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
+CHAT_TEMPLATE = (
+    "{%- for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+"""A chat template in the tiny model's character vocabulary (printable ASCII,
+no newline), for tests: the demo tokenizer has none of its own."""
+
+
+def write_chat_template(path: Path) -> Path:
+    """:data:`CHAT_TEMPLATE` as a file (for ``--chat-template``)."""
+    path.write_text(CHAT_TEMPLATE)
+    return path
+
+
+def model_with_chat_template(model_dir: str, dest: Path) -> str:
+    """A copy of ``model_dir`` whose tokenizer has :data:`CHAT_TEMPLATE` as
+    its own (``chat_template.jinja``, what transformers saves and loads)."""
+    import shutil
+
+    shutil.copytree(model_dir, dest)
+    write_chat_template(dest / "chat_template.jinja")
+    return str(dest)
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.server_procs import free_port, http_json, start_server, stop_server
+from tests.server_procs import CHAT_TEMPLATE, free_port, http_json, start_server, stop_server, write_chat_template
 from torchtitan_grpo.inference import vllm
 from torchtitan_grpo.inference.packed_receive import receive_packed
 from torchtitan_grpo.inference.vllm_http import VLLMError
@@ -305,6 +305,281 @@ def test_parse_completions_rejects_malformed(path, value, field_name):
 
 
 # --------------------------------------------------------------------------- #
+# /v1/chat/completions and vLLM's native /generate body
+# --------------------------------------------------------------------------- #
+
+CHAT_FIELDS = {k: set(v) for k, v in json.loads(
+    (Path(__file__).parent / "protocols" / "vllm-0.33-chat-fields.json").read_text()).items() if k != "_source"}
+MESSAGES = [{"role": "user", "content": "3>"}]
+RENDERED = "<user>3><assistant>"  # MESSAGES with the tests' CHAT_TEMPLATE
+CHAR0 = 2  # the demo tokenizer: character c is token ord(c) - 32 + CHAR0
+
+
+def _ids(text: str) -> list[int]:
+    return [ord(c) - 32 + CHAR0 for c in text]
+
+
+@pytest.fixture(scope="module")
+def chat_server(model_dir, tmp_path_factory):
+    """A built-in server that renders chats with CHAT_TEMPLATE (``--chat-template FILE``)."""
+    d = tmp_path_factory.mktemp("chat-server")
+    log = d / "server.log"
+    proc, url = start_server(model_dir, log, "--chat-template", str(write_chat_template(d / "chat.jinja")))
+    yield url
+    stop_server(proc, log)
+
+
+def check_chat_response(out: dict) -> dict:
+    """Every key of the reply, at every level, is one of vLLM's field names."""
+    assert set(out) <= CHAT_FIELDS["ChatCompletionResponse"], set(out) - CHAT_FIELDS["ChatCompletionResponse"]
+    assert {"id", "object", "created", "model", "choices", "usage"} <= set(out) and out["object"] == "chat.completion"
+    assert out["id"].startswith("chatcmpl-") and set(out["usage"]) <= CHAT_FIELDS["UsageInfo"]
+    for c in out["choices"]:
+        assert set(c) <= CHAT_FIELDS["ChatCompletionResponseChoice"], set(c)
+        assert set(c["message"]) <= CHAT_FIELDS["ChatMessage"] and c["message"]["role"] == "assistant"
+        if c["logprobs"] is not None:
+            assert set(c["logprobs"]) <= CHAT_FIELDS["ChatCompletionLogProbs"]
+            for e in c["logprobs"]["content"]:
+                assert set(e) == CHAT_FIELDS["ChatCompletionLogProbsContent"]
+                assert all(set(t) == CHAT_FIELDS["ChatCompletionLogProb"] for t in e["top_logprobs"])
+    return out
+
+
+def chat(url: str, body: dict, timeout: float = 60) -> dict:
+    status, out = http(url, vllm.CHAT_COMPLETIONS, body, timeout=timeout)
+    assert status == 200, out
+    return check_chat_response(out)
+
+
+class _Reads(dict):
+    """A request body that records which of its keys the server reads."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.read: set[str] = set()
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        self.read.add(key)
+        return super().__contains__(key)
+
+
+@pytest.fixture(scope="module")
+def parse_engine(model_dir):
+    """An engine that is never started: the routes only parse with it here."""
+    from torchtitan_grpo.inference.engine import Engine
+    from torchtitan_grpo.inference.server import engine_config, parse_args
+
+    return Engine(engine_config(parse_args(["--model", model_dir, "--port", "0"])))
+
+
+def _chat_routes(engine, *args: str):
+    from torchtitan_grpo.inference.server import parse_args
+    from torchtitan_grpo.inference.vllm_chat import ChatRoutes
+    from torchtitan_grpo.inference.vllm_http import PauseGate
+
+    return ChatRoutes(engine, parse_args(["--model", engine.cfg.model_path, "--port", "0", *args]), PauseGate(engine))
+
+
+def test_chat_template_options(parse_engine, tmp_path, capsys):
+    """``--chat-template`` takes a file or the template itself (vLLM's flag);
+    a request's own ``chat_template`` needs ``--trust-request-chat-template``."""
+    from torchtitan_grpo.inference.server import parse_args
+
+    base = ["--model", "m", "--port", "0"]
+    assert parse_args([*base, "--chat-template", str(write_chat_template(tmp_path / "t.jinja"))]).chat_template \
+        == CHAT_TEMPLATE
+    assert parse_args([*base, "--chat-template", CHAT_TEMPLATE]).chat_template == CHAT_TEMPLATE
+    assert parse_args(base).chat_template is None
+    with pytest.raises(SystemExit):
+        parse_args([*base, "--chat-template", str(tmp_path / "missing.jinja")])
+    assert "--chat-template" in capsys.readouterr().err
+    body = {"messages": MESSAGES, "chat_template": "{% for m in messages %}[{{ m.content }}]{% endfor %}"}
+    with pytest.raises(VLLMError) as e:
+        _chat_routes(parse_engine)._parse(body)
+    assert e.value.param == "chat_template" and "--trust-request-chat-template" in e.value.message
+    assert _chat_routes(parse_engine, "--trust-request-chat-template")._parse(body).prompt_text == "[3>]"
+    # the server's template, else the tokenizer's (the demo tokenizer has none)
+    assert _chat_routes(parse_engine, "--chat-template", CHAT_TEMPLATE)._parse(body | {"chat_template": None}) \
+        .prompt_text == RENDERED
+    with pytest.raises(VLLMError, match="no chat template"):
+        _chat_routes(parse_engine)._parse({"messages": MESSAGES})
+
+
+def test_chat_and_generate_read_only_vllm_field_names(parse_engine, model_dir):
+    """The fields the routes read are vLLM's names (a misspelt name would be
+    one vLLM clients never send, silently defaulted): recorded from a real
+    parse of a body that sets every field the routes know."""
+    from torchtitan_grpo.inference import vllm_chat, vllm_generate
+    from torchtitan_grpo.inference.vllm_http import PauseGate
+    from torchtitan_grpo.inference.vllm_openai import sampling_params
+
+    assert vllm_chat.KNOWN_FIELDS <= CHAT_FIELDS["ChatCompletionRequest"]
+    assert vllm_generate.SAMPLING_FIELDS | set(vllm_generate._UNSUPPORTED) - {"stream"} <= CHAT_FIELDS["SamplingParams"]
+    # the mapping /v1/completions, /v1/chat/completions and /generate share: names all three have
+    body = _Reads({k: None for k in REQUEST_FIELDS | CHAT_FIELDS["ChatCompletionRequest"]})
+    sampling_params(body, 1)
+    assert body.read and body.read <= REQUEST_FIELDS & CHAT_FIELDS["ChatCompletionRequest"] & CHAT_FIELDS[
+        "SamplingParams"], body.read - (REQUEST_FIELDS & CHAT_FIELDS["ChatCompletionRequest"])
+
+    engine = parse_engine
+    full = {"messages": MESSAGES, "model": model_dir, "n": 2, "max_tokens": 3, "max_completion_tokens": 2,
+            "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.0, "stop": ["x"], "stop_token_ids": [3],
+            "seed": 1, "ignore_eos": False, "min_tokens": 0, "repetition_penalty": 1.0, "frequency_penalty": 0.0,
+            "presence_penalty": 0.0, "logit_bias": {"5": 1.0}, "skip_special_tokens": True,
+            "include_stop_str_in_output": False, "logprobs": True, "top_logprobs": 2, "add_generation_prompt": True,
+            "add_special_tokens": False, "chat_template_kwargs": {}, "documents": [], "reasoning_effort": "low",
+            "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none",
+            "return_token_ids": True, "return_tokens_as_token_ids": True, "return_prompt_text": True,
+            "return_weight_versions": True, "stream": False, "echo": False}
+    body = _Reads(full)
+    call = _chat_routes(engine, "--chat-template", CHAT_TEMPLATE)._parse(body)
+    assert body.read <= CHAT_FIELDS["ChatCompletionRequest"], body.read - CHAT_FIELDS["ChatCompletionRequest"]
+    assert set(full) <= body.read, set(full) - body.read  # every field it knows is read, under that name
+    assert call.params.max_new_tokens == 2 and call.params.n == 2 and call.top_logprobs == 2  # completion's wins
+    assert call.prompt_text == RENDERED and call.prompt == _ids(RENDERED)
+
+    body = _Reads({"prompt": {"prompt_token_ids": PROMPT}, "n": 2, "max_tokens": 3, "temperature": 0.0,
+                   "logprobs": 1, "seed": 3, "stop": [], "detokenize": True})
+    call = vllm_generate.VLLMGenerateRoute(engine, PauseGate(engine))._parse(body)
+    assert body.read <= CHAT_FIELDS["SamplingParams"] | {"prompt", "stream"}
+    assert (call.prompt, call.params.max_new_tokens, call.logprobs, call.params.seed) == (PROMPT, 3, 1, 3)
+
+
+def test_chat_completions_follow_vllm(chat_server, model_dir):
+    body = {"model": model_dir, "messages": MESSAGES, "n": 3, "max_tokens": 5, "temperature": 1.0, "seed": 7,
+            "logprobs": True, "top_logprobs": 2, "return_token_ids": True, "return_prompt_text": True}
+    out = chat(chat_server, body)
+    assert out["model"] == model_dir and [c["index"] for c in out["choices"]] == [0, 1, 2]
+    assert out["prompt_token_ids"] == _ids(RENDERED) and out["prompt_text"] == RENDERED
+    n_out = sum(len(c["token_ids"]) for c in out["choices"])
+    assert out["usage"] == {"prompt_tokens": len(RENDERED), "completion_tokens": n_out,
+                            "total_tokens": len(RENDERED) + n_out, "prompt_tokens_details": None}
+    for c in out["choices"]:
+        ids, content = c["token_ids"], c["logprobs"]["content"]
+        assert 1 <= len(ids) <= 5 and len(content) == len(ids)
+        assert c["finish_reason"] == ("length" if len(ids) == 5 else "stop")
+        for t, e in zip(ids, content):
+            assert e["logprob"] <= 0 and len(e["top_logprobs"]) == 2
+            # vLLM: the first top_logprobs entry is the sampled token itself
+            assert (e["top_logprobs"][0]["token"], e["top_logprobs"][0]["logprob"]) == (e["token"], e["logprob"])
+            if 2 <= t < 97:  # a printable character: its text and its UTF-8 bytes
+                assert e["token"] == chr(t - CHAR0 + 32) and e["bytes"] == [t - CHAR0 + 32]
+        assert c["message"]["content"] == "".join(chr(t - CHAR0 + 32) for t in ids if 2 <= t < 97)
+    assert chat(chat_server, body)["choices"] == out["choices"]  # seeded: reproducible
+
+    # greedy: the same tokens and logprobs as /v1/completions on the rendered prompt
+    greedy = {"messages": MESSAGES, "max_completion_tokens": 6, "max_tokens": 99, "temperature": 0,
+              "logprobs": True, "return_token_ids": True, "return_tokens_as_token_ids": True,
+              "return_weight_versions": True, "ignore_eos": True}
+    (c,) = chat(chat_server, greedy)["choices"]
+    ref = complete(chat_server, {"prompt": _ids(RENDERED), "max_tokens": 6, "temperature": 0, "logprobs": 0,
+                                 "return_token_ids": True, "ignore_eos": True})["choices"][0]
+    assert c["token_ids"] == ref["token_ids"] and len(c["token_ids"]) == 6  # max_completion_tokens wins
+    assert [e["logprob"] for e in c["logprobs"]["content"]] == ref["logprobs"]["token_logprobs"]
+    assert [e["token"] for e in c["logprobs"]["content"]] == [f"token_id:{t}" for t in c["token_ids"]]
+    assert all(e["top_logprobs"] == [] for e in c["logprobs"]["content"])  # top_logprobs 0
+    assert c["weight_versions"] == [{"version": "default", "start": 0, "end": 6}]
+    # a stop token and a stop string end it there, as vLLM reports them
+    stop_id = c["token_ids"][2]
+    (s,) = chat(chat_server, {**greedy, "stop_token_ids": [stop_id]})["choices"]
+    assert s["token_ids"] == c["token_ids"][: c["token_ids"].index(stop_id) + 1]
+    assert (s["finish_reason"], s["stop_reason"]) == ("stop", stop_id)
+    text = next(chr(t - CHAR0 + 32) for t in c["token_ids"][1:] if 2 < t < 97)
+    (s,) = chat(chat_server, {**greedy, "stop": [text]})["choices"]
+    assert (s["finish_reason"], s["stop_reason"]) == ("stop", text) and text not in s["message"]["content"]
+    # not asked for: no token ids, no logprobs
+    (s,) = chat(chat_server, {"messages": MESSAGES, "max_tokens": 2})["choices"]
+    assert s["token_ids"] is None and s["logprobs"] is None and "weight_versions" not in s
+    # a prefilled assistant turn continued (no generation prompt, no EOS after it)
+    out = chat(chat_server, {"messages": MESSAGES + [{"role": "assistant", "content": "ab"}], "max_tokens": 1,
+                             "continue_final_message": True, "return_prompt_text": True})
+    assert out["prompt_text"] == RENDERED + "ab"
+    # content as text parts; an unknown field is ignored, as vLLM ignores it
+    out = chat(chat_server, {"messages": [{"role": "user", "content": [{"type": "text", "text": "3>"}]}],
+                             "max_tokens": 1, "return_prompt_text": True, "max_new_tokens": 9})
+    assert out["prompt_text"] == RENDERED and len(out["choices"][0]["message"]["content"]) <= 1
+
+
+@pytest.mark.parametrize("patch, code, param", [
+    ({"messages": "3>"}, 400, "messages"),
+    ({"messages": [{"content": "3>"}]}, 400, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400,
+     "messages[0].content[0].type"),
+    ({"max_tokens": "4"}, 400, "max_tokens"),
+    ({"max_completion_tokens": -1}, 400, "max_completion_tokens"),
+    ({"n": "2"}, 400, "n"),
+    ({"temperature": "hot"}, 400, "temperature"),
+    ({"stop": 5}, 400, "stop"),
+    ({"seed": 2**70}, 400, "seed"),
+    ({"logprobs": 1}, 400, "logprobs"),
+    ({"top_logprobs": 2}, 400, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ({"stream": True}, 400, "stream"),
+    ({"echo": True}, 400, "echo"),
+    ({"stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
+    ({"tool_choice": "auto"}, 400, "tool_choice"),
+    ({"chat_template": "{{ messages }}"}, 400, "chat_template"),
+    ({"chat_template_kwargs": {"tokenize": True}}, 400, "chat_template_kwargs.tokenize"),
+    ({"continue_final_message": True, "add_generation_prompt": True}, 400, "continue_final_message"),
+    ({"messages": [{"role": "user", "content": "a" * 600}]}, 400, "messages"),
+    ({"model": "gpt-9"}, 404, "model"),
+])
+def test_chat_refusals_name_the_field(chat_server, patch, code, param):
+    err = assert_error(http(chat_server, vllm.CHAT_COMPLETIONS, {"messages": MESSAGES, "max_tokens": 2, **patch}),
+                       code)
+    assert err["param"] == param, err
+
+
+def test_chat_without_a_template_is_a_400_naming_messages(server):
+    """The demo tokenizer has no chat template and this server got none."""
+    err = assert_error(http(server, vllm.CHAT_COMPLETIONS, {"messages": MESSAGES}), 400, "messages")
+    assert "no chat template" in err["message"] and "--chat-template" in err["message"]
+
+
+def test_native_generate_body_answers_as_vllm(server, model_dir):
+    """The body atroposlib's VLLMServer posts to /generate, and its reply."""
+    body = {"prompt": {"prompt_token_ids": PROMPT}, "logprobs": 0, "n": 2, "max_tokens": 4, "temperature": 0.0,
+            "ignore_eos": True}
+    status, out = post(server, vllm.GENERATE, body)
+    assert status == 200, out
+    assert set(out) == {"text", "prompt", "finish_reasons", "logprobs", "prompt_token_ids", "token_ids"}
+    ref = complete(server, {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 0,
+                            "return_token_ids": True, "ignore_eos": True})["choices"][0]
+    assert out["token_ids"] == [ref["token_ids"]] * 2 and out["prompt_token_ids"] == PROMPT
+    assert out["finish_reasons"] == ["length", "length"] and len(out["text"]) == 2
+    # per token [{"<id>": logprob}]: what atroposlib reads back as (id, logprob)
+    for lps, ids in zip(out["logprobs"], out["token_ids"]):
+        assert [int(next(iter(step[0]))) for step in lps] == ids
+        assert [next(iter(step[0].values())) for step in lps] == ref["logprobs"]["token_logprobs"]
+    # logprobs k: the sampled token first, then the top k; a text prompt is echoed; no logprobs: no ids
+    status, out = post(server, vllm.GENERATE, {"prompt": "abc", "logprobs": 2, "max_tokens": 3})
+    assert status == 200 and out["prompt"] == "abc", out
+    assert all(1 <= len(step[0]) <= 3 and int(next(iter(step[0]))) == t
+               for step, t in zip(out["logprobs"][0], out["token_ids"][0]))
+    status, out = post(server, vllm.GENERATE, {"prompt": {"prompt": "abc"}, "max_tokens": 2})
+    assert status == 200 and set(out) == {"text", "prompt", "finish_reasons"}, out
+    # SGLang's body on the same path is still SGLang's
+    status, out = post(server, vllm.GENERATE, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}})
+    assert status == 200 and "meta_info" in out, out
+    # SamplingParams(**body): an unknown or unsupported field is a 400 naming it
+    for patch, param in [({"max_new_tokens": 2}, "max_new_tokens"), ({"stream": True}, "stream"),
+                         ({"prompt_logprobs": 1}, "prompt_logprobs"), ({"logprobs": 21}, "logprobs"),
+                         ({"prompt": {"prompt_token_ids": []}}, "prompt.prompt_token_ids"),
+                         ({"prompt": 5}, "prompt"), ({"temperature": "0"}, "temperature")]:
+        err = assert_error(post(server, vllm.GENERATE, {**body, **patch}), 400)
+        assert err["param"] == param, err
+
+
+# --------------------------------------------------------------------------- #
 # Pause / resume
 # --------------------------------------------------------------------------- #
 
@@ -339,6 +614,9 @@ def test_pause_modes(server, model_dir, pool):
     assert c.finish_reason == "abort" and len(c.token_ids) < 400
     assert http(server, "/is_paused")[1] == {"is_paused": True}
     assert_error(http(server, vllm.COMPLETIONS, short), 503, "paused")
+    # vLLM's other generation routes too (before anything else is checked)
+    assert_error(http(server, vllm.CHAT_COMPLETIONS, {"messages": MESSAGES}), 503, "paused")
+    assert_error(post(server, vllm.GENERATE, {"prompt": {"prompt_token_ids": PROMPT}}), 503, "paused")
     assert post(server, vllm.RESUME) == (200, {"status": "resumed"})
     complete(server, short)
 

@@ -4,7 +4,8 @@ vLLM's OpenAI + weight-transfer subset, in one process.
     python -m torchtitan_grpo.inference.server --model DIR --port 30000 \
         [--host 127.0.0.1] [--device cpu|cuda|cuda:N] [--dtype auto|float32|bfloat16|float16] \
         [--seed 0] [--max-batch-size 64] [--api-key KEY] [--weight-group-timeout 300] \
-        [--num-threads N] [--debug-update-delay-s X] [--debug-decode-delay-s S]
+        [--num-threads N] [--chat-template FILE] [--trust-request-chat-template] \
+        [--debug-update-delay-s X] [--debug-decode-delay-s S]
 
 It is the embedded default backend and the stand-in for SGLang and vLLM in
 tests, so the routes follow docs PROTOCOLS.md field by field (request names,
@@ -18,6 +19,9 @@ module, each importing only from below (``httputil``, ``engine``):
 * ``sglang_routes``: SGLang's ``/generate`` and health / info / abort routes;
 * ``sglang_weights``: SGLang's weight-update session, groups, pause / continue;
 * ``vllm_openai``: vLLM's ``/v1/completions`` and ``/v1/models``;
+* ``vllm_chat`` (+ ``chat_template``): vLLM's ``/v1/chat/completions``;
+* ``vllm_generate``: vLLM's native ``/generate`` body (atroposlib's ``vllm``
+  handler), on SGLang's path;
 * ``vllm_weights`` (+ ``packed_receive``): vLLM's weight transfer, pause / resume.
 
 Generation and weight loading are :class:`Engine`'s, so both protocols serve
@@ -55,6 +59,7 @@ import sys
 
 from aiohttp import web
 
+from torchtitan_grpo.inference.chat_template import load_chat_template
 from torchtitan_grpo.inference.engine import Engine, EngineConfig, ModelLoadError, RequestError
 from torchtitan_grpo.inference.httputil import (
     OPEN_PATHS,
@@ -68,6 +73,8 @@ from torchtitan_grpo.inference.httputil import (
 from torchtitan_grpo.inference.server_config import ServerConfig
 from torchtitan_grpo.inference.sglang_routes import SGLangGenerateRoutes
 from torchtitan_grpo.inference.sglang_weights import SGLangWeightRoutes
+from torchtitan_grpo.inference.vllm_chat import ChatRoutes
+from torchtitan_grpo.inference.vllm_generate import VLLMGenerateRoute, is_vllm_generate_body
 from torchtitan_grpo.inference.vllm_http import PauseGate
 from torchtitan_grpo.inference.vllm_openai import OpenAIRoutes
 from torchtitan_grpo.inference.vllm_weights import VLLMWeightRoutes
@@ -127,11 +134,17 @@ def build_app(engine: Engine, cfg: ServerConfig) -> tuple[web.Application, SGLan
     weights.register(app)
     gate = PauseGate(engine)  # vLLM's /pause, as its generation routes see it
     OpenAIRoutes(engine, cfg, gate, limits).register(app)
+    ChatRoutes(engine, cfg, gate, limits).register(app)
     vllm_weights = VLLMWeightRoutes(engine, cfg, gate, limits)
     vllm_weights.register(app)
+    vllm_generate = VLLMGenerateRoute(engine, gate, limits)
 
     async def generate(request: web.Request) -> web.StreamResponse:
+        # One path, two protocols: SGLang's body (text / input_ids), or
+        # vLLM's native one (prompt), which atroposlib's vLLM handler posts.
         raw, body = await read_json(request, limits.generate)
+        if is_vllm_generate_body(body):
+            return await vllm_generate.generate_body(request, raw, body)
         return await sglang.generate_body(request, raw, body)
 
     app.router.add_post("/generate", generate)
@@ -169,6 +182,11 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     p.add_argument("--debug-update-delay-s", type=float, default=0.0,
                    help="TEST KNOB: sleep this long in every weight-update handler after receiving "
                         "(simulates a slow replica for fault tests and benchmarks)")
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="Jinja chat template (a file, or the template itself) for /v1/chat/completions, in place "
+                        "of the tokenizer's own (vLLM's flag; needed when the tokenizer has none)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a 'chat_template' in /v1/chat/completions requests (vLLM refuses it without this)")
     p.add_argument("--debug-decode-delay-s", type=float, default=0.0, metavar="S",
                    help="DEBUG KNOB for benchmarks: the engine sleeps S seconds in every decode step of "
                         "its batch, so this replica generates more slowly than its peers (default 0: off)")
@@ -181,11 +199,16 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         p.error("--debug-decode-delay-s must be >= 0")
     if not a.device.startswith(("cpu", "cuda")):
         p.error(f"--device must be cpu, cuda or cuda:N, got {a.device!r}")
+    try:
+        chat_template = load_chat_template(a.chat_template)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        p.error(str(e) if isinstance(e, ValueError) else f"--chat-template {a.chat_template!r}: {e}")
     return ServerConfig(
         model=a.model, host=a.host, port=a.port, device=a.device, dtype=a.dtype, seed=a.seed,
         max_batch_size=a.max_batch_size, api_key=a.api_key,
         weight_group_timeout_s=a.weight_group_timeout, num_threads=a.num_threads,
         debug_update_delay_s=a.debug_update_delay_s, debug_decode_delay_s=a.debug_decode_delay_s,
+        chat_template=chat_template, trust_request_chat_template=a.trust_request_chat_template,
     )
 
 

@@ -29,3 +29,10 @@ class ServerConfig:
     """Debug knob for benchmarks: every decode step of the engine's batch takes
     this much longer (a replica N times slower at generating). 0 in
     production."""
+    chat_template: str | None = None
+    """``--chat-template`` (the template's text, read at start-up): renders
+    ``/v1/chat/completions`` messages when the tokenizer has no template of
+    its own, or in place of it. None: the tokenizer's."""
+    trust_request_chat_template: bool = False
+    """``--trust-request-chat-template``: accept a ``chat_template`` in a
+    request (vLLM refuses it without this flag)."""

@@ -43,6 +43,10 @@ UPDATE_INFO_KEYS = frozenset({"names", "dtype_names", "shapes"})
 
 # Route paths (all POST except the three GETs).
 COMPLETIONS = "/v1/completions"
+CHAT_COMPLETIONS = "/v1/chat/completions"
+GENERATE = "/generate"
+"""vLLM's native generate body (what atroposlib's ``VLLMServer`` posts); the
+built-in server answers it beside SGLang's body on the same path."""
 INIT_WEIGHT_TRANSFER = "/init_weight_transfer_engine"
 PAUSE = "/pause"
 RESUME = "/resume"
