@@ -467,3 +467,175 @@ def test_example_env_samples_from_the_builtin_server(api, server, model_dir):
         assert trained == [m for m in masks if m != -100]
         assert s.prompt_ids + s.completion_ids == toks[: len(s.prompt_ids) + len(s.completion_ids)]
     src.close()
+
+
+# ------------------------------------------------------------------ atroposlib's server handlers
+
+
+@pytest.fixture(scope="module")
+def chat_model(model_dir, tmp_path_factory) -> str:
+    """The tiny model with a chat template of its own (the demo tokenizer has
+    none): ManagedServer renders chats client-side with the same tokenizer."""
+    from tests.server_procs import model_with_chat_template
+
+    return model_with_chat_template(model_dir, tmp_path_factory.mktemp("chat-model") / "tiny-qwen3-chat")
+
+
+@pytest.fixture(scope="module")
+def chat_server(chat_model, tmp_path_factory):
+    from tests.server_procs import start_server, stop_server
+
+    log = tmp_path_factory.mktemp("chat-logs") / "server.log"
+    proc, url = start_server(chat_model, log)
+    yield url
+    stop_server(proc, log)
+
+
+class RecordingProxy:
+    """Forwards every request to ``upstream`` and records ``(path, JSON body)``:
+    what atroposlib's handlers really send, field by field."""
+
+    def __init__(self, upstream: str):
+        import asyncio
+
+        self.upstream, self.bodies = upstream, []
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="recording-proxy", daemon=True).start()
+        self.url = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(timeout=30)
+
+    async def _start(self) -> str:
+        import aiohttp
+        from aiohttp import web
+
+        self.session = aiohttp.ClientSession()
+
+        async def forward(request: web.Request) -> web.Response:
+            raw = await request.read()
+            self.bodies.append((request.path, json.loads(raw) if raw else None))
+            async with self.session.request(request.method, self.upstream + request.path_qs, data=raw,
+                                            headers={"Content-Type": "application/json"}) as r:
+                return web.Response(body=await r.read(), status=r.status, content_type=r.content_type)
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", forward)
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+        return f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+
+    def close(self) -> None:
+        import asyncio
+
+        async def stop():
+            await self.session.close()
+            await self.runner.cleanup()
+
+        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(timeout=30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+    def sent(self, path: str) -> list[dict]:
+        return [b for p, b in self.bodies if p == path]
+
+
+def test_atroposlib_handlers_get_tokens_and_logprobs(chat_server, chat_model):
+    """atroposlib's real handlers against the built-in server: OpenAIServer
+    (``server_type = "openai"``) gets chat and text completions with token ids
+    and logprobs; ManagedServer over SGLangServer and over VLLMServer (both
+    post /generate, each in its own protocol's body) tracks the same tokens,
+    masks and logprobs over two turns; every field they send is one the
+    server reads under vLLM's (or SGLang's) name, none ignored."""
+    import asyncio
+
+    from atroposlib.envs.server_handling.managed_server import ManagedServer
+    from atroposlib.envs.server_handling.openai_server import OpenAIServer
+    from atroposlib.envs.server_handling.server_baseline import APIServerConfig
+    from atroposlib.envs.server_handling.sglang_server import SGLangServer
+    from atroposlib.envs.server_handling.vllm_server import VLLMServer
+    from transformers import AutoTokenizer
+
+    from torchtitan_grpo.inference import vllm_chat, vllm_generate
+    from torchtitan_grpo.inference.sglang_routes import SGLANG_SAMPLING_KEYS
+
+    tok = AutoTokenizer.from_pretrained(chat_model)
+    messages = [{"role": "user", "content": "3>"}]
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt_ids = tok.encode(rendered, add_special_tokens=False)
+    proxy = RecordingProxy(chat_server)
+
+    def config(kind: str) -> APIServerConfig:
+        return APIServerConfig(model_name=chat_model, base_url=proxy.url + "/v1", api_key="x", server_type=kind,
+                               health_check=False, timeout=60)
+
+    async def run():
+        openai_server = OpenAIServer(config("openai"))
+        sampled = await openai_server.chat_completion(messages=messages, n=3, max_tokens=6, temperature=1.0,
+                                                      top_p=1.0, logprobs=True, top_logprobs=2,
+                                                      extra_body={"return_token_ids": True})
+        greedy = await openai_server.chat_completion(messages=messages, n=1, max_tokens=6, temperature=0.0,
+                                                     logprobs=True, extra_body={"return_token_ids": True})
+        text = await openai_server.completion(prompt=rendered, n=2, max_tokens=4, logprobs=1,
+                                              extra_body={"return_token_ids": True})
+        nodes = {}
+        for kind, cls in (("sglang", SGLangServer), ("vllm", VLLMServer)):
+            managed = ManagedServer(cls(config(kind)), tokenizer=tok)
+            first = await managed.chat_completion(messages=messages, n=2, max_tokens=6, temperature=0.0)
+            before = managed.get_state()["nodes"]
+            turn2 = messages + [{"role": "assistant", "content": first.choices[0].message.content},
+                                {"role": "user", "content": "+3>"}]
+            await managed.chat_completion(messages=turn2, n=1, max_tokens=4, temperature=0.0)
+            nodes[kind] = (before, managed.get_state()["nodes"], turn2)
+        return sampled, greedy, text, nodes
+
+    try:
+        sampled, greedy, text, nodes = asyncio.run(run())
+    finally:
+        proxy.close()
+
+    # OpenAIServer: n choices, each with its token ids and one logprob entry per token
+    assert len(sampled.choices) == 3 and sampled.prompt_token_ids == prompt_ids
+    for c in sampled.choices:
+        ids, content = c.token_ids, c.logprobs.content
+        assert ids and len(content) == len(ids) and c.finish_reason in ("stop", "length")
+        assert all(e.logprob <= 0 and len(e.top_logprobs) == 2 for e in content)
+        assert [e.top_logprobs[0].token for e in content] == [e.token for e in content]  # the sampled token first
+        assert c.message.content == tok.decode(ids, skip_special_tokens=True)
+    (g,) = greedy.choices
+    greedy_lps = [e.logprob for e in g.logprobs.content]
+    assert len(text.choices) == 2 and all(len(c.token_ids) == len(c.logprobs.token_logprobs) for c in text.choices)
+
+    # ManagedServer: the same greedy tokens and logprobs over either /generate body
+    for kind, (before, after, turn2) in nodes.items():
+        assert len(before) == 2 and len(after) == 2, kind
+        node = before[0]
+        out = node.tokens[len(prompt_ids):]
+        assert node.tokens[: len(prompt_ids)] == prompt_ids and out == g.token_ids, kind
+        assert node.masked_tokens == [-100] * len(prompt_ids) + out
+        assert node.logprobs[: len(prompt_ids)] == [1.0] * len(prompt_ids)
+        assert max(abs(a - b) for a, b in zip(node.logprobs[len(prompt_ids):], greedy_lps)) <= 1e-5, kind
+        # turn 2 extends turn 1: the environment's tokens masked, both model turns trained
+        ext = after[0]
+        suffix = tok.encode(tok.apply_chat_template(turn2, tokenize=False, add_generation_prompt=True)[
+            len(node.full_text):], add_special_tokens=False)
+        tail = len(ext.tokens) - len(node.tokens) - len(suffix)
+        assert tail >= 1 and ext.tokens[: len(node.tokens) + len(suffix)] == node.tokens + suffix, kind
+        assert ext.masked_tokens == node.masked_tokens + [-100] * len(suffix) + ext.tokens[-tail:], kind
+        assert ext.logprobs[: len(node.tokens)] == node.logprobs and all(lp <= 0 for lp in ext.logprobs[-tail:])
+    assert [n.tokens for n in nodes["sglang"][1]] == [n.tokens for n in nodes["vllm"][1]]
+
+    # what the handlers sent: every field one the server reads, under vLLM's / SGLang's names
+    chats = proxy.sent("/v1/chat/completions")
+    assert len(chats) == 2 and {"messages", "n", "max_tokens", "logprobs", "top_logprobs", "return_token_ids"} <= set(
+        chats[0])
+    for body in chats:
+        assert set(body) <= vllm_chat.KNOWN_FIELDS, set(body) - vllm_chat.KNOWN_FIELDS
+    (completion,) = proxy.sent("/v1/completions")
+    assert {"prompt", "n", "max_tokens", "logprobs", "return_token_ids"} <= set(completion)
+    generates = proxy.sent("/generate")
+    vllm_bodies = [b for b in generates if "prompt" in b]
+    sglang_bodies = [b for b in generates if "input_ids" in b]
+    assert len(vllm_bodies) == len(sglang_bodies) == 2
+    for b in vllm_bodies:
+        assert set(b) - {"prompt"} <= vllm_generate.SAMPLING_FIELDS and set(b["prompt"]) == {"prompt_token_ids"}
+        assert b["logprobs"] == 0
+    for b in sglang_bodies:
+        assert b["return_logprob"] is True and set(b["sampling_params"]) <= SGLANG_SAMPLING_KEYS
