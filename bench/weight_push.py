@@ -282,16 +282,16 @@ def _trace_trainer() -> None:
 
 
 def _trace_replica_receives() -> None:
-    from torchtitan_grpo.inference import engine, server, server_vllm
+    from torchtitan_grpo.inference import engine, packed_receive, sglang_weights, vllm_weights
 
     # The routes post the receives and answer; the session's end waits for the bytes.
-    TRACE.wrap(server, "post_receive", lambda group, specs, *a: f"replica post receive ({len(specs)} tensors)")
-    TRACE.wrap(server_vllm, "post_packed", lambda group, specs, *a: f"replica post packed ({len(specs)} tensors)")
+    TRACE.wrap(sglang_weights, "post_receive", lambda group, specs, *a: f"replica post receive ({len(specs)} tensors)")
+    TRACE.wrap(packed_receive, "post_packed", lambda group, specs, *a: f"replica post packed ({len(specs)} tensors)")
     TRACE.wrap(engine.PostedReceive, "wait", lambda p: f"replica wait for the bytes ({len(p.named)} tensors)")
     # A session's end: the waits and the install inside, on the transfer thread.
     TRACE.wrap(engine.PendingVersion, "load", lambda p, *a: f"replica load session ({len(p.parts)} updates)")
     # A route's hop to the transfer thread and back, around what it runs there
-    for routes in (server.SGLangRoutes, server_vllm.VLLMRoutes):
+    for routes in (sglang_weights.SGLangWeightRoutes, vllm_weights.VLLMWeightRoutes):
         TRACE.wrap(routes, "_run", lambda self, fn, *a: f"replica transfer-thread call {fn.__name__}")
     # ?ack=posted: the views cut after the reply (the calls that found nothing to cut are left out)
     TRACE.wrap(engine.PostedReceive, "cut_views", lambda p: f"replica cut views ({len(p.named)} tensors)",
