@@ -8,9 +8,12 @@ routes (``vllm_*.py``) translate their JSON into :class:`SamplingParams` and
 Execution model. One worker thread owns the model and the batch: every
 forward pass runs there, never on the HTTP event loop. The batch is
 continuous: sequences join at step boundaries (their prompts are prefilled
-together, left-padded, and their KV caches are left-padded into the running
-batch) and leave as soon as they finish. Samples of one request share one
-prefill. Everyone else talks to the worker through a condition variable:
+together and joined to the running batch) and leave as soon as they finish.
+Samples of one request share one prefill. The engine decides what runs and
+keeps the books; how the KV cache is laid out and the model run on it is the
+batch's business (``batch.py``'s :class:`KVBatch`: by default an HF
+``DynamicCache``, left-padded), and picking tokens is ``sampling.py``'s.
+Everyone else talks to the worker through a condition variable:
 ``submit`` queues sequences, ``pause``/``abort_all`` run small actions on the
 worker between steps, and :meth:`Engine.exclusive` waits until no forward
 pass can run (batch empty, or generation paused) so weights can be swapped.
@@ -38,6 +41,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from torchtitan_grpo.inference.batch import KVBatch, make_batch
 from torchtitan_grpo.inference.requests import (
     DEFAULT_WEIGHT_VERSION,
     PAUSE_MODES,
@@ -61,15 +65,8 @@ from torchtitan_grpo.weight_sync.buckets import TensorSpec
 # not yet switched to their new homes; the engine itself does not use them.
 from torchtitan_grpo.inference.requests import parse_stop  # noqa: F401  isort: skip
 from torchtitan_grpo.inference.weights import (  # noqa: F401  isort: skip
-    FlatLayout,
-    PendingVersion,
-    PostedReceive,
-    SpecCheck,
-    post_receive,
-    read_safetensors_dir,
-    receive_check,
-    receive_weights,
-    run_check,
+    FlatLayout, PendingVersion, PostedReceive, SpecCheck, post_receive, read_safetensors_dir, receive_check,
+    receive_weights, run_check,
 )
 
 logger = logging.getLogger(__name__)
@@ -126,7 +123,7 @@ class Engine:
         self._tensors: dict[str, torch.Tensor] = {
             k: v for k, v in self.model.state_dict(keep_vars=True).items()
         }
-        self._merge_ok = self._cache_layers_mergeable()
+        self._batch: KVBatch = make_batch(self.model, cfg, self.device, self.pad_token_id)
 
         self._rng = torch.Generator(device=self.device)
         self._rng.manual_seed(cfg.seed)
@@ -137,11 +134,9 @@ class Engine:
         self._param_lock = threading.Lock()  # copy-in vs read-out of parameters
         self._pending: deque[_Sequence] = deque()
         self._actions: list[tuple[Any, concurrent.futures.Future]] = []
-        self._rows: list[_Sequence] = []
-        self._cache: Any = None
-        self._mask: torch.Tensor | None = None  # [B, T] 1 = real token in cache
-        self._next_pos: torch.Tensor | None = None  # [B] position of the next fed token
-        self._last: torch.Tensor | None = None  # [B] sampled token not yet in the cache
+        # [len(batch.rows)] the token each row sampled last, not yet in the KV
+        # cache (fed by the next decode step); None while the batch is empty.
+        self._last: torch.Tensor | None = None
         self._paused: str | None = None
         self._stepping = False
         self._updating = False
@@ -487,8 +482,14 @@ class Engine:
         self._prune()
         return len({id(s.req) for s in hit})
 
+    @property
+    def _rows(self) -> list[_Sequence]:
+        """The running sequences, in the batch's row order (``_last``'s too)."""
+        return self._batch.rows
+
     def _clear_batch(self) -> None:
-        self._rows, self._cache, self._mask, self._next_pos, self._last = [], None, None, None, None
+        self._batch.clear()
+        self._last = None
 
     def _finish(self, s: _Sequence, reason: FinishReason) -> None:
         if s.finish is not None:
@@ -547,8 +548,8 @@ class Engine:
         if self._paused is not None or self._updating:
             return None
         admit: list[_Sequence] = []
-        if not self._updates_waiting and (self._merge_ok or not self._rows):
-            room = self.cfg.max_batch_size - len(self._rows)
+        if not self._updates_waiting and (self._batch.can_merge or not self._rows):
+            room = self._batch.room()
             while self._pending and len(admit) < room:
                 admit.append(self._pending.popleft())
         if not admit and not self._rows:
@@ -594,64 +595,19 @@ class Engine:
                     self._stepping = False
                     self._cv.notify_all()
 
-    # ---- batch mechanics (worker thread only) ---------------------------- #
+    # ---- steps (worker thread only) -------------------------------------- #
 
     def _prefill(self, seqs: list[_Sequence]) -> None:
-        # Samples of one request that have no output yet share one prefill row.
-        groups: dict[tuple, int] = {}
-        uniq: list[list[int]] = []
-        row_of: list[int] = []
-        for s in seqs:
-            key = (id(s.req),) if not s.output_ids else (id(s.req), s.index)
-            if key not in groups:
-                groups[key] = len(uniq)
-                uniq.append(s.context())
-            else:
-                s.cached_tokens = len(s.req.prompt_ids)
-            row_of.append(groups[key])
-        lens = torch.tensor([len(c) for c in uniq])
-        width = int(lens.max())
-        ids = torch.full((len(uniq), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(uniq), width), dtype=torch.long)
-        for i, c in enumerate(uniq):
-            ids[i, width - len(c) :] = torch.tensor(c)
-            mask[i, width - len(c) :] = 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = self._new_cache()
-        out = self.model(
-            input_ids=ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            position_ids=pos.to(self.device),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        cache = out.past_key_values
-        idx = torch.tensor(row_of)
-        if len(uniq) != len(seqs) or not torch.equal(idx, torch.arange(len(seqs))):
-            cache.batch_select_indices(idx.to(self.device))
-        logits = out.logits[:, -1, :][idx.to(self.device)]
-        mask = mask[idx].to(self.device)
-        next_pos = lens[idx].to(self.device)
+        logits = self._batch.prefill(seqs)  # seqs are now the batch's last rows
         tokens = self._sample(logits, seqs)
-        self._merge(seqs, cache, mask, next_pos, tokens)
-        self._after_sampling()
+        self._last = tokens if self._last is None else torch.cat([self._last, tokens])
+        self._prune()
 
     def _decode_step(self) -> None:
-        ones = torch.ones((len(self._rows), 1), dtype=self._mask.dtype, device=self.device)
-        self._mask = torch.cat([self._mask, ones], dim=1)
-        out = self.model(
-            input_ids=self._last[:, None],
-            attention_mask=self._mask,
-            position_ids=self._next_pos[:, None],
-            past_key_values=self._cache,
-            use_cache=True,
-        )
-        self._cache = out.past_key_values
-        self._next_pos = self._next_pos + 1
+        logits = self._batch.decode(self._last)
         self._debug_decode_delay()
-        self._last = self._sample(out.logits[:, -1, :], self._rows)
-        self._after_sampling()
+        self._last = self._sample(logits, self._rows)
+        self._prune()
 
     def _debug_decode_delay(self) -> None:
         """``debug_decode_delay_s``: make a decode step that much longer, before
@@ -662,26 +618,6 @@ class Engine:
         if self.cfg.debug_decode_delay_s > 0:
             self._debug_sleep(self.cfg.debug_decode_delay_s)
 
-    def _merge(self, seqs: list[_Sequence], cache: Any, mask: torch.Tensor, next_pos: torch.Tensor, last: torch.Tensor) -> None:
-        """Append new rows to the running batch, left-padding the shorter KV side."""
-        if not self._rows:
-            self._rows, self._cache, self._mask, self._next_pos, self._last = list(seqs), cache, mask, next_pos, last
-            return
-        t_old, t_new = self._mask.shape[1], mask.shape[1]
-        width = max(t_old, t_new)
-        for old_layer, new_layer in zip(self._cache.layers, cache.layers):
-            old_layer.keys = torch.cat([_left_pad(old_layer.keys, width, -2), _left_pad(new_layer.keys, width, -2)])
-            old_layer.values = torch.cat(
-                [_left_pad(old_layer.values, width, -2), _left_pad(new_layer.values, width, -2)]
-            )
-        self._mask = torch.cat([_left_pad(self._mask, width, -1), _left_pad(mask, width, -1)])
-        self._next_pos = torch.cat([self._next_pos, next_pos])
-        self._last = torch.cat([self._last, last])
-        self._rows.extend(seqs)
-
-    def _after_sampling(self) -> None:
-        self._prune()
-
     def _prune(self) -> None:
         """Drop finished sequences from the running batch."""
         with self._cv:
@@ -691,17 +627,8 @@ class Engine:
             if not keep:
                 self._clear_batch()
                 return
-            idx = torch.tensor(keep, device=self.device)
-            self._cache.batch_select_indices(idx)
-            self._rows = [self._rows[i] for i in keep]
-            self._mask, self._next_pos, self._last = self._mask[idx], self._next_pos[idx], self._last[idx]
-            # Columns that are padding for every remaining row are dead weight.
-            first = int(self._mask.any(dim=0).nonzero()[0])
-            if first > 0 and self._merge_ok:
-                for layer in self._cache.layers:
-                    layer.keys = layer.keys[..., first:, :]
-                    layer.values = layer.values[..., first:, :]
-                self._mask = self._mask[:, first:]
+            self._batch.keep(keep)
+            self._last = self._last[torch.tensor(keep, device=self.device)]
 
     # ---- sampling -------------------------------------------------------- #
 
@@ -740,17 +667,3 @@ class Engine:
         elif len(s.req.prompt_ids) + n_out >= self.max_context:
             self._finish(s, FinishReason("length", length=n_out))
 
-
-# --------------------------------------------------------------------------- #
-# Helpers
-# --------------------------------------------------------------------------- #
-
-
-def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
-    """Zero-pad ``t`` on the left along ``dim`` up to ``width``."""
-    missing = width - t.shape[dim]
-    if missing <= 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = missing
-    return torch.cat([t.new_zeros(shape), t], dim=dim)

@@ -1,0 +1,200 @@
+"""The KV batch: the running sequences' KV cache and the forward passes on it.
+
+The engine decides *what* runs (which sequences join, when finished ones
+leave, what each row samples); a :class:`KVBatch` decides *how* the model is
+run on them and where their keys and values live. Keeping that behind a small
+interface lets another cache layout (a preallocated static cache with
+CUDA-graph decode steps, ``static_batch.py``) replace the one here without
+the engine changing. A batch takes the model and the device; it never imports
+``engine.py``, and the engine keeps everything that is not KV state (the
+sampled tokens not yet fed, the queue, the locks).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+
+class KVBatch(Protocol):
+    """What the engine needs of a batch of sequences sharing forward passes.
+
+    Called on the engine's worker thread only. Sequences are the engine's
+    ``_Sequence`` records: a batch reads their ``req`` (identity and
+    ``prompt_ids``), ``index``, ``output_ids`` and ``context()``, and sets
+    ``cached_tokens`` on a sample that shares another's prefill.
+    """
+
+    rows: list
+    """The live sequences, in logits-row order."""
+    can_merge: bool
+    """New sequences may join a non-empty batch (else only an empty one)."""
+
+    def room(self) -> int:
+        """How many more sequences fit now."""
+        ...
+
+    def prefill(self, seqs: list) -> torch.Tensor:
+        """Forward the new sequences' contexts (samples of one request with no
+        output yet share one prefill row), append them to ``rows``, and
+        return their last-position logits ``[len(seqs), vocab]`` in ``seqs``
+        order."""
+        ...
+
+    def decode(self, last: torch.Tensor) -> torch.Tensor:
+        """Feed ``last`` (``[len(rows)]`` token ids, one per row) and return
+        the logits ``[len(rows), vocab]`` of the position it fills."""
+        ...
+
+    def keep(self, idx: list[int]) -> None:
+        """Keep only these rows, in this order; drop the rest, free their KV."""
+        ...
+
+    def clear(self) -> None:
+        """Drop every row (the batch is empty and reusable afterwards)."""
+        ...
+
+
+def make_batch(model: Any, cfg: Any, device: torch.device, pad_token_id: int) -> KVBatch:
+    """The batch an engine configured by ``cfg`` (an ``EngineConfig``) runs on."""
+    return DynamicBatch(model, device, cfg.max_batch_size, pad_token_id)
+
+
+class DynamicBatch:
+    """A :class:`KVBatch` on the HF model's own forward and an HF
+    ``DynamicCache``, left-padded: every row's cache ends at the same column,
+    so one decode step appends one column for all rows. Rows of different
+    lengths are told apart by the attention mask and their own positions.
+    Joining a running batch left-pads the shorter side's KV; leaving drops
+    rows, then the columns that are now padding for every remaining row."""
+
+    def __init__(self, model: Any, device: torch.device, max_batch_size: int, pad_token_id: int):
+        self.model = model
+        self.device = device
+        self.max_batch_size = max_batch_size
+        self.pad_token_id = pad_token_id
+        self.can_merge = self._layers_mergeable()
+        self.rows: list = []
+        self._cache: Any = None
+        self._mask: torch.Tensor | None = None  # [B, T] 1 = real token in cache
+        self._next_pos: torch.Tensor | None = None  # [B] position of the next fed token
+
+    def _new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    def _layers_mergeable(self) -> bool:
+        """Joining a running batch edits the KV tensors of plain full-attention
+        layers; anything else (sliding windows, linear attention) only admits
+        new sequences into an empty batch."""
+        from transformers.cache_utils import DynamicLayer
+
+        cache = self._new_cache()
+        layers = getattr(cache, "layers", None)
+        return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+    # ---- KVBatch --------------------------------------------------------- #
+
+    def room(self) -> int:
+        return self.max_batch_size - len(self.rows)
+
+    def prefill(self, seqs: list) -> torch.Tensor:
+        # Samples of one request that have no output yet share one prefill row.
+        groups: dict[tuple, int] = {}
+        uniq: list[list[int]] = []
+        row_of: list[int] = []
+        for s in seqs:
+            key = (id(s.req),) if not s.output_ids else (id(s.req), s.index)
+            if key not in groups:
+                groups[key] = len(uniq)
+                uniq.append(s.context())
+            else:
+                s.cached_tokens = len(s.req.prompt_ids)
+            row_of.append(groups[key])
+        lens = torch.tensor([len(c) for c in uniq])
+        width = int(lens.max())
+        ids = torch.full((len(uniq), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(uniq), width), dtype=torch.long)
+        for i, c in enumerate(uniq):
+            ids[i, width - len(c) :] = torch.tensor(c)
+            mask[i, width - len(c) :] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = self._new_cache()
+        out = self.model(
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            position_ids=pos.to(self.device),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache = out.past_key_values
+        idx = torch.tensor(row_of)
+        if len(uniq) != len(seqs) or not torch.equal(idx, torch.arange(len(seqs))):
+            cache.batch_select_indices(idx.to(self.device))
+        logits = out.logits[:, -1, :][idx.to(self.device)]
+        self._merge(seqs, cache, mask[idx].to(self.device), lens[idx].to(self.device))
+        return logits
+
+    def decode(self, last: torch.Tensor) -> torch.Tensor:
+        ones = torch.ones((len(self.rows), 1), dtype=self._mask.dtype, device=self.device)
+        self._mask = torch.cat([self._mask, ones], dim=1)
+        out = self.model(
+            input_ids=last[:, None],
+            attention_mask=self._mask,
+            position_ids=self._next_pos[:, None],
+            past_key_values=self._cache,
+            use_cache=True,
+        )
+        self._cache = out.past_key_values
+        self._next_pos = self._next_pos + 1
+        return out.logits[:, -1, :]
+
+    def keep(self, idx: list[int]) -> None:
+        if not idx:
+            self.clear()
+            return
+        sel = torch.tensor(idx, device=self.device)
+        self._cache.batch_select_indices(sel)
+        self.rows = [self.rows[i] for i in idx]
+        self._mask, self._next_pos = self._mask[sel], self._next_pos[sel]
+        # Columns that are padding for every remaining row are dead weight.
+        first = int(self._mask.any(dim=0).nonzero()[0])
+        if first > 0 and self.can_merge:
+            for layer in self._cache.layers:
+                layer.keys = layer.keys[..., first:, :]
+                layer.values = layer.values[..., first:, :]
+            self._mask = self._mask[:, first:]
+
+    def clear(self) -> None:
+        self.rows, self._cache, self._mask, self._next_pos = [], None, None, None
+
+    # ---- joining --------------------------------------------------------- #
+
+    def _merge(self, seqs: list, cache: Any, mask: torch.Tensor, next_pos: torch.Tensor) -> None:
+        """Append new rows to the running batch, left-padding the shorter KV side."""
+        if not self.rows:
+            self.rows, self._cache, self._mask, self._next_pos = list(seqs), cache, mask, next_pos
+            return
+        t_old, t_new = self._mask.shape[1], mask.shape[1]
+        width = max(t_old, t_new)
+        for old_layer, new_layer in zip(self._cache.layers, cache.layers):
+            old_layer.keys = torch.cat([_left_pad(old_layer.keys, width, -2), _left_pad(new_layer.keys, width, -2)])
+            old_layer.values = torch.cat(
+                [_left_pad(old_layer.values, width, -2), _left_pad(new_layer.values, width, -2)]
+            )
+        self._mask = torch.cat([_left_pad(self._mask, width, -1), _left_pad(mask, width, -1)])
+        self._next_pos = torch.cat([self._next_pos, next_pos])
+        self.rows.extend(seqs)
+
+
+def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """Zero-pad ``t`` on the left along ``dim`` up to ``width``."""
+    missing = width - t.shape[dim]
+    if missing <= 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
