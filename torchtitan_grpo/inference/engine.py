@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import os
 import threading
 import time
 import uuid
@@ -42,28 +41,27 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from torchtitan_grpo.inference.batch import KVBatch, make_batch
+from torchtitan_grpo.inference.loading import eos_token_ids, load_model
 from torchtitan_grpo.inference.requests import (
     DEFAULT_WEIGHT_VERSION,
     PAUSE_MODES,
     PROMPT_CHARS_PER_TOKEN,
     FinishReason,
-    ModelLoadError,
     RequestError,
     SampleResult,
     SamplingParams,
-    WeightUpdateError,
     _Request,
     _sample_generator,
     _Sequence,
     _version_spans,
 )
 from torchtitan_grpo.inference.sampling import sample_tokens
-from torchtitan_grpo.inference.weights import adoptable, install_weights
+from torchtitan_grpo.inference.weights import adoptable, check_specs, install_weights
 from torchtitan_grpo.weight_sync.buckets import TensorSpec
 
 # Moved out of this module (issue #23) and still imported from here by modules
 # not yet switched to their new homes; the engine itself does not use them.
-from torchtitan_grpo.inference.requests import parse_stop  # noqa: F401  isort: skip
+from torchtitan_grpo.inference.requests import ModelLoadError, WeightUpdateError, parse_stop  # noqa: F401  isort: skip
 from torchtitan_grpo.inference.weights import (  # noqa: F401  isort: skip
     FlatLayout, PendingVersion, PostedReceive, SpecCheck, post_receive, read_safetensors_dir, receive_check,
     receive_weights, run_check,
@@ -94,17 +92,6 @@ class EngineConfig:
     production."""
 
 
-def _resolve_dtype(name: str, hf_config: Any) -> torch.dtype:
-    if name == "auto":
-        d = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-        if isinstance(d, str):
-            d = getattr(torch, d, None)
-        return d if isinstance(d, torch.dtype) else torch.float32
-    if name not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {name!r}")
-    return getattr(torch, name)
-
-
 class Engine:
     """An HF causal LM with continuous batching, pause/resume and hot weight swaps."""
 
@@ -113,11 +100,11 @@ class Engine:
         self.device = torch.device(cfg.device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.model, self.tokenizer = self._load(cfg)
+        self.model, self.tokenizer = load_model(cfg.model_path, cfg.dtype, cfg.device)
         hf = self.model.config
         self.vocab_size: int = int(self.model.get_output_embeddings().weight.shape[0])
         self.max_context: int = int(getattr(hf, "max_position_embeddings", None) or 1 << 30)
-        self.eos_token_ids: tuple[int, ...] = self._eos_ids()
+        self.eos_token_ids: tuple[int, ...] = eos_token_ids(self.model, self.tokenizer)
         self.pad_token_id: int = int(getattr(hf, "pad_token_id", None) or 0)
         # Weights are addressed by their HF names (state_dict keys, tied aliases included).
         self._tensors: dict[str, torch.Tensor] = {
@@ -146,64 +133,6 @@ class Engine:
         self.worker_error: BaseException | None = None
         self._debug_sleep: Callable[[float], None] = time.sleep
         """How ``debug_decode_delay_s`` waits (a test swaps it to count steps)."""
-
-    # ---- loading --------------------------------------------------------- #
-
-    @staticmethod
-    def _load(cfg: EngineConfig) -> tuple[Any, Any]:
-        path = cfg.model_path
-        if not os.path.isdir(path):
-            raise ModelLoadError(f"model directory {path!r} does not exist")
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ModelLoadError(f"model directory {path!r} has no config.json")
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-        try:
-            hf_config = AutoConfig.from_pretrained(path)
-            dtype = _resolve_dtype(cfg.dtype, hf_config)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        except Exception as e:
-            raise ModelLoadError(f"cannot load model from {path!r}: {type(e).__name__}: {e}") from e
-        model.to(cfg.device).eval().requires_grad_(False)
-        tokenizer = None
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path)
-        except Exception as e:  # token-id-only serving is fine for RL
-            logger.warning("no usable tokenizer in %s (%s): text input/output disabled", path, e)
-        return model, tokenizer
-
-    def _eos_ids(self) -> tuple[int, ...]:
-        """EOS ids from config.json, generation_config.json (chat models often
-        list extra end tokens only there) and, failing both, the tokenizer."""
-        found: list[int] = []
-
-        def add(v: Any) -> None:
-            for x in v if isinstance(v, (list, tuple)) else [v]:
-                if x is not None and int(x) not in found:
-                    found.append(int(x))
-
-        add(getattr(self.model.config, "eos_token_id", None))
-        gen = getattr(self.model, "generation_config", None)
-        if gen is not None:
-            add(getattr(gen, "eos_token_id", None))
-        if not found and self.tokenizer is not None:
-            add(self.tokenizer.eos_token_id)
-        return tuple(found)
-
-    def _new_cache(self) -> Any:
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.model.config)
-
-    def _cache_layers_mergeable(self) -> bool:
-        """Joining a running batch edits the KV tensors of plain full-attention
-        layers; anything else (sliding windows, linear attention) only admits
-        new sequences into an empty batch."""
-        from transformers.cache_utils import DynamicLayer
-
-        cache = self._new_cache()
-        layers = getattr(cache, "layers", None)
-        return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
 
     # ---- lifecycle ------------------------------------------------------- #
 
@@ -351,18 +280,7 @@ class Engine:
     def check_weights(self, specs: Sequence[TensorSpec]) -> None:
         """Raise :class:`WeightUpdateError` naming the first tensor that does not
         fit the model (unknown name, shape mismatch, duplicate)."""
-        seen: set[str] = set()
-        for s in specs:
-            target = self._tensors.get(s.name)
-            if target is None:
-                raise WeightUpdateError(f"unknown parameter {s.name!r}: the model has no tensor of that name")
-            if tuple(target.shape) != tuple(s.shape):
-                raise WeightUpdateError(
-                    f"shape mismatch for {s.name!r}: received {list(s.shape)}, model has {list(target.shape)}"
-                )
-            if s.name in seen:
-                raise WeightUpdateError(f"parameter {s.name!r} appears twice in one update")
-            seen.add(s.name)
+        check_specs(self._tensors, specs)
 
     def check_received(self, specs: Sequence[TensorSpec], device: torch.device) -> list[bool]:
         """:meth:`check_weights`, and for tensors received as ``specs`` on

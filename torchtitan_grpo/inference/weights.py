@@ -158,6 +158,24 @@ def install_weights(params: dict[str, torch.Tensor], named: Sequence[tuple[str, 
                 target.copy_(t)
 
 
+def check_specs(params: dict[str, torch.Tensor], specs: Sequence[TensorSpec]) -> None:
+    """Raise :class:`WeightUpdateError` naming the first tensor that does not
+    fit the model whose tensors are ``params`` (unknown name, shape mismatch,
+    duplicate): checked on the metadata alone, before any byte is loaded."""
+    seen: set[str] = set()
+    for s in specs:
+        target = params.get(s.name)
+        if target is None:
+            raise WeightUpdateError(f"unknown parameter {s.name!r}: the model has no tensor of that name")
+        if tuple(target.shape) != tuple(s.shape):
+            raise WeightUpdateError(
+                f"shape mismatch for {s.name!r}: received {list(s.shape)}, model has {list(target.shape)}"
+            )
+        if s.name in seen:
+            raise WeightUpdateError(f"parameter {s.name!r} appears twice in one update")
+        seen.add(s.name)
+
+
 def adoptable(params: dict[str, torch.Tensor], specs: Sequence[TensorSpec], device: torch.device) -> list[bool]:
     """Per spec, whether a tensor received as it on ``device`` can become
     ``params[name]``'s storage in ``install_weights``. That holds for what
