@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from torchtitan_grpo.inference.batch import DynamicBatch, KVBatch, make_batch
+from torchtitan_grpo.inference.static_batch import StaticBatch
 from torchtitan_grpo.inference.requests import SamplingParams, _Request, _Sequence
 
 ATOL = 1e-4
@@ -22,6 +23,7 @@ CPU = torch.device("cpu")
 
 IMPLEMENTATIONS: dict[str, Callable[[Any, int], KVBatch]] = {
     "dynamic": lambda model, size: DynamicBatch(model, CPU, size, int(model.config.pad_token_id or 0)),
+    "static": lambda model, size: StaticBatch(model, CPU, size, max_len=128),
 }
 """name -> (model, sequences it must hold) -> an empty batch."""
 
@@ -152,10 +154,17 @@ def test_keeping_no_row_empties_the_batch(make, rand):
 # ---- DynamicBatch specifics ------------------------------------------------ #
 
 
-def test_make_batch_builds_a_dynamic_batch_that_merges_on_qwen3(model):
-    class Cfg:
-        max_batch_size = 5
+def test_make_batch_picks_by_kv_cache_and_device(model):
+    from torchtitan_grpo.inference.engine import EngineConfig
 
-    batch = make_batch(model, Cfg(), CPU, 0)
+    cfg = lambda **kw: EngineConfig("unused", max_batch_size=5, **kw)  # noqa: E731
+    batch = make_batch(model, cfg(), CPU, 0)  # auto on CPU: dynamic
     assert isinstance(batch, DynamicBatch) and batch.room() == 5
     assert batch.can_merge  # plain full-attention layers: joining a running batch is allowed
+    static = make_batch(model, cfg(kv_cache="static", max_model_len=40), CPU, 0)
+    assert isinstance(static, StaticBatch) and static.room() == 5 and static.max_len == 40
+    assert not static.graphs  # graphs only on a GPU
+    own = model.config.max_position_embeddings
+    assert make_batch(model, cfg(kv_cache="static"), CPU, 0).max_len == min(own, 2048)
+    with pytest.raises(ValueError, match="kv_cache must be one of"):
+        make_batch(model, cfg(kv_cache="paged"), CPU, 0)

@@ -160,3 +160,32 @@ def test_cuda_graph_replay_equals_eager_and_bf16_tracks_hf(tiny_model_dir):
         for row, ctx in zip(runs[True][0][-1], runs[True][1]):
             ref = m(input_ids=torch.tensor([ctx], device=dev)).logits[0, -1].float().cpu()
             assert (row.log_softmax(-1) - ref.log_softmax(-1)).abs().max() < 0.1
+
+
+def test_engine_on_a_static_cache_generates_what_the_dynamic_one_does(tiny_model_dir):
+    """Same requests (seeded sampling, n > 1, a top-p row, a greedy row) on
+    both KV batches: the same tokens and logprobs; the static engine's context
+    is its max_model_len (a longer prompt is refused, output stops there)."""
+    from torchtitan_grpo.inference.engine import Engine, EngineConfig, RequestError, SamplingParams
+
+    reqs = [([5, 9, 4, 7, 11], SamplingParams(max_new_tokens=12, n=2, seed=3)),
+            ([8, 3], SamplingParams(max_new_tokens=9, top_p=0.8, seed=4)),
+            ([6] * 9, SamplingParams(max_new_tokens=7, temperature=0.0))]
+    outs = {}
+    for kind in ("dynamic", "static"):
+        eng = Engine(EngineConfig(tiny_model_dir, dtype="float32", max_batch_size=4, kv_cache=kind, max_model_len=24))
+        eng.start()
+        try:
+            futs = [eng.submit(p, sp) for p, sp in reqs]
+            outs[kind] = [r for f in futs for r in f.result(timeout=120)]
+            if kind == "static":
+                assert eng.static_cache and eng.max_context == 24
+                with pytest.raises(RequestError, match="context is 24"):
+                    eng.check_request(list(range(3, 27)), SamplingParams())
+                (long,) = eng.submit([5] * 20, SamplingParams(max_new_tokens=50, ignore_eos=True)).result(timeout=120)
+                assert long.finish_reason.kind == "length" and len(long.output_ids) == 4
+        finally:
+            eng.shutdown()
+    for d, s in zip(outs["dynamic"], outs["static"]):
+        assert s.output_ids == d.output_ids
+        torch.testing.assert_close(s.output_logprobs, d.output_logprobs, atol=1e-4, rtol=0)

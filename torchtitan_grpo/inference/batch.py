@@ -55,10 +55,40 @@ class KVBatch(Protocol):
         """Drop every row (the batch is empty and reusable afterwards)."""
         ...
 
+    def weights_changed(self) -> None:
+        """The engine installed a weight version (between forward passes)."""
+        ...
+
+
+KV_CACHES = ("auto", "static", "dynamic")
+DEFAULT_STATIC_LEN = 2048
+"""Positions per slot of the static cache when ``max_model_len`` is not set
+(and the model's own context is longer): the cache is allocated up front,
+slots x positions, so the default stays modest."""
+
 
 def make_batch(model: Any, cfg: Any, device: torch.device, pad_token_id: int) -> KVBatch:
-    """The batch an engine configured by ``cfg`` (an ``EngineConfig``) runs on."""
-    return DynamicBatch(model, device, cfg.max_batch_size, pad_token_id)
+    """The batch an engine configured by ``cfg`` (an ``EngineConfig``) runs on:
+    ``kv_cache`` "static" (preallocated slots, CUDA-graph decode on a GPU),
+    "dynamic" (the HF forward on a growing cache) or "auto" (static on a GPU
+    for the model families it supports, else dynamic)."""
+    from torchtitan_grpo.inference import static_batch
+
+    if cfg.kv_cache not in KV_CACHES:
+        raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHES)}, got {cfg.kv_cache!r}")
+    kind = cfg.kv_cache
+    unsupported = static_batch.supports(model)
+    if kind == "auto":
+        kind = "static" if device.type == "cuda" and unsupported is None else "dynamic"
+    if kind == "dynamic":
+        return DynamicBatch(model, device, cfg.max_batch_size, pad_token_id)
+    if unsupported is not None:
+        raise ValueError(f"kv_cache static: {unsupported}; use kv_cache dynamic")
+    own = int(getattr(model.config, "max_position_embeddings", None) or DEFAULT_STATIC_LEN)
+    max_len = cfg.max_model_len or min(own, DEFAULT_STATIC_LEN)
+    if max_len < 2:
+        raise ValueError(f"max_model_len must be >= 2, got {max_len}")
+    return static_batch.StaticBatch(model, device, cfg.max_batch_size, max_len, graphs=cfg.cuda_graphs)
 
 
 class DynamicBatch:
@@ -167,6 +197,9 @@ class DynamicBatch:
                 layer.keys = layer.keys[..., first:, :]
                 layer.values = layer.values[..., first:, :]
             self._mask = self._mask[:, first:]
+
+    def weights_changed(self) -> None:
+        """Nothing to do: every forward pass reads the parameters afresh."""
 
     def clear(self) -> None:
         self.rows, self._cache, self._mask, self._next_pos = [], None, None, None

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import random
 import threading
 import time
 import uuid
@@ -41,6 +42,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from torchtitan_grpo.inference.batch import KVBatch, make_batch
+from torchtitan_grpo.inference.static_batch import StaticBatch
 from torchtitan_grpo.inference.loading import eos_token_ids, load_model
 from torchtitan_grpo.inference.requests import (
     DEFAULT_WEIGHT_VERSION,
@@ -85,6 +87,19 @@ class EngineConfig:
     seed: int = 0
     max_batch_size: int = 64
     """Most sequences decoded together."""
+    kv_cache: str = "auto"
+    """"static": a preallocated cache of ``max_batch_size`` slots x
+    ``max_model_len`` positions, decode steps replayed as CUDA graphs on a
+    GPU (``static_batch.py``); "dynamic": the HF forward on a growing cache
+    (any HF causal LM); "auto": static on a GPU for Llama / Qwen2 / Qwen3 /
+    Mistral, dynamic otherwise (and on CPU)."""
+    max_model_len: int = 0
+    """Static cache: positions per sequence, prompt and output together (a
+    longer prompt is refused, generation stops there with "length"); 0 = the
+    model's context, at most 2048."""
+    cuda_graphs: bool = True
+    """Static cache on a GPU: replay decode steps as CUDA graphs (off: the
+    same kernels launched one by one, for debugging)."""
     debug_decode_delay_s: float = 0.0
     """Debug knob for benchmarks: every decode step of the batch takes this
     much longer (the worker sleeps in it), so one replica generates N times
@@ -111,9 +126,15 @@ class Engine:
             k: v for k, v in self.model.state_dict(keep_vars=True).items()
         }
         self._batch: KVBatch = make_batch(self.model, cfg, self.device, self.pad_token_id)
+        self.static_cache = isinstance(self._batch, StaticBatch)
+        if self.static_cache:
+            # The cache holds max_len positions per slot: that is the context now.
+            self.max_context = min(self.max_context, self._batch.max_len)
+            logger.info("static KV cache: %d slots x %d positions (%.2f GiB), CUDA graphs %s",
+                        self._batch.slots, self._batch.max_len, self._batch.nbytes / 2**30,
+                        "on" if self._batch.graphs else "off")
 
-        self._rng = torch.Generator(device=self.device)
-        self._rng.manual_seed(cfg.seed)
+        self._rng = random.Random(cfg.seed)  # unseeded samples' draws
         torch.manual_seed(cfg.seed)
 
         self._weight_version = DEFAULT_WEIGHT_VERSION
@@ -169,7 +190,7 @@ class Engine:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         req = _Request(rid or uuid.uuid4().hex, prompt, params, int(top_logprobs_num), fut)
         req.seqs = [
-            _Sequence(req, j, _sample_generator(params.seed, j, self.device)) for j in range(params.n)
+            _Sequence(req, j, _sample_generator(params.seed, j)) for j in range(params.n)
         ]
         req.remaining = params.n
         with self._cv:
@@ -286,6 +307,9 @@ class Engine:
         """:meth:`check_weights`, and for tensors received as ``specs`` on
         ``device`` which will become their parameter's storage (``adoptable``)."""
         self.check_weights(specs)
+        if self.static_cache:
+            # Captured graphs read the parameters' storage: copy into it, never swap it.
+            return [False] * len(specs)
         return adoptable(self._tensors, specs, device)
 
     def load_weights(
@@ -304,6 +328,7 @@ class Engine:
             self.check_weights([TensorSpec.of(n, t) for n, t in named])
         with self.exclusive(), self._param_lock:
             install_weights(self._tensors, named, adopt)
+            self._batch.weights_changed()
             if weight_version is not None:
                 with self._cv:
                     self._set_version_locked(weight_version)

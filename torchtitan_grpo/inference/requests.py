@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -181,7 +182,7 @@ class _Sequence:
 
     req: _Request
     index: int
-    generator: torch.Generator | None
+    generator: random.Random | None
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top: list[list[tuple[float, int]]] | None = None
@@ -200,14 +201,14 @@ class _Sequence:
         return self.req.prompt_ids + self.output_ids
 
 
-def _sample_generator(seed: int | None, index: int, device: torch.device) -> torch.Generator | None:
+def _sample_generator(seed: int | None, index: int) -> random.Random | None:
+    """A seeded sample's own generator: one uniform per token (``sampling.py``
+    draws by inverse CDF), on the host, so seeded rows cost no device launches."""
     if seed is None:
         return None
     # Sample 0 uses the seed itself, so n=1 reproduces a standalone request.
     derived = seed if index == 0 else hash((seed, index)) & 0x7FFF_FFFF_FFFF_FFFF
-    g = torch.Generator(device=device)
-    g.manual_seed(derived)
-    return g
+    return random.Random(derived)
 
 
 def _version_spans(events: list[tuple[str, int]], current: str, n_out: int) -> list[VersionSpan]:

@@ -8,6 +8,7 @@ and logprobs back, and records them itself. What the reported logprob is
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -35,57 +36,49 @@ def sample_tokens(
     logits: torch.Tensor,
     seqs: Sequence[_Sequence],
     device: torch.device,
-    rng: torch.Generator,
+    rng: random.Random,
     eos_ids: Sequence[int],
 ) -> Sampled:
     """Pick one token per row of ``logits`` ([len(seqs), vocab]) for ``seqs``.
 
-    Greedy rows take the argmax of the processed logits; the others draw
-    from the temperature-scaled, truncated distribution with their own
-    generator if seeded, else ``rng`` (unseeded rows draw their noise in one
-    call, so their stream depends on the batch; seeded ones do not).
+    Greedy rows take the argmax of the processed logits. The others draw from
+    the temperature-scaled, truncated distribution by inverse CDF: one uniform
+    per row, from the row's own generator if seeded (a seeded request is then
+    reproducible whatever else is in the batch), else from ``rng``. The
+    uniforms are drawn on the host, so a step costs the same few kernels for
+    any number of seeded rows, and which rows need what (greedy, truncation)
+    is decided from their parameters on the host: nothing waits for the
+    device before the tokens themselves are read.
     """
-    logits = logits.float()
     n, vocab = logits.shape
-    temps = torch.tensor([s.params.temperature for s in seqs], device=device)
-    greedy = temps < _GREEDY_EPS
-    scale = torch.where(greedy, torch.ones_like(temps), temps)
-    logp = torch.log_softmax(logits / scale[:, None], dim=-1)
-
+    params = [s.params for s in seqs]
+    greedy = [p.temperature < _GREEDY_EPS for p in params]
+    temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], device=device)
+    logits = logits.float()
+    logp = torch.log_softmax(logits / temps[:, None], dim=-1)
     proc = process_logits(logits, seqs, device, eos_ids)
-    tokens = torch.empty(n, dtype=torch.long, device=device)
-    if bool(greedy.any()):
-        tokens[greedy] = proc[greedy].argmax(dim=-1)
-    sampled = ~greedy
-    if bool(sampled.any()):
-        rows = sampled.nonzero().flatten().tolist()
-        x = proc[sampled] / scale[sampled, None]
-        x = _truncate(
-            x,
-            torch.tensor([_top_k(seqs[i].params.top_k, vocab) for i in rows], device=device),
-            torch.tensor([seqs[i].params.top_p for i in rows], device=device),
-            torch.tensor([seqs[i].params.min_p for i in rows], device=device),
-        )
-        probs = torch.softmax(x, dim=-1)
-        noise = torch.empty_like(probs)
-        unseeded = [k for k, i in enumerate(rows) if seqs[i].generator is None]
-        if unseeded:
-            noise[unseeded] = torch.empty((len(unseeded), vocab), device=device).exponential_(generator=rng)
-        for k, i in enumerate(rows):
-            if seqs[i].generator is not None:
-                noise[k].exponential_(generator=seqs[i].generator)
-        # argmax(p / E), E ~ Exp(1), draws from p (the exponential race)
-        tokens[sampled] = (probs / noise).argmax(dim=-1)
-
-    chosen = logp.gather(1, tokens[:, None]).squeeze(1).tolist()
+    if all(greedy):
+        tokens = proc.argmax(dim=-1)
+    else:
+        x = proc / temps[:, None]
+        x = _truncate(x, [_top_k(p.top_k, vocab) for p in params], [p.top_p for p in params],
+                      [p.min_p for p in params])
+        cdf = torch.softmax(x, dim=-1).cumsum_(dim=-1)
+        u = torch.tensor([(s.generator or rng).random() for s in seqs], device=device, dtype=cdf.dtype)
+        # The first token whose cumulative mass exceeds u (scaled by the total,
+        # which rounding keeps a hair off 1): token i wins with probability p_i;
+        # a token of zero mass never does.
+        drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1).clamp_(max=vocab - 1)
+        tokens = drawn if not any(greedy) else torch.where(
+            torch.tensor(greedy, device=device), proc.argmax(dim=-1), drawn)
+    chosen = logp.gather(1, tokens[:, None]).squeeze(1)
     tok_list = tokens.tolist()
     tops = {}
-    want_top = [i for i, s in enumerate(seqs) if s.req.top_logprobs_num > 0]
-    for i in want_top:
-        k = min(seqs[i].req.top_logprobs_num, vocab)
-        v, ix = logp[i].topk(k)
-        tops[i] = list(zip(v.tolist(), ix.tolist()))
-    return Sampled(tokens, tok_list, chosen, tops)
+    for i, s in enumerate(seqs):
+        if s.req.top_logprobs_num > 0:
+            v, ix = logp[i].topk(min(s.req.top_logprobs_num, vocab))
+            tops[i] = list(zip(v.tolist(), ix.tolist()))
+    return Sampled(tokens, tok_list, chosen.tolist(), tops)
 
 
 def process_logits(
@@ -130,21 +123,24 @@ def _top_k(k: int, vocab: int) -> int:
     return vocab if k is None or k <= 0 else min(k, vocab)
 
 
-def _truncate(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) what top-k, then top-p (renormalised), then min-p exclude."""
+def _truncate(x: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
+    """Mask (to -inf) what top-k, then top-p (renormalised), then min-p exclude;
+    the parameters are host lists, so the passes nobody asked for are skipped
+    without a device sync."""
     vocab = x.shape[-1]
-    if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
+    dev = x.device
+    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_x, order = x.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab, device=x.device)
-        sorted_x = sorted_x.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
+        ranks = torch.arange(vocab, device=dev)
+        sorted_x = sorted_x.masked_fill(ranks[None, :] >= torch.tensor(top_k, device=dev)[:, None], float("-inf"))
         probs = torch.softmax(sorted_x, dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass strictly ahead of each token
-        drop = before > top_p[:, None]
+        drop = before > torch.tensor(top_p, device=dev)[:, None]
         drop[:, 0] = False  # the most likely token always survives
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         x = torch.empty_like(x).scatter_(1, order, sorted_x)
-    if bool((min_p > 0).any()):
+    if any(p > 0 for p in min_p):
         probs = torch.softmax(x, dim=-1)
-        floor = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+        floor = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p, device=dev)[:, None]
         x = x.masked_fill(probs < floor, float("-inf"))
     return x

@@ -174,6 +174,15 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     p.add_argument("--max-batch-size", type=int, default=64, help="most sequences decoded together")
+    p.add_argument("--kv-cache", default="auto", choices=["auto", "static", "dynamic"],
+                   help="static: preallocated KV slots, CUDA-graph decode (Llama/Qwen2/Qwen3/Mistral); dynamic: "
+                        "the HF forward on a growing cache (any model); auto (default): static on a GPU when the "
+                        "model supports it, else dynamic")
+    p.add_argument("--max-model-len", type=int, default=0,
+                   help="static cache: positions per sequence, prompt + output (vLLM's flag); 0 = the model's "
+                        "context, at most 2048. The cache takes max-batch-size x max-model-len positions up front")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="static cache on a GPU: launch the decode step's kernels one by one (debugging)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health and /health_generate")
     p.add_argument("--weight-group-timeout", type=float, default=300.0,
@@ -193,6 +202,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     a = p.parse_args(argv)
     if a.max_batch_size < 1:
         p.error("--max-batch-size must be >= 1")
+    if a.max_model_len < 0 or a.max_model_len == 1:
+        p.error("--max-model-len must be 0 (the model's context, at most 2048) or >= 2")
     if a.debug_update_delay_s < 0:
         p.error("--debug-update-delay-s must be >= 0")
     if not a.debug_decode_delay_s >= 0:  # (NaN too)
@@ -205,7 +216,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         p.error(str(e) if isinstance(e, ValueError) else f"--chat-template {a.chat_template!r}: {e}")
     return ServerConfig(
         model=a.model, host=a.host, port=a.port, device=a.device, dtype=a.dtype, seed=a.seed,
-        max_batch_size=a.max_batch_size, api_key=a.api_key,
+        max_batch_size=a.max_batch_size, kv_cache=a.kv_cache, max_model_len=a.max_model_len,
+        cuda_graphs=not a.no_cuda_graphs, api_key=a.api_key,
         weight_group_timeout_s=a.weight_group_timeout, num_threads=a.num_threads,
         debug_update_delay_s=a.debug_update_delay_s, debug_decode_delay_s=a.debug_decode_delay_s,
         chat_template=chat_template, trust_request_chat_template=a.trust_request_chat_template,
@@ -214,6 +226,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
 
 def engine_config(cfg: ServerConfig) -> EngineConfig:
     return EngineConfig(cfg.model, cfg.device, cfg.dtype, cfg.seed, cfg.max_batch_size,
+                        kv_cache=cfg.kv_cache, max_model_len=cfg.max_model_len, cuda_graphs=cfg.cuda_graphs,
                         debug_decode_delay_s=cfg.debug_decode_delay_s)
 
 

@@ -16,6 +16,13 @@ class ServerConfig:
     dtype: str = "auto"
     seed: int = 0
     max_batch_size: int = 64
+    kv_cache: str = "auto"
+    """``--kv-cache``: static, dynamic or auto (``EngineConfig.kv_cache``)."""
+    max_model_len: int = 0
+    """``--max-model-len``: positions per sequence of a static cache (0: the
+    model's context, at most 2048)."""
+    cuda_graphs: bool = True
+    """Off with ``--no-cuda-graphs``."""
     api_key: str | None = None
     """If set, every route except /health and /health_generate needs
     ``Authorization: Bearer KEY``."""
