@@ -189,3 +189,25 @@ def test_engine_on_a_static_cache_generates_what_the_dynamic_one_does(tiny_model
     for d, s in zip(outs["dynamic"], outs["static"]):
         assert s.output_ids == d.output_ids
         torch.testing.assert_close(s.output_logprobs, d.output_logprobs, atol=1e-4, rtol=0)
+
+
+def test_config_keys_reach_the_launched_servers(capsys):
+    """[inference] kv_cache / max_model_len are checked by name and become the
+    started servers' --kv-cache / --max-model-len."""
+    import os
+
+    from torchtitan_grpo.config import ConfigError, parse_config
+
+    demo = os.path.join(os.path.dirname(os.path.dirname(__file__)), "train_configs", "demo_cpu.toml")
+    with pytest.raises(ConfigError, match=r"inference\.max_model_len"):
+        parse_config(["--job.config_file", demo, "--inference.max_model_len", "1"])
+    with pytest.raises(SystemExit):  # a Literal: the command-line parser refuses it, naming the flag
+        parse_config(["--job.config_file", demo, "--inference.kv_cache", "paged"])
+    assert "--inference.kv-cache" in capsys.readouterr().err.replace("_", "-")
+    cfg = parse_config(["--job.config_file", demo, "--inference.kv_cache", "static", "--inference.max_model_len", "96"])
+    assert (cfg.inference.kv_cache, cfg.inference.max_model_len) == ("static", 96)
+    from torchtitan_grpo.inference.server import engine_config, parse_args
+
+    srv = parse_args(["--model", "m", "--port", "0", "--kv-cache", "static", "--max-model-len", "96"])
+    eng = engine_config(srv)
+    assert (eng.kv_cache, eng.max_model_len, eng.cuda_graphs) == ("static", 96, True)

@@ -181,6 +181,18 @@ class Inference:
     server_threads: int = 1
     """torch threads per started built-in server (CPU)."""
 
+    kv_cache: Literal["auto", "static", "dynamic"] = "auto"
+    """KV cache of started built-in servers (their ``--kv-cache``): "static"
+    preallocates ``max_model_len`` positions for each of 64 sequences and
+    replays decode steps as CUDA graphs (Llama / Qwen2 / Qwen3 / Mistral);
+    "dynamic" runs the HF forward on a growing cache (any model, the CPU
+    default); "auto" picks static on a GPU when the model allows it."""
+
+    max_model_len: int = 0
+    """Static cache of started built-in servers: positions per sequence,
+    prompt and completion together (their ``--max-model-len``); 0 = the
+    model's context, at most 2048. Its memory is taken at start-up."""
+
     host: str = "127.0.0.1"
     """Interface the started servers bind to."""
 
@@ -376,6 +388,8 @@ def validate(cfg) -> None:
     _check(i.num_servers >= 1, "inference.num_servers", "must be >= 1", i.num_servers)
     _check(re.fullmatch(r"cpu|cuda(:\d+)?", i.server_device) is not None, "inference.server_device",
            'must be "cpu", "cuda" or "cuda:N"', i.server_device)
+    _check(i.max_model_len == 0 or i.max_model_len >= 2, "inference.max_model_len",
+           "must be 0 (the model's context, at most 2048) or >= 2", i.max_model_len)
     _check(i.startup_timeout_s > 0, "inference.startup_timeout_s", "must be > 0", i.startup_timeout_s)
     _check(i.server_max_restarts >= 0, "inference.server_max_restarts", "must be >= 0", i.server_max_restarts)
     _check(i.request_timeout_s > 0, "inference.request_timeout_s", "must be > 0", i.request_timeout_s)

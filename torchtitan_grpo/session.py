@@ -138,8 +138,10 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
         if i.urls or i.replica_file:
             urls = list(i.urls)
         else:
+            engine_args = ("--kv-cache", i.kv_cache, "--max-model-len", str(i.max_model_len))
             specs = [ServerSpec(hf_dir, device=i.server_device, dtype=i.server_dtype, host=i.host,
-                                threads=i.server_threads, seed=cfg.grpo.seed + k, api_key=key)
+                                threads=i.server_threads, seed=cfg.grpo.seed + k, api_key=key,
+                                extra_args=engine_args)
                      for k in range(i.num_servers)]
             servers = stack.enter_context(running_servers(specs, os.path.join(cfg.job.dump_folder, "servers"),
                                                           i.startup_timeout_s, max_restarts=i.server_max_restarts))
