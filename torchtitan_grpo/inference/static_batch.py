@@ -239,18 +239,19 @@ class StaticBatch:
 
     def decode(self, last: torch.Tensor) -> torch.Tensor:
         """Feed one token per row, return logits ``[len(rows), vocab]``."""
-        slots = torch.tensor(self._slot_of, device=self.device)
+        n_rows = len(self._slot_of)
+        # Rows in slots 0..n-1, in order (the usual case: lowest free slot
+        # first): plain slices, no index tensor to upload, no gather.
+        dense = self._slot_of[-1] == n_rows - 1 and self._slot_of == list(range(n_rows))
+        slots = slice(0, n_rows) if dense else torch.tensor(self._slot_of, device=self.device)
         self._tokens[slots] = last
-        live = max(self._slot_of) + 1
+        live = n_rows if dense else max(self._slot_of) + 1
         longest = max(self._len[s] for s in self._slot_of) + 1
         if longest > self.max_len:
             raise RuntimeError(f"static KV batch: a row reached max_len {self.max_len}")
         b = _bucket(live, _BATCH_BUCKETS, self.slots)
         n = _len_bucket(longest, self.max_len)
-        if self.graphs:
-            out = self._replay(b, n)
-        else:
-            out = self._step(b, n)
+        out = self._replay(b, n) if self.graphs else self._step(b, n)
         for s in self._slot_of:
             self._len[s] += 1
         self._pos[slots] += 1
