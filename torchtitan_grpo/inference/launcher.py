@@ -21,7 +21,6 @@ import ctypes
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +29,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+
+from torchtitan_grpo.net import free_port  # noqa: F401  (shared with the weight push; re-exported here)
 
 logger = logging.getLogger(__name__)
 
@@ -63,13 +64,6 @@ class ServerProcess:
 
 class ServerStartError(RuntimeError):
     pass
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS considers free right now (the caller may still lose a race)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:

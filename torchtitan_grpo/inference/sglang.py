@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from torchtitan_grpo.inference.types import Completion, SamplingParams, is_logprob, need, parse_spans
+# The weight-update bodies are shared with the weight push: protocol.sglang; re-exported here.
+from torchtitan_grpo.protocol.sglang import init_group_request, update_request  # noqa: F401
 
 
 def generate_request(prompt_ids: list[int], n: int, p: SamplingParams) -> dict[str, Any]:
@@ -67,18 +69,3 @@ def parse_generate(body: Any, n: int, replica: str) -> list[Completion]:
         versions = [v for v, _, _ in spans] or [version]
         out.append(Completion(ids, logprobs, fr["type"], version, versions, replica, spans))
     return out
-
-
-# ---- weight update control plane (bodies only; the pusher sends them) ----
-
-def init_group_request(master_address: str, master_port: int, rank_offset: int, world_size: int,
-                       group_name: str, backend: str) -> dict[str, Any]:
-    return {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-            "world_size": world_size, "group_name": group_name, "backend": backend}
-
-
-def update_request(names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str, *,
-                   flattened: bool, flush_cache: bool, weight_version: str | None) -> dict[str, Any]:
-    return {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-            "flush_cache": flush_cache, "abort_all_requests": False, "weight_version": weight_version,
-            "load_format": "flattened_bucket" if flattened else None}

@@ -6,12 +6,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-
-BUILTIN_ENGINE = "torchtitan-grpo"
-"""What the built-in server's ``/model_info`` says in its ``engine`` field
-(SGLang's and vLLM's have no such field): a pusher that sees it may rely on
-the built-in server's own guarantees, e.g. that a session's end waits for the
-update in flight."""
+# Shared with the weight push, which must not import inference: re-exported here.
+from torchtitan_grpo.protocol.builtin import BUILTIN_ENGINE  # noqa: F401
+from torchtitan_grpo.protocol.errors import MalformedResponse, need  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -47,20 +44,6 @@ class Completion:
     spans when it reports them (the built-in server, over both protocols),
     else one span of the version it reports (SGLang: the version serving when
     the request finished)."""
-
-
-class MalformedResponse(ValueError):
-    """A replica answered with a body that violates its protocol."""
-
-    def __init__(self, replica: str, field_name: str, detail: str):
-        super().__init__(f"malformed response from {replica}: field {field_name}: {detail}")
-        self.replica, self.field_name = replica, field_name
-
-
-def need(cond: bool, replica: str, field_name: str, detail: str) -> None:
-    """Raise MalformedResponse naming ``field_name`` unless ``cond``."""
-    if not cond:
-        raise MalformedResponse(replica, field_name, detail)
 
 
 def is_logprob(x: Any) -> bool:

@@ -70,9 +70,9 @@ import aiohttp
 import torch
 
 from torchtitan_grpo.aio import DaemonExecutor, LoopThread
-from torchtitan_grpo.inference import sglang, vllm
-from torchtitan_grpo.inference.launcher import free_port
-from torchtitan_grpo.inference.types import BUILTIN_ENGINE
+from torchtitan_grpo.net import free_port
+from torchtitan_grpo.protocol import sglang, vllm
+from torchtitan_grpo.protocol.builtin import BUILTIN_ENGINE
 from torchtitan_grpo.weight_sync import buckets as bk
 from torchtitan_grpo.weight_sync import ipc
 from torchtitan_grpo.weight_sync.control import PipelinedConnection, PushError, read_reply

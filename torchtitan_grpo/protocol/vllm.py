@@ -1,0 +1,119 @@
+"""vLLM 0.33 weight-transfer control plane (see PROTOCOLS.md): route paths,
+request bodies and strict parsing of the replies, for the weight push (the
+client) and the built-in server's vLLM routes alike. Completions and their
+parsing are the client pool's (``inference.vllm``, which re-exports these)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from torchtitan_grpo.protocol.errors import need
+
+PAUSE_MODES = ("abort", "wait", "keep")
+"""abort: end in-flight requests; wait: let them finish; keep: freeze them.
+abort and wait answer new requests with 503 until /resume."""
+DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1 << 30
+DEFAULT_PACKED_NUM_BUFFERS = 2
+
+# The keys vLLM 0.33's NCCLWeightTransferInitInfo accepts (it is built with
+# ``cls(**init_info)``, so any other key is a 400). ``nccl_unique_id_b64`` is
+# the store-free rendezvous: exclusive with master_address/master_port.
+INIT_INFO_KEYS = frozenset(
+    {
+        "master_address", "master_port", "rank_offset", "world_size", "nccl_unique_id_b64",
+        "packed", "packed_buffer_size_bytes", "packed_num_buffers",
+    }
+)
+UPDATE_INFO_KEYS = frozenset({"names", "dtype_names", "shapes"})
+
+# Route paths (all POST except the two GETs).
+INIT_WEIGHT_TRANSFER = "/init_weight_transfer_engine"
+PAUSE = "/pause"
+RESUME = "/resume"
+START_WEIGHT_UPDATE = "/start_weight_update"
+UPDATE_WEIGHTS = "/update_weights"
+FINISH_WEIGHT_UPDATE = "/finish_weight_update"
+SHUTDOWN_WEIGHT_TRANSFER = "/shutdown_weight_transfer_engine"
+WEIGHT_INFO = "/weight_info"  # GET
+WORLD_SIZE = "/get_world_size"  # GET
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def init_weight_transfer_request(
+    world_size: int,
+    rank_offset: int = 1,
+    master_address: str | None = None,
+    master_port: int | None = None,
+    *,
+    nccl_unique_id_b64: str | None = None,
+    packed: bool = False,
+    packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+    packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS,
+) -> dict[str, Any]:
+    """Body of POST /init_weight_transfer_engine.
+
+    Rendezvous through the trainer's TCP store (``master_address`` +
+    ``master_port``) or, vLLM 0.33 only, through an NCCL unique id minted by
+    the trainer (``nccl_unique_id_b64``): exactly one of the two.
+    """
+    by_store = master_address is not None or master_port is not None
+    if by_store == (nccl_unique_id_b64 is not None):
+        raise ValueError("give master_address and master_port, or nccl_unique_id_b64 (not both)")
+    if by_store and (master_address is None or master_port is None):
+        raise ValueError("master_address and master_port go together")
+    if not 0 < rank_offset < world_size:
+        raise ValueError(f"rank_offset must be in [1, world_size={world_size}), got {rank_offset}")
+    if packed_buffer_size_bytes <= 0 or packed_num_buffers < 1:
+        raise ValueError("packed_buffer_size_bytes must be > 0 and packed_num_buffers >= 1")
+    info: dict[str, Any] = {"rank_offset": rank_offset, "world_size": world_size, "packed": packed,
+                            "packed_buffer_size_bytes": packed_buffer_size_bytes,
+                            "packed_num_buffers": packed_num_buffers}
+    if by_store:
+        info |= {"master_address": master_address, "master_port": master_port}
+    else:
+        info["nccl_unique_id_b64"] = nccl_unique_id_b64
+    return {"init_info": info}
+
+
+def pause_query(mode: str = "abort") -> dict[str, str]:
+    """Query string of POST /pause (the mode is not a body field)."""
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+    return {"mode": mode}
+
+
+def update_weights_request(names: Sequence[str], dtype_names: Sequence[str],
+                           shapes: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """Body of POST /update_weights. Dtype names are bare torch attribute
+    names ("bfloat16"); whether the bytes come packed was fixed at init."""
+    if not len(names) == len(dtype_names) == len(shapes):
+        raise ValueError("names, dtype_names and shapes differ in length "
+                         f"({len(names)}, {len(dtype_names)}, {len(shapes)})")
+    bad = next((d for d in dtype_names if d.startswith("torch.")), None)
+    if bad is not None:
+        raise ValueError(f"dtype name {bad!r}: use the bare name, vLLM resolves it with getattr(torch, name)")
+    return {"update_info": {"names": list(names), "dtype_names": list(dtype_names),
+                            "shapes": [[int(x) for x in s] for s in shapes]}}
+
+
+def finish_weight_update_request(weight_version: str | None) -> dict[str, Any]:
+    """Body of POST /finish_weight_update: the version served from now on."""
+    return {} if weight_version is None else {"weight_version": str(weight_version)}
+
+
+def parse_weight_info(body: Any, replica: str) -> str:
+    """The version a replica serves, from GET /weight_info."""
+    need(isinstance(body, dict) and isinstance(body.get("weight_version"), str), replica, "weight_version",
+          f"expected {{'weight_version': str}}, got {str(body)[:200]}")
+    return body["weight_version"]
+
+
+def parse_world_size(body: Any, replica: str) -> int:
+    """Inference ranks behind a replica (TP*PP*DP), from GET /get_world_size:
+    the trainer's group has world_size = 1 + the sum over replicas."""
+    ws = body.get("world_size") if isinstance(body, dict) else None
+    need(_is_int(ws) and ws >= 1, replica, "world_size", f"expected a positive integer, got {ws!r}")
+    return ws
