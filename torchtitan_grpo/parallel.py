@@ -64,6 +64,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchtitan_grpo import _titan  # noqa: F401  (before torchtitan)
+from torchtitan_grpo.pipeline_config import check_config
 
 logger = logging.getLogger(__name__)
 
@@ -115,9 +116,7 @@ def build_parallel_dims(job_config, world_size: int, device: torch.device | str)
                 "dp_replicate, tensor and pipeline parallelism only"
             )
     if p.pipeline_parallel_degree != 1:
-        from torchtitan_grpo import pipeline
-
-        pipeline.check_config(job_config, world_size)
+        check_config(job_config, world_size)
     dims = ParallelDims(
         dp_replicate=p.data_parallel_replicate_degree,
         dp_shard=p.data_parallel_shard_degree,

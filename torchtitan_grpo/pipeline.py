@@ -69,6 +69,8 @@ import torch.distributed as dist
 from torch import nn
 
 from torchtitan_grpo import _titan  # noqa: F401  (before torchtitan)
+from torchtitan_grpo import parallel
+from torchtitan_grpo.pipeline_config import SCHEDULES, check_config, schedule_class
 
 logger = logging.getLogger(__name__)
 
@@ -82,9 +84,6 @@ __all__ = [
     "stage_module_names",
 ]
 
-SCHEDULES = ("1F1B", "GPipe")
-"""Accepted ``parallelism.pipeline_parallel_schedule`` values (any case)."""
-
 _MAX_CACHED_SCHEDULES = 4
 """Schedules (with their stage's activation buffers) kept per rank."""
 
@@ -93,74 +92,6 @@ _SEQ_LEN_BUCKETS = 8
 
 _TOP_LEVEL = ("tok_embeddings", "layers", "norm", "output")
 """The children of TorchTitan's dense qwen3 and llama3 ``Transformer``."""
-
-
-# ------------------------------------------------------------------ config
-
-
-def _schedule_class(name: str):
-    """The torch schedule class for ``parallelism.pipeline_parallel_schedule``."""
-    from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe
-
-    classes = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
-    cls = classes.get(str(name).lower())
-    if cls is None:
-        raise ValueError(
-            f"parallelism.pipeline_parallel_schedule={name!r}: the GRPO trainer runs one "
-            f"stage per PP rank with one of {', '.join(SCHEDULES)}"
-        )
-    return cls
-
-
-def _dp_shard_degree(parallelism, world_size: int | None) -> int | None:
-    """``data_parallel_shard_degree`` with -1 resolved (None if it cannot be)."""
-    shard = parallelism.data_parallel_shard_degree
-    if shard != -1:
-        return shard
-    if world_size is None:
-        return None
-    others = (parallelism.data_parallel_replicate_degree * parallelism.tensor_parallel_degree
-              * parallelism.pipeline_parallel_degree * parallelism.context_parallel_degree)
-    return world_size // max(others, 1)
-
-
-def check_config(job_config, world_size: int | None = None) -> None:
-    """Raise, naming the key, for a PP setting the GRPO trainer cannot run.
-
-    A no-op for ``pipeline_parallel_degree == 1``. Called at start-up by
-    :func:`torchtitan_grpo.parallel.build_parallel_dims`.
-    """
-    p = job_config.parallelism
-    pp = p.pipeline_parallel_degree
-    if pp < 1:
-        raise ValueError(f"parallelism.pipeline_parallel_degree={pp}: must be >= 1")
-    if pp == 1:
-        return
-    if job_config.model.name not in ("qwen3", "llama3"):
-        raise ValueError(
-            f"model.name={job_config.model.name!r} with parallelism.pipeline_parallel_degree={pp}: "
-            "pipeline stages are built for qwen3 and llama3 only"
-        )
-    _schedule_class(p.pipeline_parallel_schedule)
-    if p.pipeline_parallel_schedule_csv:
-        raise ValueError(
-            f"parallelism.pipeline_parallel_schedule_csv={p.pipeline_parallel_schedule_csv!r}: "
-            "CSV schedules are not supported by the GRPO trainer (use "
-            "parallelism.pipeline_parallel_schedule = \"1F1B\" or \"GPipe\")"
-        )
-    if p.data_parallel_replicate_degree > 1 and _dp_shard_degree(p, world_size) == 1:
-        raise NotImplementedError(
-            f"parallelism.data_parallel_replicate_degree={p.data_parallel_replicate_degree} "
-            f"without data_parallel_shard_degree > 1 (DDP) and parallelism.pipeline_parallel_degree={pp}: "
-            "DDP is not supported with pipeline stages; use data_parallel_shard_degree (FSDP, or "
-            "HSDP with dp_replicate) instead"
-        )
-    grpo = getattr(job_config, "grpo", None)
-    if grpo is not None and grpo.kl_coef > 0:
-        raise NotImplementedError(
-            f"grpo.kl_coef={grpo.kl_coef} with parallelism.pipeline_parallel_degree={pp}: the KL "
-            "reference model is not pipelined; set grpo.kl_coef = 0 or pipeline_parallel_degree = 1"
-        )
 
 
 def stage_module_names(job_config, n_layers: int) -> list[list[str]]:
@@ -383,8 +314,6 @@ def build_pipeline(model: nn.Module, job_config, parallel_dims, device: torch.de
     :func:`torchtitan_grpo.parallel.build_parallel_dims` (with its mesh).
     ``loss_fn(stage_output, target)`` is the last stage's per-micro-batch loss.
     """
-    from torchtitan_grpo import parallel
-
     device = torch.device(device)
     pp_mesh = parallel_dims.get_mesh("pp")
     stage_index = pp_mesh.get_local_rank()
@@ -392,8 +321,8 @@ def build_pipeline(model: nn.Module, job_config, parallel_dims, device: torch.de
     tied = parallel._is_tied(model)
     stage = split_stage(model, names[stage_index])
     stage = parallel.apply_layout(stage, job_config, parallel_dims, device)
-    schedule_class = _schedule_class(job_config.parallelism.pipeline_parallel_schedule)
-    logger.info("pipeline stage %d of %d (%s): %s", stage_index, parallel_dims.pp, schedule_class.__name__,
+    schedule_cls = schedule_class(job_config.parallelism.pipeline_parallel_schedule)
+    logger.info("pipeline stage %d of %d (%s): %s", stage_index, parallel_dims.pp, schedule_cls.__name__,
                 names[stage_index])
-    return StagePipeline(stage, stage_index, parallel_dims.pp, pp_mesh, device, schedule_class, loss_fn,
+    return StagePipeline(stage, stage_index, parallel_dims.pp, pp_mesh, device, schedule_cls, loss_fn,
                          names, tied)
