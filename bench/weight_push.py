@@ -51,7 +51,7 @@ set the same bytes go over these paths:
   and loaded first, which costs more than the whole benchmark. Generation is
   idle during the push.
 * ``snapshot``: the device copy of the weights into the staging buffers
-  (``Pusher._stage``, what ``Pusher.push`` runs): the only cost of an async
+  (``StagingBuffers.stage``, what ``Pusher.push`` runs): the only cost of an async
   push on the trainer's critical path.
 
 Timing: ``raw``, ``bucketed`` and ``snapshot`` start both ranks from a
@@ -107,7 +107,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torchtitan_grpo  # noqa: E402,F401  (triton shim before torchtitan)
 from torchtitan_grpo.aio import LoopThread  # noqa: E402
 from torchtitan_grpo.inference.engine import Engine, install_weights  # noqa: E402
-from torchtitan_grpo.inference.launcher import free_port  # noqa: E402
+from torchtitan_grpo.net import free_port  # noqa: E402
 from torchtitan_grpo.weight_sync import buckets as bk  # noqa: E402
 
 GPU_SETS = "0.6B,4B,8B"
@@ -264,9 +264,9 @@ TRACE: Trace | None = None
 
 
 def _trace_trainer() -> None:
-    from torchtitan_grpo.weight_sync import control, pusher
+    from torchtitan_grpo.weight_sync import control, group_push
 
-    TRACE.wrap(pusher, "_post", lambda session, url, *a: "trainer POST " + url.split("/", 3)[-1])
+    TRACE.wrap(control, "post", lambda session, url, *a: "trainer POST " + url.split("/", 3)[-1])
     real_pipelined = control.PipelinedConnection.post
 
     def pipelined(conn, path, body, params=None):  # from its write to its reply
@@ -276,7 +276,7 @@ def _trace_trainer() -> None:
         return fut
 
     control.PipelinedConnection.post = pipelined
-    TRACE.wrap(pusher.Pusher, "_broadcast_all",
+    TRACE.wrap(group_push.GroupPush, "broadcast_all",
                lambda r, staged, ks, stop, wait=True:
                f"trainer broadcast x{len(ks)} ({sum(staged.buffers[k].numel() for k in ks) >> 20} MiB)")
 
@@ -396,8 +396,8 @@ def _measure_set(r: Ranks, flavor: str, bucket_mbs: list[int], reps: int, backen
             # The Pusher's own staging copy, on a Pusher that never connects.
             stager = Pusher(loop, [], PushConfig(backend=backend, bucket_bytes=mb << 20, staging=staging),
                             device=dev)
-            stager._plan = plan
-            staged = stager._free_buffer()
+            stager.staging.plan = plan
+            staged = stager.staging.free_buffer()
             stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
             # staging "host" over nccl: through the device buffers a sender uploads into
             up = Uploader(dev, max(b.numel() for b in staged.buffers)) if staged.pinned and backend == "nccl" else None
@@ -413,7 +413,7 @@ def _measure_set(r: Ranks, flavor: str, bucket_mbs: list[int], reps: int, backen
                     up.sent(i, stream)
                 stream.synchronize()
 
-            t_snap = r.timed(lambda: stager._stage(staged, tensors), reps)
+            t_snap = r.timed(lambda: stager.staging.stage(staged, tensors), reps)
             t_bucketed = r.timed(send, reps)
             del staged, stager, up
         else:

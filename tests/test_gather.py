@@ -80,7 +80,7 @@ def _through_pusher(device: torch.device, staging: str, delivered: dict, overlap
         if version == 1:
             overlapped.wait(timeout=30)
         m = pusher.push(tensors, version, wait=False)
-        staged[version] = pusher._latest
+        staged[version] = pusher.staging.latest
         staged[version].users += 1  # no sender takes it: keep this version's buffer
         return m
 

@@ -35,7 +35,7 @@ def loop():
 
 
 def _staged_values(pusher: Pusher) -> dict[str, torch.Tensor]:
-    staged = pusher._latest
+    staged = pusher.staging.latest
     out = {}
     for bucket, buf in zip(staged.plan, staged.buffers):
         for spec, t in zip(bucket, bk.unpack(buf, bucket)):
@@ -72,7 +72,7 @@ def test_next_optimizer_step_waits_for_the_copy_to_the_host(loop, fence):
         dp.snapshot(2)
         opt.step()  # subtracts 1.0 from every element, on the trainer's stream
         torch.cuda.synchronize()
-        assert pusher._latest.buffers[0].is_pinned()
+        assert pusher.staging.latest.buffers[0].is_pinned()
         staged = _staged_values(pusher)
         same = all(torch.equal(staged[f"w{i}"], before[i]) for i in range(len(params)))
         assert same == fence, "the copy saw the optimizer step" if fence else "the race did not show"
@@ -109,8 +109,8 @@ def test_host_staged_push_over_nccl(tmp_path, tiny_model_dir, loop, protocol):
                 r = requests.get(srv.url + "/get_weights_by_name", params={"name": n, "truncate_size": 4}, timeout=10)
                 r.raise_for_status()
                 assert set(torch.tensor(r.json()).flatten().tolist()) == {float(v)}, (v, n)
-        assert len(pusher._plan) >= 3
-        assert pusher._latest.buffers[0].is_pinned()
+        assert len(pusher.staging.plan) >= 3
+        assert pusher.staging.latest.buffers[0].is_pinned()
         (r,) = pusher.replicas
         assert r.version == 3 and r.failures == 0, r.last_error
         assert r.uploader is not None and r.uploader.slots[0].device == dev
@@ -146,7 +146,7 @@ def test_push_to_a_server_on_the_trainers_own_gpu(tmp_path, tiny_model_dir, loop
             dp.snapshot(v, wait=v < 3)
         opt.step()  # queued at once after version 3's copy: -4
         pusher.wait_for(3, timeout_s=120)
-        buf = pusher._latest.buffers[0]
+        buf = pusher.staging.latest.buffers[0]
         assert buf.is_pinned() if backend == "gloo" else buf.device == dev
         for n in params:
             r = requests.get(srv.url + "/get_weights_by_name", params={"name": n, "truncate_size": 4}, timeout=10)

@@ -17,7 +17,10 @@ from safetensors.torch import load_file
 
 from torchtitan_grpo.aio import LoopThread
 from torchtitan_grpo.inference.launcher import ServerSpec, start_servers, stop_process
+from torchtitan_grpo.protocol.builtin import BuiltinTraits
+from torchtitan_grpo.weight_sync.group_push import GroupPush
 from torchtitan_grpo.weight_sync.pusher import Pusher, PushConfig
+from torchtitan_grpo.weight_sync.transport import Transport
 
 pytestmark = pytest.mark.slow
 
@@ -217,13 +220,13 @@ def test_vllm_protocol_push_in_packed_chunks(tmp_path, tiny_model_dir, loop):
     try:
         pusher.connect(initial_version=0)
         names = list(_weights(tiny_model_dir, 0.0))
-        assert len(pusher._plan or []) == 0  # planned at the first push
+        assert len(pusher.staging.plan or []) == 0  # planned at the first push
         for v in (1, 2):
             pusher.push(_weights(tiny_model_dir, float(v)), version=v)
             info = requests.get(srv.url + "/weight_info", timeout=10).json()
             assert info["weight_version"] == str(v)
             assert _served_markers(srv.url, names) == {float(v)}
-        assert len(pusher._plan) > 1  # several packed chunks were sent
+        assert len(pusher.staging.plan) > 1  # several packed chunks were sent
         out = requests.post(srv.url + "/v1/completions", json={"prompt": [19, 31], "max_tokens": 2,
                             "temperature": 0, "return_weight_versions": True}, timeout=30)
         assert out.status_code == 200, out.text
@@ -236,8 +239,9 @@ def test_vllm_protocol_push_in_packed_chunks(tmp_path, tiny_model_dir, loop):
 def test_replica_joining_from_file_gets_newest_weights_before_traffic(tmp_path, tiny_model_dir, loop, monkeypatch,
                                                                        backend):
     """The pool reads a launcher's replica file; a replica added mid-run is
-    held as catching-up, joined by the pusher (ipc: asked for its ranks),
-    sent the newest version, and only then routed to."""
+    held as catching-up, joined by the pusher's transport (gloo: its weight
+    group; ipc: asked for its ranks), sent the newest version, and only then
+    routed to."""
     from torchtitan_grpo.inference.pool import InferencePool, PoolConfig
 
     a, b = _servers(tmp_path, tiny_model_dir, [0.0, 0.0])
@@ -251,13 +255,13 @@ def test_replica_joining_from_file_gets_newest_weights_before_traffic(tmp_path, 
                     on_eject=pool.eject, on_readmit=lambda u: (rec.readmit(u), pool.readmit(u)))
     pool.on_join = pusher.add_replica
     probed = []
-    real_probe = pusher._probe
+    real_connect = pusher.transport.connect
 
-    async def probe(r):
+    async def connect(r):
         probed.append(r.url)
-        await real_probe(r)
+        await real_connect(r)
 
-    monkeypatch.setattr(pusher, "_probe", probe)
+    monkeypatch.setattr(pusher.transport, "connect", connect)
     try:
         loop.run(pool.start())
         _wait(lambda: pool.states().get(a.url) == "healthy", 30, "replica a from the file")
@@ -271,7 +275,8 @@ def test_replica_joining_from_file_gets_newest_weights_before_traffic(tmp_path, 
         assert _version(b.url) == "1"
         assert _served_markers(b.url, list(_weights(tiny_model_dir, 0.0))) == {1.0}
         _wait(lambda: pool.states()[b.url] == "healthy", 30, "replica b routable")
-        assert probed == ([] if backend == "gloo" else [a.url, b.url])
+        assert probed == [a.url, b.url]  # a at connect, b once listed
+        assert all((r.group is not None) is (backend == "gloo") for r in pusher.replicas)
     finally:
         pusher.close()
         loop.run(pool.close())
@@ -325,10 +330,10 @@ def test_disk_transport_writes_each_version_once(tmp_path, tiny_model_dir, loop)
 def _record_requests(monkeypatch, events: list, lock) -> None:
     """Append ("post", path) when the pusher sends a control request and
     ("reply", path) when its reply is in, for requests of their own
-    (``_post``) and pipelined ones (``PipelinedConnection.post``) alike."""
-    from torchtitan_grpo.weight_sync import control, pusher as pusher_mod
+    (``control.post``) and pipelined ones (``PipelinedConnection.post``) alike."""
+    from torchtitan_grpo.weight_sync import control
 
-    real_post, real_pipelined = pusher_mod._post, control.PipelinedConnection.post
+    real_post, real_pipelined = control.post, control.PipelinedConnection.post
 
     async def post(session, url, body, timeout_s, params=None):
         path = url[url.rindex("/"):]
@@ -352,7 +357,7 @@ def _record_requests(monkeypatch, events: list, lock) -> None:
         fut.add_done_callback(replied)
         return fut
 
-    monkeypatch.setattr(pusher_mod, "_post", post)
+    monkeypatch.setattr(control, "post", post)
     monkeypatch.setattr(control.PipelinedConnection, "post", pipelined)
 
 
@@ -373,7 +378,7 @@ def test_control_plane_runs_while_the_trainer_stages(tmp_path, tiny_model_dir, l
     pusher = Pusher(loop, [srv.url], PushConfig(mode="sync", protocol=protocol, bucket_bytes=32 << 10,
                                                 packed_buffer_bytes=20_000, pipelined=pipelined),
                     torch.device("cpu"))
-    stage_real = pusher._stage
+    stage_real = pusher.staging.stage
     during: list[bool] = []
 
     def stage(s, t):
@@ -387,7 +392,7 @@ def test_control_plane_runs_while_the_trainer_stages(tmp_path, tiny_model_dir, l
     try:
         pusher.connect(initial_version=0)
         names = list(_weights(tiny_model_dir, 0.0))
-        pusher._stage = stage
+        pusher.staging.stage = stage
         for v in (1, 2):
             events.clear()
             pusher.push(_weights(tiny_model_dir, float(v)), version=v)
@@ -417,9 +422,9 @@ def test_session_end_goes_out_with_the_last_byte_only_to_the_builtin_server(
     _record_requests(monkeypatch, events, threading.Lock())
     if not builtin:
         async def not_builtin(self, r):
-            return False, False, False
+            return BuiltinTraits()
 
-        monkeypatch.setattr(Pusher, "_builtin", not_builtin)
+        monkeypatch.setattr(Transport, "probe_builtin", not_builtin)
     # 0.5 s per update after its bytes arrived (inside the server's update lock).
     (srv,) = _servers(tmp_path, tiny_model_dir, [0.5])
     pusher = Pusher(loop, [srv.url], PushConfig(mode="sync", protocol=protocol, bucket_bytes=32 << 10,
@@ -452,11 +457,11 @@ def test_sglang_version_rides_with_the_end_only_to_a_builtin_server_that_says_it
     whole and named right."""
     import threading
 
-    from torchtitan_grpo.weight_sync import control, pusher as pusher_mod
+    from torchtitan_grpo.weight_sync import control
 
     sent: list[tuple[str, dict]] = []
     lock = threading.Lock()
-    real_post, real_pipelined = pusher_mod._post, control.PipelinedConnection.post
+    real_post, real_pipelined = control.post, control.PipelinedConnection.post
 
     def record(url_or_path: str, body) -> None:
         path = url_or_path[url_or_path.rindex("/"):]
@@ -472,13 +477,13 @@ def test_sglang_version_rides_with_the_end_only_to_a_builtin_server_that_says_it
         record(path, body)
         return real_pipelined(self, path, body, params)
 
-    monkeypatch.setattr(pusher_mod, "_post", post)
+    monkeypatch.setattr(control, "post", post)
     monkeypatch.setattr(control.PipelinedConnection, "post", pipelined)
     if not builtin:
         async def not_builtin(self, r):
-            return False, False, False
+            return BuiltinTraits()
 
-        monkeypatch.setattr(Pusher, "_builtin", not_builtin)
+        monkeypatch.setattr(Transport, "probe_builtin", not_builtin)
     (srv,) = _servers(tmp_path, tiny_model_dir, [0.0])
     pusher = Pusher(loop, [srv.url], PushConfig(mode="sync", protocol="sglang", bucket_bytes=32 << 10),
                     torch.device("cpu"))
@@ -493,7 +498,7 @@ def test_sglang_version_rides_with_the_end_only_to_a_builtin_server_that_says_it
             assert _served_markers(srv.url, names) == {float(v)} and _version(srv.url) == str(v)
             updates = [b for p, b in sent if p == "/update_weights_from_distributed"]
             ends = [b for p, b in sent if p == "/end_weight_update"]
-            assert len(updates) == len(pusher._plan) > 1 and len(ends) == 1, sent
+            assert len(updates) == len(pusher.staging.plan) > 1 and len(ends) == 1, sent
             assert [u["flush_cache"] for u in updates] == [False] * (len(updates) - 1) + [True]
             if builtin:
                 assert all(u["weight_version"] is None for u in updates), updates
@@ -527,7 +532,7 @@ def test_pipelined_requests_go_out_before_the_replies_they_follow(tmp_path, tiny
     events: list[tuple[str, str]] = []
     lock = threading.Lock()
     _record_requests(monkeypatch, events, lock)
-    real_broadcast, real_open = Pusher._broadcast_all, control.PipelinedConnection.open
+    real_broadcast, real_open = GroupPush.broadcast_all, control.PipelinedConnection.open
     opened: list[str] = []
 
     def broadcast(r, staged, buckets, stop, wait=True):
@@ -539,7 +544,7 @@ def test_pipelined_requests_go_out_before_the_replies_they_follow(tmp_path, tiny
         opened.append(self.url)
         return await real_open(self, timeout_s)
 
-    monkeypatch.setattr(Pusher, "_broadcast_all", staticmethod(broadcast))
+    monkeypatch.setattr(GroupPush, "broadcast_all", staticmethod(broadcast))
     monkeypatch.setattr(control.PipelinedConnection, "open", open_)
     (srv,) = _servers(tmp_path, tiny_model_dir, [0.0])
     pusher = Pusher(loop, [srv.url], PushConfig(mode="sync", protocol=protocol, bucket_bytes=32 << 10,
@@ -560,7 +565,7 @@ def test_pipelined_requests_go_out_before_the_replies_they_follow(tmp_path, tiny
                 closing = ["/finish_weight_update", "/resume"]
                 assert events.index(("reply", "/start_weight_update")) < first_broadcast, events
             else:
-                n = len(pusher._plan)
+                n = len(pusher.staging.plan)
                 assert n > 2  # several buckets
                 pause = "/pause_generation"
                 opening = ["/begin_weight_update"] + ["/update_weights_from_distributed"] * n
@@ -574,9 +579,9 @@ def test_pipelined_requests_go_out_before_the_replies_they_follow(tmp_path, tiny
                 for k in range(1, n):  # bucket k is broadcast after the reply to k-1
                     assert replies[k - 1] < events.index(("broadcast", str(k))), events
         assert opened == [srv.url]  # one connection for both transfers
-        from torchtitan_grpo.weight_sync import pusher as pusher_mod
+        from torchtitan_grpo.weight_sync import builtin_push
 
-        monkeypatch.setattr(pusher_mod, "CONN_MAX_IDLE_S", 0.0)  # too old to reuse: a new one
+        monkeypatch.setattr(builtin_push, "CONN_MAX_IDLE_S", 0.0)  # too old to reuse: a new one
         pusher.push(_weights(tiny_model_dir, 3.0), version=3)
         assert _served_markers(srv.url, names) == {3.0} and _version(srv.url) == "3"
         assert opened == [srv.url, srv.url]
@@ -640,7 +645,7 @@ def test_a_replica_is_readmitted_when_as_current_as_the_fleet_even_if_versions_o
 
     def readmit(url):
         rec.readmit(url)
-        at_readmit.update(newest=pusher._newest, versions={s["url"]: s["version"] for s in pusher.status()})
+        at_readmit.update(newest=pusher.staging.newest, versions={s["url"]: s["version"] for s in pusher.status()})
 
     pusher = Pusher(loop, [ok.url, victim.url], PushConfig(mode="async", bucket_bytes=1 << 30, deadline_s=5.0,
                     init_timeout_s=20, reconnect_interval_s=0.5), torch.device("cpu"),
@@ -700,7 +705,7 @@ def test_ipc_push_hands_over_whole_versions_and_a_killed_replica_catches_up(tmp_
         for v in (1, 2):
             m = pusher.push(_weights(tiny_model_dir, float(v)), version=v)
             assert _version(srv.url) == str(v) and _served_markers(srv.url, names) == {float(v)}, m
-        assert pusher._latest.buffers[0].is_shared()
+        assert pusher.staging.latest.buffers[0].is_shared()
         for v in range(3, 9):
             pusher.push(_weights(tiny_model_dir, float(v)), version=v, wait=False)
         pusher.wait_for(8, timeout_s=30)

@@ -7,7 +7,9 @@ import torch
 
 from torchtitan_grpo.aio import LoopThread
 from torchtitan_grpo.weight_sync import buckets as bk
-from torchtitan_grpo.weight_sync.pusher import Pusher, PushConfig, PushError, _Replica
+from torchtitan_grpo.weight_sync.group_push import GroupPush
+from torchtitan_grpo.weight_sync.pusher import Pusher, PushConfig, PushError
+from torchtitan_grpo.weight_sync.transport import Replica
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +40,10 @@ def test_snapshot_places_every_tensor(loop, protocol, dtype):
     cfg = PushConfig(protocol=protocol, dtype=dtype, bucket_bytes=40, packed_buffer_bytes=30)
     p = Pusher(loop, [], cfg, torch.device("cpu"))
     p.push(tensors, version=1, wait=False)
-    staged = p._latest
-    assert staged.version == 1 and len(p._plan) > 1
+    staged = p.staging.latest
+    assert staged.version == 1 and len(p.staging.plan) > 1
     unaligned = 0
-    for bucket, buf in zip(p._plan, staged.buffers):
+    for bucket, buf in zip(p.staging.plan, staged.buffers):
         unaligned += sum(s.dtype != slot.dtype for s, slot in zip(bucket, bk.slots(buf, bucket)))
         for spec, got in zip(bucket, bk.unpack(buf, bucket, copy=True)):
             t = tensors[spec.name]
@@ -53,9 +55,9 @@ def test_snapshot_places_every_tensor(loop, protocol, dtype):
     # A new version overwrites the same buffer (no sender holds it).
     tensors["a.weight"].add_(1.0)
     p.push(tensors, version=2, wait=False)
-    assert p._latest is staged and staged.version == 2
-    got = dict(zip([s.name for b in p._plan for s in b],
-                   [t for b, buf in zip(p._plan, staged.buffers) for t in bk.unpack(buf, b, copy=True)]))
+    assert p.staging.latest is staged and staged.version == 2
+    got = dict(zip([s.name for b in p.staging.plan for s in b],
+                   [t for b, buf in zip(p.staging.plan, staged.buffers) for t in bk.unpack(buf, b, copy=True)]))
     want = tensors["a.weight"].to(dtype) if dtype is not None else tensors["a.weight"]
     assert torch.equal(got["a.weight"], want)
 
@@ -66,21 +68,21 @@ def test_buffer_being_rewritten_is_not_taken(loop):
     (it would send a mix of two versions under the older one's number)."""
     tensors = _tensors()
     p = Pusher(loop, [], PushConfig(num_staging_buffers=2), torch.device("cpu"))
-    busy, idle = _Replica("http://busy"), _Replica("http://idle")
+    busy, idle = Replica("http://busy"), Replica("http://idle")
     busy.version = idle.version = 0
     p.push(tensors, version=1, wait=False)
-    first = p._take(busy)  # a sender sending version 1 holds the first buffer
+    first = p.staging.take(busy)  # a sender sending version 1 holds the first buffer
     assert first is not None and first.version == 1
     p.push(tensors, version=2, wait=False)  # into the second buffer
-    second = p._latest
+    second = p.staging.latest
     assert second is not first and second.version == 2
     # Version 3 begins: the only free buffer is the second one, not yet taken.
-    assert p._free_buffer() is second
-    assert p._take(idle) is None
-    p._stage(second, tensors)
-    with p._lock:
+    assert p.staging.free_buffer() is second
+    assert p.staging.take(idle) is None
+    p.staging.stage(second, tensors)
+    with p.staging.lock:
         second.version = 3
-    assert p._take(idle) is second
+    assert p.staging.take(idle) is second
 
 
 def test_a_version_is_handed_out_while_staged_and_read_only_once_written(loop, monkeypatch):
@@ -94,11 +96,11 @@ def test_a_version_is_handed_out_while_staged_and_read_only_once_written(loop, m
     tensors = _tensors()
     p = Pusher(loop, [], PushConfig(bucket_bytes=40), torch.device("cpu"))
     p.push(tensors, version=1, wait=False)
-    staged = p._latest
-    r = _Replica("http://r")
+    staged = p.staging.latest
+    r = Replica("http://r")
     r.version = 1
     new = {k: v + 1 if v.is_floating_point() else v for k, v in tensors.items()}
-    seen, reader_done, stage_real = [], threading.Event(), p._stage
+    seen, reader_done, stage_real = [], threading.Event(), p.staging.stage
     read: dict[str, torch.Tensor] = {}
 
     def reader(s):
@@ -108,34 +110,34 @@ def test_a_version_is_handed_out_while_staged_and_read_only_once_written(loop, m
         reader_done.set()
 
     def stage(s, t):
-        taken = p._take(r)  # what a woken sender does before the trainer has staged
+        taken = p.staging.take(r)  # what a woken sender does before the trainer has staged
         seen.append((taken is s, s.version, s.written.is_set()))
         threading.Thread(target=reader, args=(taken,), daemon=True).start()
         assert not reader_done.wait(0.2)  # still waiting: nothing is written yet
         stage_real(s, t)
 
-    monkeypatch.setattr(p, "_stage", stage)
+    monkeypatch.setattr(p.staging, "stage", stage)
     p.push(new, version=2, wait=True)  # no replicas: nothing to wait for after the snapshot
     assert seen == [(True, 2, False)]
-    assert p._latest is staged  # version 1's buffer, rewritten: stale bytes were there to be read
+    assert p.staging.latest is staged  # version 1's buffer, rewritten: stale bytes were there to be read
     assert reader_done.wait(10)
     for name, want in new.items():
         assert torch.equal(read[name], want), name
 
     # Async: nothing to take while the trainer stages; then version 3, written.
-    with p._lock:
+    with p.staging.lock:
         staged.users -= 1  # the reader's transfer of version 2 is over
     r.version = 2
     taken_async = []
 
     def stage_async(s, t):
-        taken_async.append(p._take(r))
+        taken_async.append(p.staging.take(r))
         stage_real(s, t)
 
-    monkeypatch.setattr(p, "_stage", stage_async)
+    monkeypatch.setattr(p.staging, "stage", stage_async)
     p.push(new, version=3, wait=False)
     assert taken_async == [None]
-    got = p._take(r)
+    got = p.staging.take(r)
     assert got.version == 3 and got.written.is_set()
 
 
@@ -148,22 +150,22 @@ def test_a_waited_push_sends_its_first_bucket_while_the_rest_is_staged(loop, mon
 
     p = Pusher(loop, [], PushConfig(bucket_bytes=40, packed_buffer_bytes=40, protocol=protocol),
                torch.device("cpu"))
-    r = _Replica("http://r")
+    r = Replica("http://r")
     r.version = 0
     sent: list[torch.Tensor] = []
     first_sent = threading.Event()
 
-    class Group:  # what a replica's WeightGroup is to ``_broadcast_all``
+    class Group:  # what a replica's WeightGroup is to ``broadcast_all``
         def broadcast(self, buf, src, stream=None, wait=True):
             sent.append(buf.clone())
             first_sent.set()
 
     r.group = Group()
-    stage_real, early, taken = p._stage, [], []
+    stage_real, early, taken = p.staging.stage, [], []
 
     def stage(s, t):
-        taken.append(p._take(r))
-        sender = threading.Thread(target=Pusher._broadcast_all,
+        taken.append(p.staging.take(r))
+        sender = threading.Thread(target=GroupPush.broadcast_all,
                                   args=(r, taken[0], list(range(len(s.plan))), threading.Event()))
         queued_real = s.bucket_queued
 
@@ -177,9 +179,9 @@ def test_a_waited_push_sends_its_first_bucket_while_the_rest_is_staged(loop, mon
         stage_real(s, t)
         sender.join(10)
 
-    monkeypatch.setattr(p, "_stage", stage)
+    monkeypatch.setattr(p.staging, "stage", stage)
     p.push(_tensors(), version=1, wait=True)
-    assert taken[0] is p._latest and len(taken[0].plan) > 2
+    assert taken[0] is p.staging.latest and len(taken[0].plan) > 2
     assert early == [True], "bucket 0 was not sent before bucket 1 was staged"
     assert len(sent) == len(taken[0].plan)
     for got, buf in zip(sent, taken[0].buffers):
@@ -193,22 +195,22 @@ def test_a_snapshot_that_fails_is_withdrawn_and_its_sender_told(loop, monkeypatc
     import threading
 
     p = Pusher(loop, [], PushConfig(bucket_bytes=40), torch.device("cpu"))
-    r = _Replica("http://r")
+    r = Replica("http://r")
     r.version = 0
 
     def broken(s, t):
         raise RuntimeError("copy failed")
 
-    monkeypatch.setattr(p, "_stage", broken)
+    monkeypatch.setattr(p.staging, "stage", broken)
     for wait in (False, True):  # never published / published, then withdrawn
         with pytest.raises(RuntimeError, match="copy failed"):
             p.push(_tensors(), version=1, wait=wait)
-        assert p._take(r) is None
+        assert p.staging.take(r) is None
 
     errors, taken = [], []
 
     def broken_after_take(s, t):
-        taken.append(p._take(r))
+        taken.append(p.staging.take(r))
         raise RuntimeError("copy failed again")
 
     def sender(s):
@@ -217,7 +219,7 @@ def test_a_snapshot_that_fails_is_withdrawn_and_its_sender_told(loop, monkeypatc
         except PushError as e:
             errors.append(str(e))
 
-    monkeypatch.setattr(p, "_stage", broken_after_take)
+    monkeypatch.setattr(p.staging, "stage", broken_after_take)
     with pytest.raises(RuntimeError, match="copy failed again"):
         p.push(_tensors(), version=2, wait=True)
     t = threading.Thread(target=sender, args=(taken[0],))
@@ -235,11 +237,11 @@ def test_other_tensors_get_a_new_plan_and_new_buffers(loop):
     other tensors must still stage them whole, in buffers of their own layout."""
     p = Pusher(loop, [], PushConfig(bucket_bytes=40), torch.device("cpu"))
     p.push(_tensors(), version=1, wait=False)
-    first = p._latest
+    first = p.staging.latest
     other = {"x.weight": torch.arange(12, dtype=torch.float32).reshape(3, 4)}
     p.push(other, version=2, wait=False)
-    staged = p._latest
-    assert staged is not first and staged.plan is p._plan and p._staging == [staged]
+    staged = p.staging.latest
+    assert staged is not first and staged.plan is p.staging.plan and p.staging.buffers == [staged]
     (bucket,) = staged.plan
     (got,) = bk.unpack(staged.buffers[0], bucket, copy=True)
     assert torch.equal(got, other["x.weight"]) and p.bytes_per_version == 48

@@ -16,6 +16,11 @@ becomes the server going from one handler to the next. Only the built-in
 server gets this: its aiohttp server handles pipelined requests in order
 (tested), while whatever stands in front of a real SGLang or vLLM (uvicorn,
 a router, a proxy) was not tried with it.
+
+``post`` sends one request on its own (through the transport's aiohttp
+session), ``Requests`` is a transfer's way of posting (one by one, or on a
+pipelined connection), and ``until`` / ``answered`` wait for replies so that
+the first refusal among a transfer's requests ends that transfer.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import collections
 import json
 import time
 import urllib.parse
+
+import aiohttp
 
 
 class PushError(RuntimeError):
@@ -192,3 +199,71 @@ class PipelinedConnection:
             self._replies.cancel()
         if self._writer is not None:
             self._writer.close()
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: dict | bytes | None, timeout_s: float,
+               params: dict | None = None) -> dict:
+    """POST ``body`` (JSON, as an object or already encoded) to ``url`` on a
+    request of its own; ``read_reply``'s result."""
+    kw = ({"data": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes)
+          else {"json": body})
+    async with session.post(url, params=params, timeout=aiohttp.ClientTimeout(total=timeout_s), **kw) as r:
+        return read_reply(url, r.status, await r.text())
+
+
+class Requests:
+    """How one transfer posts its control requests. On a pipelined connection
+    (``in_order``) each is written at once and the server handles them in
+    that order; otherwise each is a request of its own, so one that must
+    follow another is posted only after the other's reply (``ordered``).
+    Either way ``post`` returns a future of the reply; a pipelined request
+    has no timeout of its own (the transfer's deadline bounds it)."""
+
+    def __init__(self, session: aiohttp.ClientSession, url: str, conn: PipelinedConnection | None = None):
+        self.session, self.url, self.conn = session, url, conn
+
+    @property
+    def in_order(self) -> bool:
+        return self.conn is not None
+
+    def post(self, path: str, body: dict | bytes | None, timeout_s: float,
+             params: dict | None = None) -> asyncio.Future:
+        if self.conn is not None:
+            return self.conn.post(path, body, params)
+        return asyncio.ensure_future(post(self.session, self.url + path, body, timeout_s, params))
+
+    async def ordered(self, reply: asyncio.Future | None) -> None:
+        """Call before posting what must be handled after ``reply``'s request."""
+        if reply is not None and self.conn is None:
+            await reply
+
+
+async def until(target: asyncio.Future, answers: list[asyncio.Future]) -> None:
+    """Wait for ``target`` (a reply among ``answers``, or the broadcasts);
+    the first failure of ``target`` or of any of ``answers`` meanwhile
+    raises, and then ``target`` and every request still in flight are
+    cancelled."""
+    try:
+        while True:
+            for t in (target, *answers):
+                if t.done() and t.exception() is not None:
+                    raise t.exception()
+            if target.done():
+                return
+            await asyncio.wait({target, *(a for a in answers if not a.done())},
+                               return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        for t in answers:
+            t.cancel()
+        target.cancel()
+        raise
+
+
+async def answered(answers: list[asyncio.Future]) -> None:
+    """Every reply of ``answers`` (the first failure raises and cancels the rest)."""
+    try:
+        await asyncio.gather(*answers)
+    except BaseException:
+        for t in answers:
+            t.cancel()
+        raise
