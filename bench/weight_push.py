@@ -157,6 +157,7 @@ class TensorEngine:
 
     tokenizer = None
     max_context = 4096  # sizes the server's generation body limit (never used here)
+    static_cache = False  # no captured graphs read the parameters: received buffers may become them
 
     def __init__(self, params: dict[str, torch.Tensor], device: torch.device):
         from types import SimpleNamespace
