@@ -211,3 +211,18 @@ def test_config_keys_reach_the_launched_servers(capsys):
     srv = parse_args(["--model", "m", "--port", "0", "--kv-cache", "static", "--max-model-len", "96"])
     eng = engine_config(srv)
     assert (eng.kv_cache, eng.max_model_len, eng.cuda_graphs) == ("static", 96, True)
+
+
+def test_auto_pipeline_depth_is_serial_when_servers_share_the_trainer_gpu(monkeypatch):
+    import os
+
+    from torchtitan_grpo.config import parse_config, pipeline_depth
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    demo = os.path.join(os.path.dirname(os.path.dirname(__file__)), "train_configs", "demo_cpu.toml")
+    base = ["--job.config_file", demo, "--weight_sync.mode", "async", "--weight_sync.transport", "gloo"]
+    assert pipeline_depth(parse_config(base)) == 1  # CPU servers, CPU trainer: as before
+    assert pipeline_depth(parse_config(base + ["--inference.server_device", "cuda:0"])) == 0
+    assert pipeline_depth(parse_config(base + ["--inference.server_device", "cuda:1"])) == 1
+    assert pipeline_depth(parse_config(base + ["--inference.server_device", "cuda:0",
+                                               "--rollout.pipeline_depth", "1"])) == 1

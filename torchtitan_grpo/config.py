@@ -142,7 +142,10 @@ class Rollout:
     1: the next step's groups generate while this one trains (one version
     off-policy), and so on; a step takes the first groups that finish, so a
     slow replica never holds it. Capped by grpo.max_staleness. -1 (auto): 1
-    with weight_sync.mode "async" or "off", 0 with "sync". In pipelined mode a
+    with weight_sync.mode "async" or "off", 0 with "sync", and 0 when the
+    started servers share a trainer's GPU (one GPU for both: generating
+    while training slows both; measured 33-37 against 39.5 samples/s serial
+    on an H100, docs/PERFORMANCE.md). In pipelined mode a
     push installs its version between decode steps (weight_sync.pause_mode
     "none" becomes "in_place"), so generation does not drain for it."""
 
@@ -469,11 +472,20 @@ def check_reachable(cfg, timeout_s: float = 10.0) -> None:
                               f"server first or fix the URL") from None
 
 
+def servers_share_trainer_gpu(cfg) -> bool:
+    """Whether the started built-in servers run on a GPU a trainer rank of this
+    node uses (rank k uses cuda:k)."""
+    i = cfg.inference
+    if i.urls or i.replica_file or not i.server_device.startswith("cuda"):
+        return False
+    return int(i.server_device.partition(":")[2] or 0) < int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def pipeline_depth(cfg) -> int:
     """rollout.pipeline_depth resolved (auto -> 0 or 1) and capped by grpo.max_staleness."""
     depth = cfg.rollout.pipeline_depth
     if depth == -1:
-        depth = 0 if cfg.weight_sync.mode == "sync" else 1
+        depth = 0 if cfg.weight_sync.mode == "sync" or servers_share_trainer_gpu(cfg) else 1
     if cfg.grpo.max_staleness >= 0:
         depth = min(depth, cfg.grpo.max_staleness)
     return depth
