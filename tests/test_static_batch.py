@@ -226,3 +226,18 @@ def test_auto_pipeline_depth_is_serial_when_servers_share_the_trainer_gpu(monkey
     assert pipeline_depth(parse_config(base + ["--inference.server_device", "cuda:1"])) == 1
     assert pipeline_depth(parse_config(base + ["--inference.server_device", "cuda:0",
                                                "--rollout.pipeline_depth", "1"])) == 1
+
+
+def test_static_engine_copies_updates_into_the_parameters(tiny_model_dir):
+    """Under a static cache a loaded version never swaps a parameter's storage
+    (captured graphs read it): the values change, the addresses do not."""
+    from torchtitan_grpo.inference.engine import Engine, EngineConfig
+
+    eng = Engine(EngineConfig(tiny_model_dir, dtype="float32", max_batch_size=2, kv_cache="static", max_model_len=32))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    param = eng._tensors[name]
+    ptr = param.data_ptr()
+    new = torch.randn(param.shape)
+    eng.load_weights([(name, new)], "v1")
+    assert param.data_ptr() == ptr and torch.equal(param.detach(), new)
+    assert eng.weight_version == "v1"

@@ -327,6 +327,8 @@ class Engine:
         if not checked:
             self.check_weights([TensorSpec.of(n, t) for n, t in named])
         with self.exclusive(), self._param_lock:
+            if self.static_cache:
+                adopt = [False] * len(named)  # copy into the storage the captured graphs read
             install_weights(self._tensors, named, adopt)
             self._batch.weights_changed()
             if weight_version is not None:
