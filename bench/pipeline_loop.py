@@ -35,6 +35,10 @@ latency), and print pipelined and serial samples/s as fractions of the
 
 Also printed: each run's first and last 10 steps' mean reward (the CPU demo
 must still learn pipelined) and the loop's wall time.
+
+``--concurrent-runs N`` runs N rows at once (the suite's smoke test: every
+row's code path in less time); their figures then share the machine and
+mean nothing.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -58,7 +63,8 @@ from torchtitan_grpo.inference.launcher import ServerSpec, log_tail, start_serve
 def server_specs(args, delays: list[float]) -> list[ServerSpec]:
     """One built-in server per entry of ``delays`` (its --debug-decode-delay-s)."""
     return [ServerSpec(args.model_dir, device=args.server_device, dtype=args.server_dtype,
-                       extra_args=("--num-threads", "1", *(("--debug-decode-delay-s", f"{d:.6f}") if d > 0 else ())))
+                       extra_args=("--num-threads", "1", *(("--debug-decode-delay-s", f"{d:.6f}") if d > 0 else ()),
+                                   *shlex.split(args.server_args)))
             for d in delays]
 
 
@@ -145,7 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slow-factor", type=float, default=10.0, help="0: no slow-replica rows")
     ap.add_argument("--model-dir", default=None, help="HF model dir (written if missing)")
     ap.add_argument("--out", default=os.path.join(ROOT, "outputs", "bench_pipeline"))
+    ap.add_argument("--server-args", default="",
+                    help="more built-in server flags, e.g. '--kv-cache dynamic' (the engine before the static cache)")
     ap.add_argument("--run-timeout-s", type=float, default=1800.0)
+    ap.add_argument("--concurrent-runs", type=int, default=1,
+                    help="rows run at once (each with its own servers); >1 only where the figures do not "
+                         "matter (the suite's smoke test): concurrent runs share the CPU")
     ap.add_argument("extra", nargs="*", help="more grpo_train.py overrides, after --")
     args = ap.parse_args(argv)
 
@@ -165,19 +176,26 @@ def main(argv: list[str] | None = None) -> int:
         args.config = os.path.join(ROOT, "train_configs", "demo_cpu.toml")
         args.server_device, args.server_dtype, args.transport = "cpu", "float32", "gloo"
 
-    runs: dict[str, Run] = {}
+    # (name, pipeline depth, per-server decode delays, extra overrides), in table order
+    plan: list[tuple[str, int, list[float], tuple[str, ...]]] = []
     for n in replicas:
         for depth, loop in ((0, "serial"), (1, "pipelined")):
-            runs[f"{loop}-{n}"] = train(args, f"{loop}-{n}", depth, [0.0] * n)
+            plan.append((f"{loop}-{n}", depth, [0.0] * n, ()))
     n = replicas[0]
     if not gpu:
         # The demo as shipped: the serial loop with a synchronous push (exactly on-policy).
-        runs[f"serial-{n}-sync"] = train(args, f"serial-{n}-sync", 0, [0.0] * n,
-                                         ("--weight_sync.mode", "sync"))
+        plan.append((f"serial-{n}-sync", 0, [0.0] * n, ("--weight_sync.mode", "sync")))
     # What a real SGLang gets: one request after another's reply, no early answers.
-    runs[f"pipelined-{n}-real-order"] = train(args, f"pipelined-{n}-real-order", 1, [0.0] * n,
-                                              ("--weight_sync.no-pipeline-requests",
-                                               "--weight_sync.no-ack-posted"))
+    plan.append((f"pipelined-{n}-real-order", 1, [0.0] * n,
+                 ("--weight_sync.no-pipeline-requests", "--weight_sync.no-ack-posted")))
+    if args.concurrent_runs > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(args.concurrent_runs) as pool:
+            done = list(pool.map(lambda p: train(args, p[0], p[1], p[2], p[3]), plan))
+    else:
+        done = [train(args, name, depth, delays, extra) for name, depth, delays, extra in plan]
+    runs: dict[str, Run] = {r.name: r for r in done}
     slow_delay = 0.0
     if args.slow_factor > 0 and 2 in replicas:
         fast = runs["pipelined-2"]

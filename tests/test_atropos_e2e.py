@@ -13,8 +13,10 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -98,7 +100,8 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
 
-def test_digits_env_through_atropos_learns(tmp_path, tiny_model_dir):
+def test_digits_env_through_atropos_learns(tmp_path, tiny_model_dir, unreachable_run):
+    # unreachable_run: the other test's trainer, started now so that it runs beside this one
     dump = tmp_path / "run"
     dump.mkdir()
     logs = {k: tmp_path / f"{k}.log" for k in ("api", "trainer", "env")}
@@ -151,32 +154,67 @@ def test_digits_env_through_atropos_learns(tmp_path, tiny_model_dir):
     assert max(m["push/replica0_version_lag"] for m in rows[1:]) <= 2
 
 
-def test_unreachable_atropos_stops_in_one_line(tmp_path, tiny_model_dir):
+@dataclass
+class UnreachableRun:
+    """A trainer whose rollout.atropos_url nobody listens at, and what was seen
+    the moment it exited (a thread watches it)."""
+
+    url: str
+    log: Path
+    proc: subprocess.Popen
+    done: threading.Event = field(default_factory=threading.Event)
+    returncode: int | None = None
+    out: str = ""
+    server_pids: list[int] = field(default_factory=list)
+    left: list[int] = field(default_factory=list)
+    """Servers still running 10 s after the trainer exited (before any clean-up)."""
+
+    def watch(self) -> None:
+        try:
+            self.returncode = self.proc.wait(timeout=300)  # a hang guard
+        except subprocess.TimeoutExpired:
+            return  # returncode None: the test reports the hang
+        finally:
+            self.out = self.log.read_text(errors="replace")
+            self.done.set()
+        self.server_pids = [int(p) for p in re.findall(r"inference server http://\S+ ready \(pid (\d+),", self.out)]
+        self.left = [pid for pid in self.server_pids if _alive(pid)]
+
+
+@pytest.fixture(scope="module")
+def unreachable_run(tmp_path_factory, tiny_model_dir):
+    """Started once per module, beside the learning run (it is mostly start-up
+    and a 5 s wait, which the two runs share on the machine's cores)."""
+    tmp = tmp_path_factory.mktemp("unreachable")
+    url = f"http://127.0.0.1:{free_port()}"
+    log = tmp / "trainer.log"
+    proc = _spawn(_trainer_cmd(tmp / "run", tiny_model_dir, url, "--rollout.atropos_startup_timeout_s", "5",
+                               "--training.steps", "3", "--grpo.prompts_per_step", "2", "--grpo.group_size", "2"),
+                  log)
+    run = UnreachableRun(url, log, proc)
+    watcher = threading.Thread(target=run.watch, daemon=True)
+    watcher.start()
+    try:
+        yield run
+    finally:
+        _kill(proc)
+        watcher.join(timeout=30)
+
+
+def test_unreachable_atropos_stops_in_one_line(unreachable_run):
     """Nobody listens at rollout.atropos_url: after the startup timeout the run
     stops with one line naming the key and the URL, exit status non-zero, and
     its server is gone."""
-    dump = tmp_path / "run"
-    log = tmp_path / "trainer.log"
-    url = f"http://127.0.0.1:{free_port()}"
-    trainer = _spawn(_trainer_cmd(dump, tiny_model_dir, url, "--rollout.atropos_startup_timeout_s", "5",
-                                  "--training.steps", "3", "--grpo.prompts_per_step", "2", "--grpo.group_size", "2"),
-                     log)
-    try:
-        rc = trainer.wait(timeout=300)
-        out = log.read_text(errors="replace")
-        pids = [int(p) for p in re.findall(r"inference server http://\S+ ready \(pid (\d+),", out)]
-        left = [pid for pid in pids if _alive(pid)]  # before the clean-up below kills the group
-    except subprocess.TimeoutExpired:
-        raise AssertionError("the trainer hung on an unreachable Atropos API\n" + _tail(log)) from None
-    finally:
-        _kill(trainer)
-    assert rc != 0, _tail(log)
-    lines = [line for line in out.splitlines() if "stopped after step 0 of 3" in line]
-    assert len(lines) == 1, _tail(log)
-    assert "rollout.atropos_url" in lines[0] and url in lines[0], lines[0]
+    run = unreachable_run
+    assert run.done.wait(timeout=400), "the watcher never finished"
+    assert run.returncode is not None, "the trainer hung on an unreachable Atropos API\n" + _tail(run.log)
+    assert run.returncode != 0, _tail(run.log)
+    lines = [line for line in run.out.splitlines() if "stopped after step 0 of 3" in line]
+    assert len(lines) == 1, _tail(run.log)
+    assert "rollout.atropos_url" in lines[0] and run.url in lines[0], lines[0]
     # the worker's own output has no traceback (torchrun's report of the exit status follows the line)
-    assert "Traceback" not in out.split(lines[0])[0], _tail(log)
-    assert len(pids) == 1 and not left, f"servers {pids}, still running: {left}"
+    assert "Traceback" not in run.out.split(lines[0])[0], _tail(run.log)
+    assert len(run.server_pids) == 1 and not run.left, f"servers {run.server_pids}, still running: {run.left}"
 
 
 def _alive(pid: int, wait_s: float = 10.0) -> bool:
@@ -190,3 +228,4 @@ def _alive(pid: int, wait_s: float = 10.0) -> bool:
             return False
         time.sleep(0.2)
     return True
+

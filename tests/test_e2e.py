@@ -33,6 +33,15 @@ def _metrics(dump: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+def _steps_logged(dump: str) -> int:
+    """Complete lines in metrics.jsonl (0 before the first step)."""
+    try:
+        with open(os.path.join(dump, "metrics.jsonl")) as f:
+            return sum(line.endswith("\n") for line in f)
+    except FileNotFoundError:
+        return 0
+
+
 def _servers_alive(model_dir: str) -> list[str]:
     """Command lines of built-in servers still running for this model dir."""
     out = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
@@ -150,48 +159,42 @@ def test_server_that_fails_to_start_shows_its_log(tmp_path):
     assert "server_0.log" in msg and "no-model-here" in msg  # the tail of the log names the problem
 
 
-def test_ctrl_c_stops_servers(tmp_path, tiny_model_dir):
-    """SIGINT to the trainer (as Ctrl-C sends it) leaves no server behind."""
+def test_raising_reward_scores_zero_and_ctrl_c_stops_servers(tmp_path, tiny_model_dir):
+    """One run, two behaviours. A jsonl task whose reward raises on some
+    samples: those score 0, the traceback is logged once, and training goes
+    on. Then SIGINT to the trainer (as Ctrl-C sends it): it stops at a step
+    boundary (exit 130, one line) and leaves no server behind."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{d}>", "answer": str(d)}) + "\n" for d in range(10)))
     dump = str(tmp_path / "run")
     cmd = [sys.executable, os.path.join(ROOT, "grpo_train.py"), "--job.config_file", DEMO,
-           "--job.dump_folder", dump, "--model.hf_assets_path", tiny_model_dir, "--training.steps", "1000"]
+           "--job.dump_folder", dump, "--model.hf_assets_path", tiny_model_dir, "--training.steps", "1000",
+           "--rollout.task", "jsonl", "--rollout.dataset_path", str(data),
+           "--rollout.reward_fn", "tests.reward_fixtures:sometimes_raises",
+           "--grpo.prompts_per_step", "4", "--grpo.group_size", "4"]
     p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 240
-        while not os.path.exists(os.path.join(dump, "metrics.jsonl")):  # a step was logged
-            assert p.poll() is None, p.stdout.read()[-3000:]
-            assert time.monotonic() < deadline, "no step within 240 s"
-            time.sleep(0.5)
+        while _steps_logged(dump) < 3:
+            assert p.poll() is None, p.stdout.read()[-3000:]  # the raising reward must not end the run
+            assert time.monotonic() < deadline, "fewer than 3 steps within 240 s"
+            time.sleep(0.2)
         assert _servers_alive(tiny_model_dir), "no server was running"
         p.send_signal(signal.SIGINT)
         out = p.communicate(timeout=120)[0]  # a hang guard: it stops at the next step boundary
     finally:
         if p.poll() is None:
             p.kill()
+    # The prompts with even answers raised in every step; the failure is logged once, with its traceback.
+    assert out.count("reward tests.reward_fixtures.sometimes_raises raised ZeroDivisionError") == 1, out[-3000:]
+    assert out.count('raise ZeroDivisionError("deliberate failure in the reward")') == 1, out[-3000:]
+    assert len(_metrics(dump)) >= 3
     assert p.returncode == 130, out[-3000:]
     assert "received SIGINT" in out and "stopped after step" in out, out[-3000:]
     deadline = time.monotonic() + 15
     while _servers_alive(tiny_model_dir) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert _servers_alive(tiny_model_dir) == []
-
-
-def test_raising_reward_scores_zero_and_run_goes_on(tmp_path, tiny_model_dir):
-    """A jsonl task whose reward raises on some samples: those score 0, the
-    traceback is logged once, and training completes."""
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{d}>", "answer": str(d)}) + "\n" for d in range(10)))
-    dump = str(tmp_path / "run")
-    r = _torchrun(1, "--training.steps", "2", "--job.dump_folder", dump, "--model.hf_assets_path", tiny_model_dir,
-                  "--rollout.task", "jsonl", "--rollout.dataset_path", str(data),
-                  "--rollout.reward_fn", "tests.reward_fixtures:sometimes_raises",
-                  "--grpo.prompts_per_step", "4", "--grpo.group_size", "4")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    out = r.stdout + r.stderr
-    # The prompts with even answers raised in both steps; the failure is logged once, with its traceback.
-    assert out.count("reward tests.reward_fixtures.sometimes_raises raised ZeroDivisionError") == 1, out[-3000:]
-    assert out.count('raise ZeroDivisionError("deliberate failure in the reward")') == 1, out[-3000:]
-    assert len(_metrics(dump)) == 2
 
 
 def test_demo_learns_the_digits_task(tmp_path):

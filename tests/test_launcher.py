@@ -90,18 +90,32 @@ def test_killed_server_comes_back_on_its_url_and_shutdown_restarts_nothing(tmp_p
 
 
 def test_server_that_keeps_dying_is_given_up(tmp_path, tiny_model_dir):
+    """A server whose restart fails during start-up (its model lost its
+    config.json) is given up after max_restarts. The first process is a
+    stand-in (what it was does not matter once it died); the restart is a
+    real built-in server failing to load the model."""
+    from tests.server_procs import free_port
+
     model = shutil.copytree(tiny_model_dir, tmp_path / "model")
-    with running_servers([ServerSpec(str(model))], str(tmp_path / "logs"), HANG_GUARD_S,
-                         max_restarts=1, backoff_s=0.1) as servers:
-        (srv,) = servers
-        sup = servers.supervisor
-        os.remove(model / "config.json")  # every later start fails while loading the model
-        srv.proc.kill()
+    os.remove(model / "config.json")  # every start fails while loading the model
+    port = free_port()
+    first = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    srv = ServerProcess(f"http://127.0.0.1:{port}", port, str(tmp_path / "server_0.log"), first)
+    sup = Supervisor([srv], [ServerSpec(str(model))], HANG_GUARD_S, max_restarts=1, backoff_s=0.1, poll_s=0.1)
+    sup.start()
+    try:
+        first.kill()
         wait_for(lambda: sup.gave_up(srv.url), "the give-up")
         assert kinds(sup) == ["exited", "restart_failed", "gave_up"], format_events(sup.events)
         assert "during start-up" in sup.events[1].detail and not sup.alive(srv.url)
+        assert srv.proc is not first and srv.proc.poll() is not None  # a real start was tried, and it died
+        with open(srv.log_path) as f:
+            assert "config.json" in f.read()  # of the model it could not load
         table = format_events(sup.events)
         assert "gave_up" in table and srv.url in table and len(table.splitlines()) == 5
+    finally:
+        sup.stop()
+        first.wait()
 
 
 # ---- without real servers: a sleeping process stands in for one ------------- #

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 import pytest
 
@@ -107,7 +108,7 @@ def _wait(job: str, timeout: float = 420) -> tuple[str, str]:
         state, code = _job_state(job)
         if state in FINAL_STATES:
             return state, code
-        time.sleep(1)
+        time.sleep(0.5)
     _run(["scancel", job])
     pytest.fail(f"job {job} did not finish within {timeout:.0f}s (last state {state})")
 
@@ -150,17 +151,60 @@ def _gone(*needles: str, timeout: float = 30) -> list[tuple[int, str]]:
 pytestmark = pytest.mark.slow
 
 
-def test_sbatch_builtin_server_two_steps(slurm, tmp_path, tiny_model_dir):
+@dataclass
+class Job:
+    job: str
+    out: str
+    """The job's output file."""
+    dump: str
+    model: str
+    """Its own copy of the tiny model: its server processes are told apart by it."""
+
+
+# The five jobs below, in the order they are submitted: the one-node cluster
+# (2 CPUs, one per job) runs two at a time, so the jobs that end by themselves
+# go first; the two that train until their test stops them would otherwise
+# hold both slots.
+JOBS = {  # name: (grpo_train overrides, extra environment)
+    "two_steps": (("--training.steps", "2"), {}),
+    "failing_start": ((), {"GRPO_SERVER_ARGS": "--max-batch-size 0"}),
+    "trainer_failure": (("--grpo.group_size", "1"), {}),
+    "server_dying": (("--training.steps", "100000"), {}),
+    "scancel": (("--training.steps", "100000"), {}),
+}
+JOB_WAIT_S = 900  # a hang guard: a job may queue behind two others on a busy 2-core box
+
+
+@pytest.fixture(scope="module")
+def jobs(slurm, tiny_model_dir, tmp_path_factory):
+    """Every job of the tests below, submitted at once so that SLURM runs
+    them side by side; each test checks (or acts on) its own. Jobs still
+    running when the module ends are cancelled."""
+    submitted: dict[str, Job] = {}
+    try:
+        for name, (args, extra_env) in JOBS.items():
+            base = tmp_path_factory.mktemp(f"slurm_{name}")
+            model = str(shutil.copytree(tiny_model_dir, base / "tiny-qwen3"))
+            dump = str(base / "run")
+            job, out = _submit(base, CONFIG, *args, "--job.dump_folder", dump, "--model.hf_assets_path", model,
+                               env=_env(**extra_env))
+            submitted[name] = Job(job, out, dump, model)
+        yield submitted
+    finally:
+        for j in submitted.values():
+            if _job_state(j.job)[0] not in FINAL_STATES:
+                _run(["scancel", j.job])
+
+
+def test_sbatch_builtin_server_two_steps(jobs):
     """The whole job: one built-in server started as a step and healthy,
     torchrun trains 2 steps against it with sync weight pushes, the server is
     stopped cleanly, the job ends COMPLETED. The model is written before (a
     missing path given on the command line is a config error, not a new
     model; only the demo's own default path is created)."""
-    model, dump = tiny_model_dir, str(tmp_path / "run")
-    job, out = _submit(tmp_path, CONFIG, "--training.steps", "2", "--job.dump_folder", dump,
-                       "--model.hf_assets_path", model)
-    state, code = _wait(job)
-    log = _read(out)
+    j = jobs["two_steps"]
+    state, code = _wait(j.job, JOB_WAIT_S)
+    log = _read(j.out)
     assert (state, code) == ("COMPLETED", "0:0"), log[-4000:]
     assert "wrote the tiny demo model" not in log
     assert re.search(r"server http://\S+:\d+ healthy", log), log
@@ -169,73 +213,65 @@ def test_sbatch_builtin_server_two_steps(slurm, tmp_path, tiny_model_dir):
     assert "trainer finished" in log
     assert "stopping 1 inference server(s)" in log and "inference servers stopped" in log
     assert log.rstrip().endswith("grpo.sbatch: exit code 0"), log[-2000:]
-    with open(os.path.join(dump, "metrics.jsonl")) as f:
+    with open(os.path.join(j.dump, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     assert [m["step"] for m in rows] == [1, 2]
     assert all(m["weight_version"] == m["step"] for m in rows)
-    server_logs = [os.path.join(dump, f"slurm-{job}", n) for n in os.listdir(os.path.join(dump, f"slurm-{job}"))]
+    folder = os.path.join(j.dump, f"slurm-{j.job}")
+    server_logs = [os.path.join(folder, n) for n in os.listdir(folder)]
     assert len(server_logs) == 1
     server_log = _read(server_logs[0])
     assert "ready http://0.0.0.0:" in server_log and "shutting down" in server_log, server_log[-2000:]
-    assert _gone("torchtitan_grpo.inference.server", model) == []
-    assert _gone("grpo_train.py", dump) == []
+    assert _gone("torchtitan_grpo.inference.server", j.model) == []
+    assert _gone("grpo_train.py", j.dump) == []
 
 
-def test_server_dying_mid_run_fails_the_job_with_its_log_tail(slurm, tmp_path, tiny_model_dir):
+def test_server_dying_mid_run_fails_the_job_with_its_log_tail(jobs):
     """SIGKILL the server while the trainer runs: the job FAILS, prints the end
     of that server's log, and stops the trainer."""
-    dump = str(tmp_path / "run")
-    job, out = _submit(tmp_path, CONFIG, "--training.steps", "100000", "--job.dump_folder", dump,
-                       "--model.hf_assets_path", tiny_model_dir)
-    _wait_for_text(out, "step    2 | reward", job)
-    servers = _procs("torchtitan_grpo.inference.server", tiny_model_dir, "--port")
-    servers = [(pid, args) for pid, args in servers if f"slurm-{job}" in args or "--host 0.0.0.0" in args]
+    j = jobs["server_dying"]
+    _wait_for_text(j.out, "step    2 | reward", j.job, JOB_WAIT_S)
+    servers = _procs("torchtitan_grpo.inference.server", j.model, "--port")
     assert len(servers) == 1, servers
     os.kill(servers[0][0], signal.SIGKILL)
-    state, _ = _wait(job)
-    log = _read(out)
+    state, _ = _wait(j.job, JOB_WAIT_S)
+    log = _read(j.out)
     assert state == "FAILED", log[-4000:]
     assert re.search(r"error: inference server 0@\S+ exited with code \d+ while the trainer was running; "
                      r"last lines of \S+server_0_\S+\.log:", log), log[-4000:]
     assert "ready http://0.0.0.0:" in log  # the tail of the server's log
     assert "stopping the trainer" in log and "inference servers stopped" in log
-    assert _gone("grpo_train.py", dump) == []
+    assert _gone("grpo_train.py", j.dump) == []
 
 
-def test_server_failing_at_start_up_fails_the_job_before_training(slurm, tmp_path, tiny_model_dir):
-    dump = str(tmp_path / "run")
-    job, out = _submit(tmp_path, CONFIG, "--job.dump_folder", dump, "--model.hf_assets_path", tiny_model_dir,
-                       env=_env(GRPO_SERVER_ARGS="--max-batch-size 0"))
-    state, _ = _wait(job)
-    log = _read(out)
+def test_server_failing_at_start_up_fails_the_job_before_training(jobs):
+    j = jobs["failing_start"]
+    state, _ = _wait(j.job, JOB_WAIT_S)
+    log = _read(j.out)
     assert state == "FAILED", log[-4000:]
     assert "exited with code 2 during start-up" in log and "--max-batch-size must be >= 1" in log, log[-4000:]
     assert "starting the trainer" not in log
 
 
-def test_trainer_failure_fails_the_job_and_stops_the_servers(slurm, tmp_path, tiny_model_dir):
-    dump = str(tmp_path / "run")
-    job, out = _submit(tmp_path, CONFIG, "--grpo.group_size", "1", "--job.dump_folder", dump,
-                       "--model.hf_assets_path", tiny_model_dir)
-    state, code = _wait(job)
-    log = _read(out)
+def test_trainer_failure_fails_the_job_and_stops_the_servers(jobs):
+    j = jobs["trainer_failure"]
+    state, code = _wait(j.job, JOB_WAIT_S)
+    log = _read(j.out)
     assert (state, code) == ("FAILED", "1:0"), log[-4000:]
     assert "config key grpo.group_size = 1" in log  # the trainer's own message
     assert "trainer failed with exit code 1" in log and "inference servers stopped" in log, log[-3000:]
-    assert [p for p in _gone("torchtitan_grpo.inference.server", tiny_model_dir) if "0.0.0.0" in p[1]] == []
+    assert _gone("torchtitan_grpo.inference.server", j.model) == []
 
 
-def test_scancel_stops_trainer_and_servers(slurm, tmp_path, tiny_model_dir):
-    dump = str(tmp_path / "run")
-    job, out = _submit(tmp_path, CONFIG, "--training.steps", "100000", "--job.dump_folder", dump,
-                       "--model.hf_assets_path", tiny_model_dir)
-    _wait_for_text(out, "step    1 | reward", job)
-    assert _run(["scancel", job]).returncode == 0
-    state, _ = _wait(job)
+def test_scancel_stops_trainer_and_servers(jobs):
+    j = jobs["scancel"]
+    _wait_for_text(j.out, "step    1 | reward", j.job, JOB_WAIT_S)
+    assert _run(["scancel", j.job]).returncode == 0
+    state, _ = _wait(j.job, JOB_WAIT_S)
     assert state == "CANCELLED"
-    assert _gone("grpo_train.py", dump) == []
-    assert [p for p in _gone("torchtitan_grpo.inference.server", tiny_model_dir) if "0.0.0.0" in p[1]] == []
-    log = _read(out)
+    assert _gone("grpo_train.py", j.dump) == []
+    assert _gone("torchtitan_grpo.inference.server", j.model) == []
+    log = _read(j.out)
     assert "got SIGTERM" in log and "inference servers stopped" in log, log[-3000:]
 
 
