@@ -42,6 +42,7 @@ What each protocol sends, and in which order: ``sglang_push``,
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import threading
 import time
@@ -50,10 +51,7 @@ from typing import Callable, Protocol
 import torch
 
 from torchtitan_grpo.aio import LoopThread
-from torchtitan_grpo.weight_sync.builtin_push import BuiltinSGLangPush, BuiltinVLLMPush
 from torchtitan_grpo.weight_sync.control import PushError
-from torchtitan_grpo.weight_sync.disk_push import DiskPush
-from torchtitan_grpo.weight_sync.ipc_push import IpcPush
 from torchtitan_grpo.weight_sync.push_config import PushConfig
 from torchtitan_grpo.weight_sync.staging import Staged, StagingBuffers
 from torchtitan_grpo.weight_sync.transport import Replica, Transport
@@ -62,16 +60,18 @@ __all__ = ["NoPush", "PushConfig", "PushError", "Pusher", "ReplicaDown", "TRANSP
 
 logger = logging.getLogger(__name__)
 
-TRANSPORTS: dict[str, type[Transport]] = {
+TRANSPORTS: dict[str, str | type[Transport]] = {
     # Over a weight group (backend "gloo" or "nccl"), by protocol; each falls
     # back to the plain protocol for a replica that is not the built-in server.
-    "sglang": BuiltinSGLangPush,
-    "vllm": BuiltinVLLMPush,
+    "sglang": "builtin_push.BuiltinSGLangPush",
+    "vllm": "builtin_push.BuiltinVLLMPush",
     # Transports of their own (the backend's name).
-    "ipc": IpcPush,
-    "disk": DiskPush,
+    "ipc": "ipc_push.IpcPush",
+    "disk": "disk_push.DiskPush",
 }
-"""Every transport, by name: a new one is a module of its own and a line here."""
+"""Every transport, by name: ``"<module of weight_sync>.<class>"`` (imported
+when picked) or the class itself. A new transport is a module of its own and
+a line here."""
 
 
 def make_transport(cfg: PushConfig, device: torch.device) -> Transport:
@@ -80,7 +80,11 @@ def make_transport(cfg: PushConfig, device: torch.device) -> Transport:
     if name not in TRANSPORTS:
         raise ValueError(f"no weight-push transport {name!r} (backend {cfg.backend!r}, protocol "
                          f"{cfg.protocol!r}); known: {', '.join(TRANSPORTS)}")
-    return TRANSPORTS[name](cfg, device)
+    cls = TRANSPORTS[name]
+    if isinstance(cls, str):
+        module, _, attr = cls.rpartition(".")
+        cls = getattr(importlib.import_module(f"{__package__}.{module}"), attr)
+    return cls(cfg, device)
 
 
 class WeightPusher(Protocol):
