@@ -3,7 +3,9 @@ trajectory API (uvicorn), the trainer under torchrun with its built-in server,
 and examples/atropos/digits_env.py sampling from that server and posting
 scored two-turn groups. The trainer pulls them, trains, pushes the weights
 back to the server the environment samples from, and the reward rises.
-Waits are hang guards, never speed checks."""
+Also here: the batch conversion against a plain per-token reference, and the
+prefetch of the next batch against the real API. Waits are hang guards,
+never speed checks."""
 
 from __future__ import annotations
 
@@ -25,7 +27,6 @@ from tests.server_procs import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "train_configs" / "demo_cpu.toml"
-pytestmark = pytest.mark.slow
 
 # 16 groups of 16 two-turn trajectories per step at the demo's learning rate:
 # the reward goes from ~0.01 (first ten steps) to 0.64-0.85 (last ten of 100)
@@ -100,6 +101,7 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
 
+@pytest.mark.slow
 def test_digits_env_through_atropos_learns(tmp_path, tiny_model_dir, unreachable_run):
     # unreachable_run: the other test's trainer, started now so that it runs beside this one
     dump = tmp_path / "run"
@@ -201,6 +203,7 @@ def unreachable_run(tmp_path_factory, tiny_model_dir):
         watcher.join(timeout=30)
 
 
+@pytest.mark.slow
 def test_unreachable_atropos_stops_in_one_line(unreachable_run):
     """Nobody listens at rollout.atropos_url: after the startup timeout the run
     stops with one line naming the key and the URL, exit status non-zero, and
@@ -229,3 +232,108 @@ def _alive(pid: int, wait_s: float = 10.0) -> bool:
         time.sleep(0.2)
     return True
 
+
+# ------------------------------------------------------------------ conversion and prefetch
+
+
+def _reference_convert(group: dict) -> list[tuple]:
+    """What convert_group must give for a well-formed group, token by token:
+    (prompt, completion, rollout logprobs, loss mask or None) per sequence."""
+    out = []
+    for toks, masks, lps in zip(group["tokens"], group["masks"], group["inference_logprobs"]):
+        trained = [j for j in range(1, len(toks)) if masks[j] != -100]
+        first, end = trained[0], trained[-1] + 1
+        mask = [1.0 if masks[j] != -100 else 0.0 for j in range(first, end)]
+        lp = [min(lps[j], 0.0) if masks[j] != -100 else 0.0 for j in range(first, end)]
+        out.append((toks[:first], toks[first:end], lp, None if all(mask) else mask))
+    return out
+
+
+def _random_group(rng, n: int) -> dict:
+    """n multi-turn trajectories of random lengths: prompt, then model / environment spans."""
+    g = {"tokens": [], "masks": [], "scores": [], "inference_logprobs": [], "overrides": []}
+    for _ in range(n):
+        toks, masks, lps = [], [], []
+        for span in range(rng.randint(2, 6)):
+            model = span % 2 == 1
+            for _ in range(rng.randint(1, 5)):
+                t = rng.randrange(2, 97)
+                toks.append(t)
+                masks.append(t if model else -100)
+                lps.append(-rng.random() * 3 if model else 1.0)
+        g["tokens"].append(toks)
+        g["masks"].append(masks)
+        g["inference_logprobs"].append(lps)
+        g["scores"].append(float(rng.random() < 0.5))
+        g["overrides"].append({"finish_reason": rng.choice(["stop", "length"])})
+    return g
+
+
+def test_batch_conversion_matches_a_per_token_reference():
+    """convert_groups works on the batch's concatenated sequences; with groups
+    of several sizes and lengths, malformed ones between them, every sample
+    equals the per-token reference and every malformed group gets its kind."""
+    import random
+
+    from torchtitan_grpo.rollout.atropos import Malformed, convert_group, convert_groups
+
+    rng = random.Random(0)
+    groups = [_random_group(rng, rng.choice([1, 2, 4, 16])) for _ in range(40)]
+    bad = {3: "all_masked", 11: "no_logprobs", 17: "bad_value", 29: "shape", 30: "too_long", 35: "bad_value"}
+    groups[3]["masks"][-1] = [-100] * len(groups[3]["masks"][-1])
+    groups[11]["inference_logprobs"][0] = [1.0] * len(groups[11]["tokens"][0])
+    groups[17]["tokens"][-1][-1] = 500  # outside the vocabulary
+    groups[29]["masks"][0].append(-100)
+    groups[30]["tokens"][0] = groups[30]["tokens"][0] * 40
+    groups[30]["masks"][0] = groups[30]["masks"][0] * 40
+    groups[30]["inference_logprobs"][0] = groups[30]["inference_logprobs"][0] * 40
+    groups[35]["scores"][0] = float("inf")
+    results = convert_groups(groups, max_len=256, vocab_size=128)
+    assert len(results) == len(groups)
+    for k, (g, c) in enumerate(zip(groups, results)):
+        if k in bad:
+            assert isinstance(c, Malformed) and c.kind == bad[k], (k, c)
+            with pytest.raises(Malformed) as e:  # one group alone: the same verdict
+                convert_group(g, max_len=256, vocab_size=128)
+            assert e.value.kind == bad[k]
+            continue
+        assert not isinstance(c, Malformed), (k, c)
+        got = [(s.prompt_ids, s.completion_ids, s.rollout_logprobs, s.loss_mask) for s in c.samples]
+        assert got == _reference_convert(g), k
+        assert c.samples == convert_group(g, max_len=256, vocab_size=128).samples
+        assert c.trained_tokens == sum(m != -100 for ms in g["masks"] for m in ms[1:])
+        assert c.truncated == sum(o["finish_reason"] == "length" for o in g["overrides"])
+
+
+def test_next_batch_is_prefetched_while_the_trainer_trains(tmp_path):
+    """With two batches' groups queued, the second is pulled and converted on
+    the prefetch thread after the first is handed out: next_batch returns it
+    without waiting on the pull (atropos/exposed_s is 0), and it is exactly
+    what the groups say. Nothing is prefetched after the last step."""
+    pytest.importorskip("atroposlib")
+    from tests.test_atropos import AtroposAPI, make_source, multi_turn_group, own_advantage_group, wait_until
+    from torchtitan_grpo.rollout.atropos import convert_group
+
+    api = AtroposAPI(free_port(), tmp_path / "api.log")
+    api.start()
+    try:
+        src = make_source(api.url, batch_size=2, num_steps=2)
+        api.call("POST", "/register", {"wandb_group": "", "wandb_project": "", "batch_size": 2, "max_token_len": 64,
+                                        "checkpoint_dir": "", "save_checkpoint_interval": -1, "starting_step": 0,
+                                        "num_steps": 2})
+        for g in (multi_turn_group(), own_advantage_group()):
+            api.post_group(g)
+        first = src.next_batch()
+        assert first.metrics["atropos/prefetched"] == 0.0 and first.metrics["atropos/exposed_s"] > 0
+        wait_until(lambda: src._prefetch is not None and src._prefetch.done.is_set(), what="the prefetch")
+        assert api.call("GET", "/status")["current_step"] == 2  # Atropos handed out the second batch already
+        second = src.next_batch()
+        assert second.metrics["atropos/prefetched"] == 1.0 and second.metrics["atropos/exposed_s"] == 0.0
+        # (atroposlib builds both batches on the first /batch and hands out the newer first)
+        expected = [convert_group(g).samples for g in (multi_turn_group(), own_advantage_group())]
+        assert [first.samples, second.samples] in (expected, expected[::-1])
+        assert second.indices == [1] and src.step == 2 == src.state_dict()["step"]
+        assert src._prefetch is None  # step 2 of 2: nothing more is pulled
+        src.close()
+    finally:
+        api.stop()

@@ -18,6 +18,16 @@ is the trainer's side of that API, on rank 0, behind the same interface as
   ``/status``) is logged at most every ``log_every_s``. Atropos counts its
   step as batches handed out; environments read it from ``/status`` (and
   ``/status-env``) and bound their own off-policy lag with it.
+* **prefetching** (``AtroposConfig.prefetch``, on by default): once a batch
+  is handed to the trainer, a background thread polls ``/batch`` for the next
+  one and converts it, so that the request (the API builds and encodes the
+  batch), its JSON and the conversion overlap the trainer's step instead of
+  adding to it. Atropos's step therefore counts a batch while the trainer
+  still trains the previous one, as with a pipelined loop. The thread only
+  polls: anything but data or ``{"batch": null}`` (an outage, an API that
+  restarted) ends it, and the trainer's own pull handles that as it always
+  does. Nothing is prefetched after the last step; a batch prefetched when
+  the run stops is not trained (Atropos has already handed it out).
 * **faults**: an API that does not answer (refused, reset, a request past
   ``request_timeout_s``, a 5xx) is retried with back-off and logged once per
   outage; once it answers again the trainer registers again (a restarted API
@@ -31,7 +41,8 @@ is the trainer's side of that API, on rank 0, behind the same interface as
   Unreachable at start for ``startup_timeout_s``, or mid-run for
   ``unreachable_timeout_s``: :class:`ProducerStopped` naming
   ``rollout.atropos_url``, which ends the run cleanly at a step boundary.
-* **conversion** (:func:`convert_group`): each ``ScoredData`` group becomes
+* **conversion** (:func:`convert_groups`, vectorised over the batch's
+  concatenated sequences): each ``ScoredData`` group becomes
   one :class:`~torchtitan_grpo.trainer.Sample` per sequence. ``masks`` holds
   ``-100`` for tokens that are not trained (prompt, environment and tool
   tokens) and the token id for trained ones; a sequence becomes
@@ -73,8 +84,10 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
+import numpy as np
 import torch
 
 from torchtitan_grpo.rollout.advantages import constant_group_mask, group_advantages
@@ -141,18 +154,44 @@ def _per_sequence(group: dict, key: str, n: int) -> list | None:
     return value
 
 
-def convert_group(group: dict, *, scale_rewards: bool = True, filter_constant_groups: bool = False,
-                  max_len: int = 0, vocab_size: int = 0, allow_missing_logprobs: bool = False) -> ConvertedGroup:
-    """One Atropos ``ScoredData`` group (a dict, as ``/batch`` returns it) as
-    trainer samples; raises :class:`Malformed` for a group that cannot be
-    trained (the whole group: its advantages are relative to every member).
+def _flat_ints(values: list) -> np.ndarray | None:
+    """``values`` (ints, as JSON gives them) as int64; None if any is not a
+    plain int (bools and floats included) or does not fit."""
+    if set(map(type, values)) <= {int}:
+        try:
+            return np.fromiter(values, dtype=np.int64, count=len(values))
+        except OverflowError:
+            return None
+    return None
 
-    ``max_len``: longest sequence (tokens) the trainer takes (0: no limit);
-    ``vocab_size``: token ids must be below it (0: unchecked);
-    ``allow_missing_logprobs``: trained tokens without a rollout log-prob get
-    NaN instead of dropping the group (the loss must then take the trainer's
-    own log-prob there).
-    """
+
+def _as_float(v: Any) -> float:
+    """A log-prob as a float; NaN for what is not a number (flagged apart)."""
+    try:
+        return float(v) if _is_num(v) else math.nan
+    except OverflowError:
+        return math.inf
+
+
+@dataclass
+class _Checked:
+    """A group whose structure passed: per-sequence lists of equal lengths."""
+
+    index: int
+    tokens: list
+    masks: list
+    scores: list
+    logprobs: list | None
+    advantages: list | None
+    overrides: list
+    group_overrides: dict
+    generation_params: Any
+
+
+def _check_structure(group: Any, index: int, max_len: int) -> _Checked:
+    """The checks that need no per-token work: shapes, scores, lengths."""
+    if not isinstance(group, dict):
+        raise Malformed("shape", f"a group is {type(group).__name__}, not an object")
     tokens, masks, scores = group.get("tokens"), group.get("masks"), group.get("scores")
     if not isinstance(tokens, list) or not tokens:
         raise Malformed("shape", "no sequences ('tokens' is empty or missing)")
@@ -163,20 +202,9 @@ def convert_group(group: dict, *, scale_rewards: bool = True, filter_constant_gr
             raise Malformed("shape", f"'{key}' has {size} entries for {n} sequences")
     logprobs = _per_sequence(group, "inference_logprobs", n)
     advantages = _per_sequence(group, "advantages", n)
-    overrides = group.get("overrides") or []
-    if not isinstance(overrides, list):
-        overrides = []
-    group_overrides = group.get("group_overrides") or {}
-    if not isinstance(group_overrides, dict):
-        group_overrides = {}
-
     for i, s in enumerate(scores):
         if not _is_num(s) or not math.isfinite(s):
             raise Malformed("bad_value", f"score {i} is {s!r}")
-
-    # Per sequence: where its trained span starts and ends, checked first so a
-    # bad group costs no conversion work.
-    spans = []
     for i in range(n):
         toks, m = tokens[i], masks[i]
         if not isinstance(toks, list) or not isinstance(m, list) or not toks:
@@ -190,77 +218,219 @@ def convert_group(group: dict, *, scale_rewards: bool = True, filter_constant_gr
                                        or len(advantages[i]) not in (1, len(toks))):
             size = len(advantages[i]) if isinstance(advantages[i], list) else type(advantages[i]).__name__
             raise Malformed("shape", f"sequence {i}: {len(toks)} tokens but {size} advantages")
-        if max_len and len(toks) > max_len:
-            raise Malformed("too_long", f"sequence {i} has {len(toks)} tokens; the trainer takes at most {max_len}")
-        if not all(_is_int(t) and 0 <= t and (not vocab_size or t < vocab_size) for t in toks):
-            bad = next(t for t in toks if not (_is_int(t) and 0 <= t and (not vocab_size or t < vocab_size)))
-            raise Malformed("bad_value", f"sequence {i}: token id {bad!r} is outside the vocabulary"
-                                         + (f" (size {vocab_size})" if vocab_size else ""))
-        # Position 0 has no logit before it: it is never trained, whatever its mask.
-        trained = [j for j in range(1, len(toks)) if m[j] != MASKED]
-        if not trained:
-            raise Malformed("all_masked", f"sequence {i} has no trained token (every mask after the first is -100)")
-        spans.append((trained[0], trained[-1] + 1))
+    if max_len:
+        for i, toks in enumerate(tokens):
+            if len(toks) > max_len:
+                raise Malformed("too_long", f"sequence {i} has {len(toks)} tokens; the trainer takes at most {max_len}")
+    overrides = group.get("overrides") or []
+    group_overrides = group.get("group_overrides") or {}
+    return _Checked(index, tokens, masks, scores, logprobs, advantages,
+                    overrides if isinstance(overrides, list) else [],
+                    group_overrides if isinstance(group_overrides, dict) else {}, group.get("generation_params"))
 
-    rewards = torch.tensor([float(s) for s in scores], dtype=torch.float32).view(1, n)
-    constant = bool(constant_group_mask(rewards)[0])
-    group_adv = group_advantages(rewards, scale_by_std=scale_rewards)[0].tolist()
 
-    out = ConvertedGroup([], [float(s) for s in scores], constant, 0, sum(len(t) for t in tokens), 0)
-    gp = group.get("generation_params")
-    if isinstance(gp, dict) and _is_num(gp.get("temperature")):
-        out.temperatures.add(float(gp["temperature"]))
-    samples = []
-    for i in range(n):
-        toks, m = tokens[i], masks[i]
-        first, end = spans[i]
-        ov = overrides[i] if i < len(overrides) and isinstance(overrides[i], dict) else {}
-        loss_mask = [0.0 if m[j] == MASKED else 1.0 for j in range(first, end)]
-        trained = int(sum(loss_mask))
-        out.trained_tokens += trained
+def convert_groups(groups: list, *, scale_rewards: bool = True, filter_constant_groups: bool = False,
+                   max_len: int = 0, vocab_size: int = 0,
+                   allow_missing_logprobs: bool = False) -> list[ConvertedGroup | Malformed]:
+    """Atropos ``ScoredData`` groups (dicts, as ``/batch`` returns them) as
+    trainer samples: one :class:`ConvertedGroup` per group, or the
+    :class:`Malformed` that drops it (the whole group: its advantages are
+    relative to every member), in the order given.
 
-        rollout = [0.0] * (end - first)
-        lp = logprobs[i] if logprobs is not None else None
-        for k, j in enumerate(range(first, end)):
-            if not loss_mask[k]:
-                continue
-            v = lp[j] if lp is not None else LOGPROB_PLACEHOLDER
-            if not _is_num(v):
-                raise Malformed("bad_value", f"sequence {i}: inference log-prob at token {j} is {v!r}")
-            if v == LOGPROB_PLACEHOLDER:
-                if not allow_missing_logprobs:
-                    what = "sends no 'inference_logprobs'" if lp is None else f"has the placeholder 1.0 at trained token {j}"
-                    raise Malformed("no_logprobs", f"sequence {i} {what}: no rollout log-prob for the off-policy correction")
-                rollout[k] = math.nan
-                out.missing_logprob_tokens += 1
-                continue
-            if not math.isfinite(v) or v > 1e-3:  # engines round: a hair above 0 is 0
-                raise Malformed("bad_value", f"sequence {i}: inference log-prob {v!r} at token {j}")
-            rollout[k] = min(float(v), 0.0)
+    ``max_len``: longest sequence (tokens) the trainer takes (0: no limit);
+    ``vocab_size``: token ids must be below it (0: unchecked);
+    ``allow_missing_logprobs``: trained tokens without a rollout log-prob get
+    NaN instead of dropping the group (the loss must then take the trainer's
+    own log-prob there).
 
-        if advantages is not None:
-            a = advantages[i]
-            vals = [a[0]] if len(a) == 1 else [a[j] for j in range(first, end) if m[j] != MASKED]
-            if not all(_is_num(v) and math.isfinite(v) for v in vals):
-                raise Malformed("bad_value", f"sequence {i}: non-finite or non-numeric advantage")
-            adv = sum(vals) / len(vals)
-            if max(vals) - min(vals) > 1e-6:
-                out.averaged_advantages += 1
-        else:
-            adv = group_adv[i]
-        if ov.get("set_advantage_to_zero"):
-            adv = 0.0
-        if _is_num(ov.get("temperature")):
-            out.temperatures.add(float(ov["temperature"]))
-        finish = ov.get("finish_reason") or group_overrides.get("finish_reason") or "stop"
-        finish = finish.get("type", "stop") if isinstance(finish, dict) else str(finish)
-        out.truncated += finish == "length"
-        versions = ov.get("weight_versions", group_overrides.get("weight_versions")) or []
-        versions = [str(v) for v in versions] if isinstance(versions, list) else [str(versions)]
-        samples.append(Sample(list(toks[:first]), list(toks[first:end]), rollout, float(adv), float(scores[i]),
-                              finish, versions, None if trained == end - first else loss_mask))
-    if not (filter_constant_groups and constant and advantages is None):
-        out.samples = samples
+    A group is dropped for the first check it fails, in this order: shapes
+    and scores, lengths, token ids, trained tokens, log-probs, advantages.
+    The per-token checks and the log-prob conversion run once over every
+    sequence of the batch (numpy over the concatenated sequences): a batch
+    costs a fixed number of array operations plus one small Python step per
+    sequence (its sample's lists), whatever the sequences' lengths.
+    """
+    results: list[ConvertedGroup | Malformed | None] = [None] * len(groups)
+    checked: list[_Checked] = []
+    for k, g in enumerate(groups):
+        try:
+            checked.append(_check_structure(g, k, max_len))
+        except Malformed as e:
+            results[k] = e
+    if checked:
+        _convert_checked(checked, results, scale_rewards, filter_constant_groups, vocab_size, allow_missing_logprobs)
+    return results  # type: ignore[return-value]
+
+
+def _convert_checked(checked: list[_Checked], results: list, scale_rewards: bool, filter_constant_groups: bool,
+                     vocab_size: int, allow_missing_logprobs: bool) -> None:
+    seqs = [t for c in checked for t in c.tokens]
+    num_seqs = np.fromiter((len(c.tokens) for c in checked), dtype=np.int64, count=len(checked))
+    seq_group = np.repeat(np.arange(len(checked)), num_seqs)  # the group (index into checked) of each sequence
+    first_seq = np.cumsum(num_seqs) - num_seqs  # each group's first sequence
+    lens = np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs))
+    ends = np.cumsum(lens)
+    starts = ends - lens
+    pos_group = np.repeat(seq_group, lens)  # the group of each token position
+    alive = np.ones(len(checked), dtype=bool)
+
+    def drop(bad: np.ndarray, owner: np.ndarray, error) -> None:
+        """Groups with a True in ``bad`` (over positions or sequences, ``owner``
+        their groups) are dropped with ``error(group, flat index)`` of their first."""
+        bad = bad & alive[owner]
+        if not bad.any():
+            return
+        where = np.flatnonzero(bad)
+        owners, first = np.unique(owner[where], return_index=True)
+        for gi, k in zip(owners.tolist(), where[first].tolist()):
+            results[checked[gi].index] = error(gi, k)
+            alive[gi] = False
+
+    def seq_pos(gi: int, k: int) -> tuple[int, int]:
+        """(sequence within its group, token within its sequence) of flat position k."""
+        seq = int(np.searchsorted(ends, k, side="right"))
+        return seq - int(first_seq[gi]), k - int(starts[seq])
+
+    # Token ids: plain ints in [0, vocab_size).
+    flat_tokens = list(chain.from_iterable(seqs))
+    ids = _flat_ints(flat_tokens)
+    if ids is not None:
+        bad = (ids < 0) | (ids >= vocab_size) if vocab_size else ids < 0
+    else:
+        bad = np.fromiter((not (_is_int(t) and 0 <= t and (not vocab_size or t < vocab_size)) for t in flat_tokens),
+                          dtype=bool, count=len(flat_tokens))
+    size = f" (size {vocab_size})" if vocab_size else ""
+    drop(bad, pos_group, lambda gi, k: Malformed(
+        "bad_value", f"sequence {seq_pos(gi, k)[0]}: token id {flat_tokens[k]!r} is outside the vocabulary{size}"))
+
+    # Trained positions: mask != -100, never a sequence's first token (no logit precedes it).
+    flat_masks = list(chain.from_iterable(m for c in checked for m in c.masks))
+    mask_ids = _flat_ints(flat_masks)
+    if mask_ids is not None:
+        trained = mask_ids != MASKED
+    else:
+        trained = np.fromiter((v != MASKED for v in flat_masks), dtype=bool, count=len(flat_masks))
+    trained[starts] = False
+    where = np.flatnonzero(trained)
+    seq_of = np.searchsorted(ends, where, side="right")
+    counts = np.bincount(seq_of, minlength=len(seqs))
+    drop(counts == 0, seq_group, lambda gi, i: Malformed(
+        "all_masked", f"sequence {i - int(first_seq[gi])} has no trained token (every mask after the first is -100)"))
+
+    # Rollout log-probs at trained positions (0.0 elsewhere); a group without
+    # inference_logprobs reads as placeholders everywhere.
+    flat_lp = list(chain.from_iterable(
+        lp for c in checked for lp in (c.logprobs or ([LOGPROB_PLACEHOLDER] * len(t) for t in c.tokens))))
+    lp = None
+    if set(map(type, flat_lp)) <= {int, float}:
+        try:
+            lp = np.fromiter(flat_lp, dtype=np.float64, count=len(flat_lp))
+            numeric = np.ones(len(flat_lp), dtype=bool)
+        except OverflowError:
+            lp = None
+    if lp is None:
+        numeric = np.fromiter(map(_is_num, flat_lp), dtype=bool, count=len(flat_lp))
+        lp = np.fromiter(map(_as_float, flat_lp), dtype=np.float64, count=len(flat_lp))
+    placeholder = numeric & (lp == LOGPROB_PLACEHOLDER)
+    out_of_range = numeric & ~placeholder & ~(np.isfinite(lp) & (lp <= 1e-3))  # engines round: a hair above 0 is 0
+    problem = trained & (~numeric | out_of_range)
+    if not allow_missing_logprobs:
+        problem |= trained & placeholder
+
+    def lp_error(gi: int, k: int) -> Malformed:
+        i, j = seq_pos(gi, k)
+        if placeholder[k]:
+            what = ("sends no 'inference_logprobs'" if checked[gi].logprobs is None
+                    else f"has the placeholder 1.0 at trained token {j}")
+            return Malformed("no_logprobs", f"sequence {i} {what}: no rollout log-prob for the off-policy correction")
+        if not numeric[k]:
+            return Malformed("bad_value", f"sequence {i}: inference log-prob at token {j} is {flat_lp[k]!r}")
+        return Malformed("bad_value", f"sequence {i}: inference log-prob {flat_lp[k]!r} at token {j}")
+
+    drop(problem, pos_group, lp_error)
+    missing = trained & placeholder
+    rollout = np.where(trained, np.minimum(lp, 0.0), 0.0)
+    rollout[missing] = math.nan
+    missing_per_group = np.bincount(pos_group, weights=missing, minlength=len(checked))
+
+    # Each sequence's trained span [first, end), and its trained positions' slice of ``where``.
+    lo = np.searchsorted(seq_of, np.arange(len(seqs)), side="left")
+    hi = lo + counts
+    if where.size:
+        first = where[np.minimum(lo, where.size - 1)] - starts
+        end = where[np.maximum(hi - 1, 0)] - starts + 1
+    else:
+        first = end = np.zeros(len(seqs), dtype=np.int64)
+
+    # Group-relative advantages, one call per group size.
+    live = np.flatnonzero(alive).tolist()
+    group_adv: dict[int, list[float]] = {}
+    constant: dict[int, bool] = {}
+    by_size: dict[int, list[int]] = {}
+    for gi in live:
+        by_size.setdefault(len(checked[gi].scores), []).append(gi)
+    for members in by_size.values():
+        rewards = torch.tensor([[float(s) for s in checked[gi].scores] for gi in members], dtype=torch.float32)
+        adv = group_advantages(rewards, scale_by_std=scale_rewards).tolist()
+        const = constant_group_mask(rewards).tolist()
+        for row, gi in enumerate(members):
+            group_adv[gi], constant[gi] = adv[row], const[row]
+
+    rollout_list = rollout.tolist()
+    mask_list = trained.astype(np.float64).tolist()
+    firsts, span_ends, offsets, n_trained = first.tolist(), end.tolist(), starts.tolist(), counts.tolist()
+    for gi in live:
+        c = checked[gi]
+        s0 = int(first_seq[gi])
+        out = ConvertedGroup([], [float(s) for s in c.scores], constant[gi], sum(n_trained[s0:s0 + len(c.tokens)]),
+                             sum(len(t) for t in c.tokens), 0, missing_logprob_tokens=int(missing_per_group[gi]))
+        gp = c.generation_params
+        if isinstance(gp, dict) and _is_num(gp.get("temperature")):
+            out.temperatures.add(float(gp["temperature"]))
+        samples = []
+        try:
+            for i, toks in enumerate(c.tokens):
+                q = s0 + i
+                f, e, o = firsts[q], span_ends[q], offsets[q]
+                ov = c.overrides[i] if i < len(c.overrides) and isinstance(c.overrides[i], dict) else {}
+                if c.advantages is not None:
+                    a = c.advantages[i]
+                    vals = [a[0]] if len(a) == 1 else [a[j - o] for j in where[lo[q]:hi[q]].tolist()]
+                    if not all(_is_num(v) and math.isfinite(v) for v in vals):
+                        raise Malformed("bad_value", f"sequence {i}: non-finite or non-numeric advantage")
+                    adv = sum(vals) / len(vals)
+                    if max(vals) - min(vals) > 1e-6:
+                        out.averaged_advantages += 1
+                else:
+                    adv = group_adv[gi][i]
+                if ov.get("set_advantage_to_zero"):
+                    adv = 0.0
+                if _is_num(ov.get("temperature")):
+                    out.temperatures.add(float(ov["temperature"]))
+                finish = ov.get("finish_reason") or c.group_overrides.get("finish_reason") or "stop"
+                finish = finish.get("type", "stop") if isinstance(finish, dict) else str(finish)
+                out.truncated += finish == "length"
+                versions = ov.get("weight_versions", c.group_overrides.get("weight_versions")) or []
+                versions = [str(v) for v in versions] if isinstance(versions, list) else [str(versions)]
+                loss_mask = None if n_trained[q] == e - f else mask_list[o + f:o + e]
+                samples.append(Sample(toks[:f], toks[f:e], rollout_list[o + f:o + e], float(adv), float(c.scores[i]),
+                                      finish, versions, loss_mask))
+        except Malformed as err:
+            results[c.index] = err
+            continue
+        if not (filter_constant_groups and out.constant and c.advantages is None):
+            out.samples = samples
+        results[c.index] = out
+
+
+def convert_group(group: dict, *, scale_rewards: bool = True, filter_constant_groups: bool = False,
+                  max_len: int = 0, vocab_size: int = 0, allow_missing_logprobs: bool = False) -> ConvertedGroup:
+    """One Atropos ``ScoredData`` group as trainer samples (:func:`convert_groups`
+    of one group); raises :class:`Malformed` for a group that cannot be trained."""
+    (out,) = convert_groups([group], scale_rewards=scale_rewards, filter_constant_groups=filter_constant_groups,
+                            max_len=max_len, vocab_size=vocab_size, allow_missing_logprobs=allow_missing_logprobs)
+    if isinstance(out, Malformed):
+        raise out
     return out
 
 
@@ -290,6 +460,13 @@ class AtroposConfig:
     poll_min_s: float = 0.05
     poll_max_s: float = 2.0
     log_every_s: float = 5.0
+    prefetch: bool = True
+    """Pull and convert the next batch on a background thread as soon as one
+    is handed to the trainer (not after the last step), so that the ``/batch``
+    request, its JSON and the conversion overlap the trainer's step. The
+    prefetch only polls ``/batch``: an outage, an unknown trainer or a reset is
+    left to the trainer's own pull, which logs, retries and registers as
+    without it."""
 
 
 class _Unreachable(Exception):
@@ -305,11 +482,41 @@ class _NoPool:
         return {}
 
 
+@dataclass
+class _Pulled:
+    """One batch from ``/batch``, converted (by the trainer's thread or the prefetch thread)."""
+
+    batch: RolloutBatch
+    """Its ``indices`` count from the batch's first group (offset at hand-out)."""
+    num_groups: int
+    pull_s: float
+    """The ``/batch`` request that brought the data."""
+    polls: int
+    request_t: float
+    """``time.monotonic()`` when that request was sent."""
+    convert_s: float
+    ready_t: float
+    """``time.monotonic()`` when the conversion ended."""
+
+
+class _Prefetch:
+    """The background pull of the next batch: ``result`` (None: nothing, the
+    trainer's own pull takes over) or ``error`` once ``done`` is set."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.asked = threading.Event()
+        """Set when the trainer waits for this batch (or the source closes): poll at once and often."""
+        self.result: _Pulled | None = None
+        self.error: BaseException | None = None
+
+
 class AtroposSource:
     """``start``, ``next_batch``, ``published``, ``state_dict``, ``close`` from
     the trainer's thread (rank 0), like :class:`RolloutProducer`; the HTTP
     calls run in ``next_batch`` (a poll sleeps at most ``poll_max_s`` and
-    returns None soon after ``stop`` is set).
+    returns None soon after ``stop`` is set) and, with ``cfg.prefetch``, on a
+    background thread that pulls the next batch while the trainer trains.
 
     ``pool``: the inference pool the trainer pushes to (its replica events go
     into the run's summary); environments sample from those servers directly.
@@ -343,6 +550,7 @@ class AtroposSource:
         self.reregistrations = 0
         self.dropped = dict.fromkeys(MALFORMED_KINDS, 0)
         """Groups dropped over the run, per kind."""
+        self._prefetch: _Prefetch | None = None
 
     # ---------------------------------------------------------------- trainer side
 
@@ -357,27 +565,124 @@ class AtroposSource:
         if not self._started:
             raise RuntimeError("AtroposSource.start() was not called")
         t0 = time.monotonic()
-        pulled = self._pull(stop)
+        pulled = None
+        pf = self._prefetch
+        if pf is not None:
+            if not self._wait_prefetch(pf, stop, t0):
+                return None  # the prefetch goes on; the next call takes its batch
+            self._prefetch = None
+            if pf.error is not None:
+                raise pf.error
+            pulled = pf.result  # None: it left an outage or a re-registration to the pull below
         if pulled is None:
-            return None
-        groups, pull_s, polls = pulled
-        t1 = time.monotonic()
-        batch = self._convert(groups)
+            pulled = self._pull_and_convert(stop)
+            if pulled is None:
+                return None
+        batch = self._hand_out(pulled, t0)
+        if self.cfg.prefetch and self.step < self.cfg.num_steps and not self._closed.is_set():
+            self._prefetch = _Prefetch()
+            threading.Thread(target=self._prefetch_run, args=(self._prefetch,), name="atropos-prefetch",
+                             daemon=True).start()
+        return batch
+
+    def _hand_out(self, pulled: _Pulled, t0: float) -> RolloutBatch:
         now = time.monotonic()
+        batch = pulled.batch
+        batch.indices = [self._groups_seen + k for k in batch.indices]
+        self._groups_seen += pulled.num_groups
+        for kind in MALFORMED_KINDS:
+            self.dropped[kind] += int(batch.metrics[f"atropos/dropped_{kind}"])
         self.step += 1
         since, self._last_take = self._last_take, now
         batch.metrics |= {
             "time/wait_s": now - t0,
             "time/generate_s": now - since,
-            "atropos/pull_s": pull_s,  # the /batch request that brought the data
-            "atropos/polls": float(polls),
-            "atropos/convert_s": now - t1,
+            "atropos/pull_s": pulled.pull_s,  # the /batch request that brought the data
+            "atropos/polls": float(pulled.polls),
+            "atropos/convert_s": pulled.convert_s,
+            # what of that request and the conversion the trainer waited through (0: done before it asked)
+            "atropos/exposed_s": max(0.0, min(now, pulled.ready_t) - max(pulled.request_t, t0)),
+            "atropos/prefetched": float(pulled.request_t < t0),
             "atropos/step": float(self.step),
             "atropos/reregistrations": float(self.reregistrations),
         }
         tokens = batch.metrics.pop("_trained_tokens")
         batch.metrics["rollout/tokens_per_s"] = tokens / (now - since) if now > since else 0.0
         return batch
+
+    def _pull_and_convert(self, stop: threading.Event | None) -> _Pulled | None:
+        pulled = self._pull(stop)
+        if pulled is None:
+            return None
+        groups, pull_s, polls, request_t = pulled
+        t1 = time.monotonic()
+        batch = self._convert(groups)
+        ready = time.monotonic()
+        return _Pulled(batch, len(groups), pull_s, polls, request_t, ready - t1, ready)
+
+    def _wait_prefetch(self, pf: _Prefetch, stop: threading.Event | None, t0: float) -> bool:
+        """Wait for the prefetch thread; False on ``stop``."""
+        pf.asked.set()
+        last_log = t0
+        while not pf.done.wait(0.02):
+            if stop is not None and stop.is_set():
+                return False
+            if self._closed.is_set():
+                raise ProducerStopped("Atropos source closed")
+            now = time.monotonic()
+            if now - last_log >= self.cfg.log_every_s:
+                last_log = now
+                logger.info("waiting for Atropos: queue %s", self._queue_size())
+        return True
+
+    def _prefetch_run(self, pf: _Prefetch) -> None:
+        try:
+            pulled = self._prefetch_pull(pf)
+            if pulled is not None:
+                groups, pull_s, polls, request_t = pulled
+                t1 = time.monotonic()
+                batch = self._convert(groups)
+                ready = time.monotonic()
+                pf.result = _Pulled(batch, len(groups), pull_s, polls, request_t, ready - t1, ready)
+        except BaseException as e:  # noqa: BLE001  (raised in the trainer's thread)
+            pf.error = e
+        finally:
+            pf.done.set()
+
+    def _prefetch_pull(self, pf: _Prefetch) -> tuple[list[dict], float, int, float] | None:
+        """``/batch`` until it holds data, backing off like :meth:`_pull`; None
+        when the API does not answer as a registered trainer expects (the
+        trainer's own pull deals with it) or the source closes."""
+        poll = self.cfg.poll_min_s
+        polls = 0
+        hurried = False
+        while not self._closed.is_set():
+            r0 = time.monotonic()
+            try:
+                reply = self._request("GET", "/batch")
+            except (_Unreachable, ProducerStopped):
+                return None
+            polls += 1
+            request_s = time.monotonic() - r0
+            if not isinstance(reply, dict) or reply.get("status") == "error":
+                return None
+            groups = reply.get("batch")
+            if groups:
+                return self._check_groups(groups), request_s, polls, r0
+            if not hurried and pf.asked.wait(poll):
+                hurried = True  # the trainer waits from now on: poll at once, then back off from the start
+                poll = self.cfg.poll_min_s
+                continue
+            if hurried:
+                self._closed.wait(poll)
+            poll = min(poll * 2, self.cfg.poll_max_s)
+        return None
+
+    def _check_groups(self, groups: Any) -> list[dict]:
+        if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+            raise ProducerStopped(f"Atropos API at {self.url}: /batch holds {type(groups).__name__}, "
+                                  "not a list of groups")
+        return groups
 
     def published(self, version: int) -> None:
         self._version = version
@@ -395,6 +700,8 @@ class AtroposSource:
 
     def close(self) -> None:
         self._closed.set()
+        if self._prefetch is not None:
+            self._prefetch.asked.set()  # wakes its back-off; it sees the close and ends
 
     # ---------------------------------------------------------------- HTTP
 
@@ -446,9 +753,10 @@ class AtroposSource:
                 return True
             time.sleep(min(left, 0.05))
 
-    def _pull(self, stop: threading.Event | None) -> tuple[list[dict], float, int] | None:
-        """Groups of the next batch, the seconds its ``/batch`` request took and
-        how many ``/batch`` requests it took; None on ``stop``."""
+    def _pull(self, stop: threading.Event | None) -> tuple[list[dict], float, int, float] | None:
+        """Groups of the next batch, the seconds its ``/batch`` request took,
+        how many ``/batch`` requests it took and when that request was sent;
+        None on ``stop``."""
         poll = self.cfg.poll_min_s
         down_since: float | None = None
         last_log = time.monotonic()
@@ -504,10 +812,7 @@ class AtroposSource:
                 continue
             groups = reply.get("batch")
             if groups:
-                if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
-                    raise ProducerStopped(f"Atropos API at {self.url}: /batch holds {type(groups).__name__}, "
-                                          "not a list of groups")
-                return groups, request_s, polls
+                return self._check_groups(groups), request_s, polls, r0
             now = time.monotonic()
             if now - last_log >= self.cfg.log_every_s:
                 last_log = now
@@ -536,29 +841,26 @@ class AtroposSource:
             logger.warning(msg, *args)
 
     def _convert(self, groups: list[dict]) -> RolloutBatch:
+        """The batch's samples and metrics; ``indices`` count from its first
+        group (dropped ones included). Counters of the run are updated at hand-out."""
         samples: list[Sample] = []
         indices: list[int] = []
         converted: list[ConvertedGroup] = []
         dropped = dict.fromkeys(MALFORMED_KINDS, 0)
-        for g in groups:
-            index = self._groups_seen
-            self._groups_seen += 1
-            try:
-                c = convert_group(g, scale_rewards=self.scale_rewards,
-                                  filter_constant_groups=self.filter_constant_groups,
-                                  max_len=self.cfg.max_token_len, vocab_size=self.vocab_size,
-                                  allow_missing_logprobs=self.allow_missing_logprobs)
-            except Malformed as e:
-                dropped[e.kind] += 1
-                self.dropped[e.kind] += 1
-                if e.kind not in self._logged_kinds:
-                    self._logged_kinds.add(e.kind)
+        results = convert_groups(groups, scale_rewards=self.scale_rewards,
+                                 filter_constant_groups=self.filter_constant_groups, max_len=self.cfg.max_token_len,
+                                 vocab_size=self.vocab_size, allow_missing_logprobs=self.allow_missing_logprobs)
+        for k, (g, c) in enumerate(zip(groups, results)):
+            if isinstance(c, Malformed):
+                dropped[c.kind] += 1
+                if c.kind not in self._logged_kinds:
+                    self._logged_kinds.add(c.kind)
                     logger.warning("dropped an Atropos group (env %s): %s [%s; further ones are counted in "
-                                   "atropos/dropped_%s]", g.get("env_id"), e, e.kind, e.kind)
+                                   "atropos/dropped_%s]", g.get("env_id"), c, c.kind, c.kind)
                 continue
             converted.append(c)
             samples.extend(c.samples)
-            indices.append(index)
+            indices.append(k)
         averaged = sum(c.averaged_advantages for c in converted)
         if averaged:
             self._once("adv", "Atropos groups send per-token advantages that vary within a sequence: the trainer "
