@@ -62,7 +62,8 @@ def timed(fn: Callable[[], int]) -> tuple[float, int]:
 
 
 def engine_row(model_dir: str, kv: str, prompts, n: int, new: int, dtype: str) -> Callable[[], int]:
-    from torchtitan_grpo.inference.engine import Engine, EngineConfig, SamplingParams
+    from torchtitan_grpo.inference.engine import Engine, EngineConfig
+    from torchtitan_grpo.inference.requests import SamplingParams
 
     eng = Engine(EngineConfig(model_dir, device="cuda:0", dtype=dtype, max_batch_size=len(prompts) * n,
                               kv_cache=kv, max_model_len=len(prompts[0]) + new + 8))

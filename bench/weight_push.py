@@ -106,7 +106,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torchtitan_grpo  # noqa: E402,F401  (triton shim before torchtitan)
 from torchtitan_grpo.aio import LoopThread  # noqa: E402
-from torchtitan_grpo.inference.engine import Engine, install_weights  # noqa: E402
+from torchtitan_grpo.inference.engine import Engine  # noqa: E402
+from torchtitan_grpo.inference.weights import install_weights  # noqa: E402
 from torchtitan_grpo.net import free_port  # noqa: E402
 from torchtitan_grpo.weight_sync import buckets as bk  # noqa: E402
 
@@ -283,19 +284,19 @@ def _trace_trainer() -> None:
 
 
 def _trace_replica_receives() -> None:
-    from torchtitan_grpo.inference import engine, packed_receive, sglang_weights, vllm_weights
+    from torchtitan_grpo.inference import packed_receive, sglang_weights, vllm_weights, weights
 
     # The routes post the receives and answer; the session's end waits for the bytes.
     TRACE.wrap(sglang_weights, "post_receive", lambda group, specs, *a: f"replica post receive ({len(specs)} tensors)")
     TRACE.wrap(packed_receive, "post_packed", lambda group, specs, *a: f"replica post packed ({len(specs)} tensors)")
-    TRACE.wrap(engine.PostedReceive, "wait", lambda p: f"replica wait for the bytes ({len(p.named)} tensors)")
+    TRACE.wrap(weights.PostedReceive, "wait", lambda p: f"replica wait for the bytes ({len(p.named)} tensors)")
     # A session's end: the waits and the install inside, on the transfer thread.
-    TRACE.wrap(engine.PendingVersion, "load", lambda p, *a: f"replica load session ({len(p.parts)} updates)")
+    TRACE.wrap(weights.PendingVersion, "load", lambda p, *a: f"replica load session ({len(p.parts)} updates)")
     # A route's hop to the transfer thread and back, around what it runs there
     for routes in (sglang_weights.SGLangWeightRoutes, vllm_weights.VLLMWeightRoutes):
         TRACE.wrap(routes, "_run", lambda self, fn, *a: f"replica transfer-thread call {fn.__name__}")
     # ?ack=posted: the views cut after the reply (the calls that found nothing to cut are left out)
-    TRACE.wrap(engine.PostedReceive, "cut_views", lambda p: f"replica cut views ({len(p.named)} tensors)",
+    TRACE.wrap(weights.PostedReceive, "cut_views", lambda p: f"replica cut views ({len(p.named)} tensors)",
                only_if=bool)
 
 
@@ -360,7 +361,7 @@ class Ranks:
 def _measure_set(r: Ranks, flavor: str, bucket_mbs: list[int], reps: int, backend: str, raw_group,
                  loop: LoopThread | None, protocols: list[str], disk_sets: list[str],
                  staging: str = "device") -> list[dict]:
-    from torchtitan_grpo.inference.engine import receive_weights
+    from torchtitan_grpo.inference.weights import receive_weights
     from torchtitan_grpo.weight_sync.group import init_weight_group, master_store
 
     specs = qwen3_hf_specs(flavor)

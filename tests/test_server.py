@@ -926,7 +926,7 @@ def test_adopt_decided_while_receiving_is_what_install_weights_would_decide():
     dtype, shape and device) what ``install_weights`` decides from the
     received tensors; with those flags the load only swaps or copies, and a
     session that received an update without flags checks at load time."""
-    from torchtitan_grpo.inference.engine import PendingVersion, adoptable, install_weights
+    from torchtitan_grpo.inference.weights import PendingVersion, adoptable, install_weights
     from torchtitan_grpo.weight_sync.buckets import TensorSpec, unpack
 
     params = {"a": torch.zeros(2, 3), "b": torch.zeros(4, dtype=torch.bfloat16), "c": torch.zeros(5)}
@@ -963,7 +963,7 @@ def test_install_weights_adopts_fresh_buffers_and_copies_the_rest(tmp_path):
     copied; tensors read from disk never stay backed by the file."""
     from safetensors.torch import save_file
 
-    from torchtitan_grpo.inference.engine import install_weights, read_safetensors_dir
+    from torchtitan_grpo.inference.weights import install_weights, read_safetensors_dir
 
     emb = torch.nn.Parameter(torch.zeros(4, 3), requires_grad=False)
     norm = torch.nn.Parameter(torch.zeros(3), requires_grad=False)
@@ -1074,7 +1074,8 @@ def test_post_receive_check_first_posts_at_once_and_cuts_the_views_later():
     thread, ``cut_views`` runs it once), ``wait`` delivers every tensor
     exactly, and a bucket whose views could not be cut, or that the check
     refuses, is refused with nothing posted."""
-    from torchtitan_grpo.inference.engine import WeightUpdateError, post_receive
+    from torchtitan_grpo.inference.requests import WeightUpdateError
+    from torchtitan_grpo.inference.weights import post_receive
 
     g = torch.Generator().manual_seed(11)
     named = [("w.fp32", torch.randn(4, 3, generator=g)), ("b.bf16", torch.randn(5, generator=g).to(torch.bfloat16)),

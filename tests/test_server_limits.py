@@ -20,7 +20,8 @@ import torch
 from aiohttp import web
 
 from torchtitan_grpo.inference import vllm
-from torchtitan_grpo.inference.engine import Engine, EngineConfig, SamplingParams
+from torchtitan_grpo.inference.engine import Engine, EngineConfig
+from torchtitan_grpo.inference.requests import SamplingParams
 from torchtitan_grpo.inference.server import build_app, engine_config, exposure_warning, parse_args
 
 torch.set_num_threads(1)

@@ -166,7 +166,8 @@ def test_engine_on_a_static_cache_generates_what_the_dynamic_one_does(tiny_model
     """Same requests (seeded sampling, n > 1, a top-p row, a greedy row) on
     both KV batches: the same tokens and logprobs; the static engine's context
     is its max_model_len (a longer prompt is refused, output stops there)."""
-    from torchtitan_grpo.inference.engine import Engine, EngineConfig, RequestError, SamplingParams
+    from torchtitan_grpo.inference.engine import Engine, EngineConfig
+    from torchtitan_grpo.inference.requests import RequestError, SamplingParams
 
     reqs = [([5, 9, 4, 7, 11], SamplingParams(max_new_tokens=12, n=2, seed=3)),
             ([8, 3], SamplingParams(max_new_tokens=9, top_p=0.8, seed=4)),

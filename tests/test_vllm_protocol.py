@@ -907,7 +907,7 @@ def test_receive_packed_views_aligned_tensors_and_copies_the_rest():
     """Each chunk lands in a buffer of its own; tensors at itemsize-aligned
     offsets come back as views of it, the others (bf16 then fp32 makes them)
     as copies of their own, and every one is adopted by ``install_weights``."""
-    from torchtitan_grpo.inference.engine import install_weights
+    from torchtitan_grpo.inference.weights import install_weights
 
     g = torch.Generator().manual_seed(5)
 

@@ -61,14 +61,6 @@ from torchtitan_grpo.inference.sampling import sample_tokens
 from torchtitan_grpo.inference.weights import adoptable, check_specs, install_weights
 from torchtitan_grpo.weight_sync.buckets import TensorSpec
 
-# Moved out of this module (issue #23) and still imported from here by modules
-# not yet switched to their new homes; the engine itself does not use them.
-from torchtitan_grpo.inference.requests import ModelLoadError, WeightUpdateError, parse_stop  # noqa: F401  isort: skip
-from torchtitan_grpo.inference.weights import (  # noqa: F401  isort: skip
-    FlatLayout, PendingVersion, PostedReceive, SpecCheck, post_receive, read_safetensors_dir, receive_check,
-    receive_weights, run_check,
-)
-
 logger = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------- #

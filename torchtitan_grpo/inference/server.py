@@ -60,7 +60,7 @@ import sys
 from aiohttp import web
 
 from torchtitan_grpo.inference.chat_template import load_chat_template
-from torchtitan_grpo.inference.engine import Engine, EngineConfig, ModelLoadError, RequestError
+from torchtitan_grpo.inference.engine import Engine, EngineConfig
 from torchtitan_grpo.inference.httputil import (
     OPEN_PATHS,
     BadRequest,
@@ -70,6 +70,7 @@ from torchtitan_grpo.inference.httputil import (
     authorized,
     read_json,
 )
+from torchtitan_grpo.inference.requests import ModelLoadError, RequestError
 from torchtitan_grpo.inference.server_config import ServerConfig
 from torchtitan_grpo.inference.sglang_routes import SGLangGenerateRoutes
 from torchtitan_grpo.inference.sglang_weights import SGLangWeightRoutes

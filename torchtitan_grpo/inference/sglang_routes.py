@@ -23,7 +23,7 @@ from typing import Any
 
 from aiohttp import web
 
-from torchtitan_grpo.inference.engine import Engine, RequestError, SampleResult, SamplingParams, parse_stop
+from torchtitan_grpo.inference.engine import Engine
 from torchtitan_grpo.inference.httputil import (
     BadRequest,
     BodyLimits,
@@ -34,6 +34,7 @@ from torchtitan_grpo.inference.httputil import (
     result,
     shielded,
 )
+from torchtitan_grpo.inference.requests import RequestError, SampleResult, SamplingParams, parse_stop
 from torchtitan_grpo.inference.server_config import ServerConfig
 from torchtitan_grpo.inference.types import BUILTIN_ENGINE
 

@@ -23,18 +23,7 @@ from typing import Any, Callable
 import torch
 from aiohttp import web
 
-from torchtitan_grpo.inference.engine import (
-    PAUSE_MODES,
-    Engine,
-    FlatLayout,
-    PendingVersion,
-    PostedReceive,
-    RequestError,
-    WeightUpdateError,
-    post_receive,
-    read_safetensors_dir,
-    receive_check,
-)
+from torchtitan_grpo.inference.engine import Engine
 from torchtitan_grpo.inference.httputil import (
     BadRequest,
     BodyLimits,
@@ -47,7 +36,16 @@ from torchtitan_grpo.inference.httputil import (
     result,
     shielded,
 )
+from torchtitan_grpo.inference.requests import PAUSE_MODES, RequestError, WeightUpdateError
 from torchtitan_grpo.inference.server_config import ServerConfig
+from torchtitan_grpo.inference.weights import (
+    FlatLayout,
+    PendingVersion,
+    PostedReceive,
+    post_receive,
+    read_safetensors_dir,
+    receive_check,
+)
 from torchtitan_grpo.weight_sync import ipc
 from torchtitan_grpo.weight_sync.buckets import TensorSpec, specs_from_lists
 from torchtitan_grpo.weight_sync.ipc import IpcFormatError

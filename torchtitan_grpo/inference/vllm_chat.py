@@ -44,8 +44,9 @@ from aiohttp import web
 
 from torchtitan_grpo.inference import vllm as proto
 from torchtitan_grpo.inference.chat_template import ChatRenderer, ChatTemplateError
-from torchtitan_grpo.inference.engine import Engine, RequestError, SampleResult, SamplingParams
+from torchtitan_grpo.inference.engine import Engine
 from torchtitan_grpo.inference.httputil import BodyLimits, off_loop_if_large, read_json
+from torchtitan_grpo.inference.requests import RequestError, SampleResult, SamplingParams
 from torchtitan_grpo.inference.vllm_http import (
     MAX_LOGPROBS,
     PauseGate,

@@ -31,8 +31,9 @@ from typing import Any
 
 from aiohttp import web
 
-from torchtitan_grpo.inference.engine import Engine, RequestError, SamplingParams
+from torchtitan_grpo.inference.engine import Engine
 from torchtitan_grpo.inference.httputil import BodyLimits, is_int, off_loop_if_large
+from torchtitan_grpo.inference.requests import RequestError, SamplingParams
 from torchtitan_grpo.inference.vllm_http import MAX_LOGPROBS, PauseGate, VLLMError, bad, field
 from torchtitan_grpo.inference.vllm_openai import (
     gather_samples,

@@ -13,8 +13,9 @@ from typing import Any
 
 from aiohttp import web
 
-from torchtitan_grpo.inference.engine import Engine, RequestError
+from torchtitan_grpo.inference.engine import Engine
 from torchtitan_grpo.inference.httputil import JSON_KINDS, BodyError, Handler
+from torchtitan_grpo.inference.requests import RequestError
 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 

@@ -20,8 +20,9 @@ from typing import Any
 from aiohttp import web
 
 from torchtitan_grpo.inference import vllm as proto
-from torchtitan_grpo.inference.engine import Engine, RequestError, SampleResult, SamplingParams, parse_stop
+from torchtitan_grpo.inference.engine import Engine
 from torchtitan_grpo.inference.httputil import BodyLimits, is_int as _is_int, off_loop_if_large, read_json
+from torchtitan_grpo.inference.requests import RequestError, SampleResult, SamplingParams, parse_stop
 from torchtitan_grpo.inference.vllm_http import (
     MAX_LOGPROBS,
     PauseGate,

@@ -28,14 +28,7 @@ from typing import Any, Callable
 from aiohttp import web
 
 from torchtitan_grpo.inference import vllm as proto
-from torchtitan_grpo.inference.engine import (
-    Engine,
-    PendingVersion,
-    PostedReceive,
-    WeightUpdateError,
-    receive_check,
-    receive_weights,
-)
+from torchtitan_grpo.inference.engine import Engine
 from torchtitan_grpo.inference.httputil import (
     BodyLimits,
     ack_posted,
@@ -46,7 +39,9 @@ from torchtitan_grpo.inference.httputil import (
     shielded,
 )
 from torchtitan_grpo.inference.packed_receive import receive_packed_update
+from torchtitan_grpo.inference.requests import WeightUpdateError
 from torchtitan_grpo.inference.vllm_http import PauseGate, VLLMError, bad as _bad, field as _field, vllm_api
+from torchtitan_grpo.inference.weights import PendingVersion, PostedReceive, receive_check, receive_weights
 from torchtitan_grpo.weight_sync.buckets import SpecError, TensorSpec, plan_packed_chunks, specs_from_lists
 
 logger = logging.getLogger("torchtitan_grpo.inference.server")
