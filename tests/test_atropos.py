@@ -23,7 +23,8 @@ import torch
 
 from tests.server_procs import free_port
 from torchtitan_grpo.rollout.advantages import group_advantages
-from torchtitan_grpo.rollout.atropos import AtroposConfig, AtroposSource, Malformed, convert_group
+from torchtitan_grpo.rollout.atropos import AtroposConfig, AtroposSource
+from torchtitan_grpo.rollout.atropos_groups import Malformed, convert_group
 from torchtitan_grpo.rollout.producer import ProducerStopped
 from torchtitan_grpo.trainer import Sample, _LossContext, _micro_batch_loss, _pack
 

@@ -275,7 +275,7 @@ def test_batch_conversion_matches_a_per_token_reference():
     equals the per-token reference and every malformed group gets its kind."""
     import random
 
-    from torchtitan_grpo.rollout.atropos import Malformed, convert_group, convert_groups
+    from torchtitan_grpo.rollout.atropos_groups import Malformed, convert_group, convert_groups
 
     rng = random.Random(0)
     groups = [_random_group(rng, rng.choice([1, 2, 4, 16])) for _ in range(40)]
@@ -312,7 +312,7 @@ def test_next_batch_is_prefetched_while_the_trainer_trains(tmp_path):
     what the groups say. Nothing is prefetched after the last step."""
     pytest.importorskip("atroposlib")
     from tests.test_atropos import AtroposAPI, make_source, multi_turn_group, own_advantage_group, wait_until
-    from torchtitan_grpo.rollout.atropos import convert_group
+    from torchtitan_grpo.rollout.atropos_groups import convert_group
 
     api = AtroposAPI(free_port(), tmp_path / "api.log")
     api.start()
