@@ -11,8 +11,9 @@ continuous: sequences join at step boundaries (their prompts are prefilled
 together and joined to the running batch) and leave as soon as they finish.
 Samples of one request share one prefill. The engine decides what runs and
 keeps the books; how the KV cache is laid out and the model run on it is the
-batch's business (``batch.py``'s :class:`KVBatch`: by default an HF
-``DynamicCache``, left-padded), and picking tokens is ``sampling.py``'s.
+batch's business (``batch.py``: an HF ``DynamicCache``, or on a GPU
+``static_batch.py``'s preallocated slots with CUDA-graph decode), and picking
+tokens is ``sampling.py``'s.
 Everyone else talks to the worker through a condition variable:
 ``submit`` queues sequences, ``pause``/``abort_all`` run small actions on the
 worker between steps, and :meth:`Engine.exclusive` waits until no forward
@@ -119,13 +120,10 @@ class Engine:
         }
         self._batch: KVBatch = make_batch(self.model, cfg, self.device, self.pad_token_id)
         self.static_cache = isinstance(self._batch, StaticBatch)
-        if self.static_cache:
-            # The cache holds max_len positions per slot: that is the context now.
+        if self.static_cache:  # the cache holds max_len positions per slot: that is the context now
             self.max_context = min(self.max_context, self._batch.max_len)
-            logger.info("static KV cache: %d slots x %d positions (%.2f GiB), CUDA graphs %s",
-                        self._batch.slots, self._batch.max_len, self._batch.nbytes / 2**30,
-                        "on" if self._batch.graphs else "off")
-
+            logger.info("static KV cache: %d slots x %d positions (%.2f GiB), CUDA graphs %s", self._batch.slots,
+                        self._batch.max_len, self._batch.nbytes / 2**30, "on" if self._batch.graphs else "off")
         self._rng = random.Random(cfg.seed)  # unseeded samples' draws
         torch.manual_seed(cfg.seed)
 
@@ -547,11 +545,7 @@ class Engine:
         self._prune()
 
     def _debug_decode_delay(self) -> None:
-        """``debug_decode_delay_s``: make a decode step that much longer, before
-        its tokens are sampled (a sample that ends at this step is answered
-        after the wait). It runs on the worker thread outside the lock, so
-        HTTP is answered meanwhile; pauses and aborts take effect when the
-        step ends, as after any step."""
+        """``debug_decode_delay_s``: a longer decode step (worker, outside the lock)."""
         if self.cfg.debug_decode_delay_s > 0:
             self._debug_sleep(self.cfg.debug_decode_delay_s)
 
