@@ -74,7 +74,12 @@ def engine_row(model_dir: str, kv: str, prompts, n: int, new: int, dtype: str) -
         futs = [eng.submit(p, params) for p in prompts]
         return sum(len(r.output_ids) for f in futs for r in f.result())
 
-    run.close = eng.shutdown  # type: ignore[attr-defined]
+    def close() -> None:
+        eng.shutdown()
+        print(f"  engine: {getattr(eng._batch, 'late_captures', 0)} decode graph(s) captured while generating",
+              flush=True)
+
+    run.close = close  # type: ignore[attr-defined]
     return run
 
 
@@ -102,7 +107,15 @@ def server_row(model_dir: str, kv: str, prompts, n: int, new: int, dtype: str, l
     def run() -> int:
         return asyncio.run(go())
 
-    run.close = lambda: stop_process(srv.proc)  # type: ignore[attr-defined]
+    def close() -> None:
+        stop_process(srv.proc)
+        # What the server logged about graph captures (at start, and any
+        # during generation: each of those stalled the batch).
+        for line in open(srv.log_path, errors="replace"):
+            if "decode graph" in line:
+                print("  server:", line.strip()[-110:], flush=True)
+
+    run.close = close  # type: ignore[attr-defined]
     return run
 
 

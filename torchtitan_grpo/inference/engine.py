@@ -122,8 +122,8 @@ class Engine:
         self.static_cache = isinstance(self._batch, StaticBatch)
         if self.static_cache:  # the cache holds max_len positions per slot: that is the context now
             self.max_context = min(self.max_context, self._batch.max_len)
-            logger.info("static KV cache: %d slots x %d positions (%.2f GiB), CUDA graphs %s", self._batch.slots,
-                        self._batch.max_len, self._batch.nbytes / 2**30, "on" if self._batch.graphs else "off")
+            with torch.no_grad():
+                self._batch.prepare()  # logs its layout, captures its decode graphs
         self._rng = random.Random(cfg.seed)  # unseeded samples' draws
         torch.manual_seed(cfg.seed)
 

@@ -53,17 +53,24 @@ def sample_tokens(
     n, vocab = logits.shape
     params = [s.params for s in seqs]
     greedy = [p.temperature < _GREEDY_EPS for p in params]
-    temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], device=device)
-    logits = logits.float()
-    logp = torch.log_softmax(logits / temps[:, None], dim=-1)
+    temps_l = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
+    temps = temps_l[0] if len(set(temps_l)) == 1 else torch.tensor(temps_l, device=device)[:, None]
+    # The log-softmax reads the model's dtype and computes in fp32 (no fp32
+    # copy of the logits unless a temperature divides them first).
+    scaled = logits if set(temps_l) == {1.0} else logits.float() / temps
+    logp = torch.log_softmax(scaled, dim=-1, dtype=torch.float32)
     proc = process_logits(logits, seqs, device, eos_ids)
+    top_k = [_top_k(p.top_k, vocab) for p in params]
     if all(greedy):
         tokens = proc.argmax(dim=-1)
     else:
-        x = proc / temps[:, None]
-        x = _truncate(x, [_top_k(p.top_k, vocab) for p in params], [p.top_p for p in params],
-                      [p.min_p for p in params])
-        cdf = torch.softmax(x, dim=-1).cumsum_(dim=-1)
+        if proc is logits and all(k == vocab for k in top_k) and all(p.top_p >= 1.0 and p.min_p <= 0 for p in params):
+            # Nothing edits or truncates the distribution: it is exp(logp),
+            # which saves the second softmax's passes over [rows, vocab].
+            cdf = logp.exp().cumsum_(dim=-1)
+        else:
+            x = _truncate(proc.float() / temps, top_k, [p.top_p for p in params], [p.min_p for p in params])
+            cdf = torch.softmax(x, dim=-1).cumsum_(dim=-1)
         u = torch.tensor([(s.generator or rng).random() for s in seqs], device=device, dtype=cdf.dtype)
         # The first token whose cumulative mass exceeds u (scaled by the total,
         # which rounding keeps a hair off 1): token i wins with probability p_i;
@@ -84,8 +91,9 @@ def sample_tokens(
 def process_logits(
     logits: torch.Tensor, seqs: Sequence[_Sequence], device: torch.device, eos_ids: Sequence[int]
 ) -> torch.Tensor:
-    """Penalties, logit bias and min_new_tokens, applied to a copy (``logits``
-    itself is left alone: the reported logprobs come from it)."""
+    """Penalties, logit bias and min_new_tokens, applied to an fp32 copy
+    (``logits`` itself is left alone: the reported logprobs come from it);
+    ``logits`` itself when no row asks for any."""
     proc = logits
     copied = False
     for i, s in enumerate(seqs):
@@ -100,7 +108,7 @@ def process_logits(
         if not edits:
             continue
         if not copied:
-            proc, copied = logits.clone(), True
+            proc, copied = logits.to(torch.float32, copy=True), True
         row = proc[i]
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(s.context())), device=device)

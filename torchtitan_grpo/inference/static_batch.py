@@ -32,6 +32,7 @@ its logits with the HF forward).
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Sequence
 
 import torch
@@ -156,6 +157,14 @@ class StaticBatch:
         self.rows: list[Any] = []
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
+        self._warm: set[int] = set()  # slot buckets whose eager warm-up ran
+        self.late_captures = 0
+        """Graphs captured while generating (after :meth:`capture_all`): each
+        one stalled the batch for a capture."""
+        # Graph steps write their logits here (one buffer for every graph,
+        # not one output per captured shape).
+        vocab = model.get_output_embeddings().weight.shape[0]
+        self._logits = torch.empty((slots, vocab), dtype=dtype, device=device) if self.graphs else None
         self._fused: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]] = []
         self._fuse_weights()
         self._param_ptrs = self._ptrs()
@@ -317,8 +326,9 @@ class StaticBatch:
         h = _norm(self._inner.norm, h[torch.arange(n, device=self.device), last])
         return self.model.lm_head(h)
 
-    def _step(self, b: int, n: int) -> torch.Tensor:
-        """One decode step of slots ``[0, b)`` over cache positions ``[0, n)``."""
+    def _step(self, b: int, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode step of slots ``[0, b)`` over cache positions ``[0, n)``
+        (logits into ``out`` if given)."""
         ids, pos = self._tokens[:b], self._pos[:b]
         rows = torch.arange(b, device=self.device)
         cos, sin = self._cos[pos], self._sin[pos]
@@ -336,30 +346,73 @@ class StaticBatch:
                 attn_mask=mask, scale=self.scaling,
             )
             h = self._mlp(li, h, o.reshape(b, -1))
-        return self.model.lm_head(_norm(self._inner.norm, h))
+        h = _norm(self._inner.norm, h)
+        head = self.model.lm_head
+        if out is None or head.bias is not None:
+            logits = head(h)
+            return logits if out is None else out.copy_(logits)
+        return torch.mm(h, head.weight.t(), out=out)
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (slots, positions) pair a decode step can run, largest first."""
+        slot_buckets = sorted({_bucket(i, _BATCH_BUCKETS, self.slots) for i in range(1, self.slots + 1)})
+        len_buckets = sorted({_len_bucket(i, self.max_len) for i in range(1, self.max_len + 1)})
+        return [(b, n) for b in reversed(slot_buckets) for n in reversed(len_buckets)]
+
+    def prepare(self) -> None:
+        """Log the layout and capture every decode graph (:meth:`capture_all`)."""
+        logger.info("static KV cache: %d slots x %d positions (%.2f GiB), CUDA graphs %s", self.slots,
+                    self.max_len, self.nbytes / 2**30, "on" if self.graphs else "off")
+        if self.graphs:
+            secs = self.capture_all()
+            logger.info("captured %d decode graphs in %.1f s", len(self._graphs), secs)
+
+    def capture_all(self) -> float:
+        """Capture the decode graph of every shape now (an engine calls this
+        before it serves, as SGLang and vLLM capture at start): a capture
+        costs two eager steps, tens of milliseconds that would otherwise
+        stall a live batch the first time a shape comes up, and which shapes
+        come up depends on when requests arrive. Largest first, so the
+        smaller graphs' temporaries reuse the pool's memory. Returns seconds."""
+        if not self.graphs:
+            return 0.0
+        t0 = time.perf_counter()
+        for b, n in self.shapes():
+            if (b, n) not in self._graphs:
+                self._graphs[(b, n)] = self._capture(b, n)
+        self.late_captures = 0
+        torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
 
     def _replay(self, b: int, n: int) -> torch.Tensor:
         entry = self._graphs.get((b, n))
         if entry is None:
+            t0 = time.perf_counter()
             entry = self._capture(b, n)
             self._graphs[(b, n)] = entry
+            self.late_captures += 1
+            logger.info("decode graph for %d slots x %d positions captured while generating (%.0f ms)",
+                        b, n, 1e3 * (time.perf_counter() - t0))
         graph, out = entry
         graph.replay()
         return out
 
     def _capture(self, b: int, n: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        # Warm up on a side stream (lazy inits, cuBLAS workspaces), then capture.
-        # The step writes the cache at the slots' current positions: harmless,
-        # the replay that follows writes the same values there.
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self._step(b, n)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        # Warm up on a side stream (lazy inits, cuBLAS workspaces) once per
+        # slot count, then capture. The step writes the cache at the slots'
+        # current positions: harmless, the replay that follows writes the
+        # same values there (and a free slot's cache is rewritten before it
+        # is read).
+        if b not in self._warm:
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self._step(b, n)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            self._warm.add(b)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self._step(b, n)
-        logger.debug("captured decode graph for %d slots x %d positions", b, n)
+            out = self._step(b, n, self._logits[:b])
         return graph, out
