@@ -12,6 +12,9 @@ compilation are not in the figure):
   server-http-<kv>   the built-in server over HTTP (SGLang /generate, one
                      request per prompt, all concurrent), --kv-cache <kv>
   engine-<kv>        its engine in this process (Engine.submit, same requests)
+  ...-serial         either, with the overlapped schedule off
+                     (--disable-overlap-schedule: each step's tokens reach
+                     the host before the next step is launched)
   static-forward     the engine's static KV batch alone: prefill + decode
                      steps with argmax, no scheduler, no sampling (the ceiling)
   hf-dynamic         transformers generate, dynamic cache, eager, all rows at once
@@ -40,8 +43,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 WORKLOADS = {"64x128": (8, 8, 128), "256x512": (32, 8, 512)}
-ALL_ROWS = ("server-http-static", "server-http-dynamic", "engine-static", "engine-dynamic", "static-forward",
-            "hf-dynamic", "hf-static", "hf-generate-batch")
+ALL_ROWS = ("server-http-static", "server-http-static-serial", "server-http-dynamic", "engine-static",
+            "engine-static-serial", "engine-dynamic", "static-forward", "hf-dynamic", "hf-static", "hf-generate-batch")
 
 
 def make_prompts(n_prompts: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -61,12 +64,13 @@ def timed(fn: Callable[[], int]) -> tuple[float, int]:
 # ---- the built-in engine ---------------------------------------------------- #
 
 
-def engine_row(model_dir: str, kv: str, prompts, n: int, new: int, dtype: str) -> Callable[[], int]:
+def engine_row(model_dir: str, kv: str, prompts, n: int, new: int, dtype: str, overlap: bool) -> Callable[[], int]:
     from torchtitan_grpo.inference.engine import Engine, EngineConfig
     from torchtitan_grpo.inference.requests import SamplingParams
 
     eng = Engine(EngineConfig(model_dir, device="cuda:0", dtype=dtype, max_batch_size=len(prompts) * n,
-                              kv_cache=kv, max_model_len=len(prompts[0]) + new + 8))
+                              kv_cache=kv, max_model_len=len(prompts[0]) + new + 8,
+                              overlap_schedule=None if overlap else False))
     eng.start()
     params = SamplingParams(max_new_tokens=new, temperature=1.0, ignore_eos=True, n=n)
 
@@ -83,15 +87,17 @@ def engine_row(model_dir: str, kv: str, prompts, n: int, new: int, dtype: str) -
     return run
 
 
-def server_row(model_dir: str, kv: str, prompts, n: int, new: int, dtype: str, log_dir: str) -> Callable[[], int]:
+def server_row(model_dir: str, kv: str, prompts, n: int, new: int, dtype: str, log_dir: str,
+               overlap: bool) -> Callable[[], int]:
     import aiohttp
 
     from torchtitan_grpo.inference.launcher import ServerSpec, start_servers, stop_process
 
     spec = ServerSpec(model_dir, device="cuda:0", dtype=dtype, extra_args=(
         "--kv-cache", kv, "--max-batch-size", str(len(prompts) * n),
-        "--max-model-len", str(len(prompts[0]) + new + 8)))
-    (srv,) = start_servers([spec], os.path.join(log_dir, f"server-{kv}"), timeout_s=300)
+        "--max-model-len", str(len(prompts[0]) + new + 8)) + (() if overlap else ("--disable-overlap-schedule",)))
+    name = f"server-{kv}-{len(prompts) * n}x{new}" + ("" if overlap else "-serial")
+    (srv,) = start_servers([spec], os.path.join(log_dir, name), timeout_s=300)
     body = lambda p: {"input_ids": p, "sampling_params": {  # noqa: E731
         "max_new_tokens": new, "temperature": 1.0, "n": n, "ignore_eos": True}}
 
@@ -197,12 +203,14 @@ def main() -> None:
         for row in wanted:
             run = None
             try:
+                overlap = not row.endswith("-serial")
+                kv = row.removesuffix("-serial").rsplit("-", 1)[1]
                 if row.startswith("server-http-"):
-                    run = server_row(model_dir, row.rsplit("-", 1)[1], prompts, n, new, args.dtype, tmp)
+                    run = server_row(model_dir, kv, prompts, n, new, args.dtype, tmp, overlap)
                 elif row == "static-forward":
                     run = static_forward_row(model_dir, prompts, n, new, args.dtype)
                 elif row.startswith("engine-"):
-                    run = engine_row(model_dir, row.split("-", 1)[1], prompts, n, new, args.dtype)
+                    run = engine_row(model_dir, kv, prompts, n, new, args.dtype, overlap)
                 else:
                     hf = hf or hf_rows(model_dir, prompts, n, new, args.dtype)
                     run = hf[row]

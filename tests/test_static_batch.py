@@ -211,7 +211,9 @@ def test_config_keys_reach_the_launched_servers(capsys):
 
     srv = parse_args(["--model", "m", "--port", "0", "--kv-cache", "static", "--max-model-len", "96"])
     eng = engine_config(srv)
-    assert (eng.kv_cache, eng.max_model_len, eng.cuda_graphs) == ("static", 96, True)
+    assert (eng.kv_cache, eng.max_model_len, eng.cuda_graphs, eng.overlap_schedule) == ("static", 96, True, None)
+    off = engine_config(parse_args(["--model", "m", "--port", "0", "--disable-overlap-schedule", "--no-cuda-graphs"]))
+    assert (off.cuda_graphs, off.overlap_schedule) == (False, False)
 
 
 def test_auto_pipeline_depth_is_serial_when_servers_share_the_trainer_gpu(monkeypatch):

@@ -60,6 +60,16 @@ class KVBatch(Protocol):
         ...
 
 
+def upload(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small host list as a tensor on ``device``, without waiting for the
+    device: ``torch.tensor(values, device="cuda")`` synchronises the stream
+    (it copies from pageable memory), which would stall the host until the
+    step in flight ends; a pinned copy is queued behind it instead."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 KV_CACHES = ("auto", "static", "dynamic")
 DEFAULT_STATIC_LEN = 2048
 """Positions per slot of the static cache when ``max_model_len`` is not set

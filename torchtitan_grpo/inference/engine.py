@@ -42,13 +42,12 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from torchtitan_grpo.inference.batch import KVBatch, make_batch
+from torchtitan_grpo.inference.batch import KVBatch, make_batch, upload
 from torchtitan_grpo.inference.static_batch import StaticBatch
 from torchtitan_grpo.inference.loading import eos_token_ids, load_model
 from torchtitan_grpo.inference.requests import (
     DEFAULT_WEIGHT_VERSION,
     PAUSE_MODES,
-    PROMPT_CHARS_PER_TOKEN,
     FinishReason,
     RequestError,
     SampleResult,
@@ -56,9 +55,12 @@ from torchtitan_grpo.inference.requests import (
     _Request,
     _sample_generator,
     _Sequence,
-    _version_spans,
+    check_prompt,
+    check_prompt_text,
+    decode_ids,
+    sample_result,
 )
-from torchtitan_grpo.inference.sampling import sample_tokens
+from torchtitan_grpo.inference.sampling import Launched, launch_sample
 from torchtitan_grpo.inference.weights import adoptable, check_specs, install_weights
 from torchtitan_grpo.weight_sync.buckets import TensorSpec
 
@@ -93,6 +95,11 @@ class EngineConfig:
     cuda_graphs: bool = True
     """Static cache on a GPU: replay decode steps as CUDA graphs (off: the
     same kernels launched one by one, for debugging)."""
+    overlap_schedule: bool | None = None
+    """Launch decode step k+1 before step k's tokens reach the host, so the
+    host's bookkeeping runs while the device computes (SGLang's overlap
+    scheduler). A row that ends at step k is computed once more, unread.
+    None: on a GPU (on a CPU nothing runs concurrently)."""
     debug_decode_delay_s: float = 0.0
     """Debug knob for benchmarks: every decode step of the batch takes this
     much longer (the worker sleeps in it), so one replica generates N times
@@ -135,6 +142,10 @@ class Engine:
         # [len(batch.rows)] the token each row sampled last, not yet in the KV
         # cache (fed by the next decode step); None while the batch is empty.
         self._last: torch.Tensor | None = None
+        # The decode step whose tokens are on the device but not yet recorded
+        # on the host (overlapped schedule): its rows and its sampling.
+        self._inflight: tuple[list[_Sequence], Launched] | None = None
+        self._overlap = cfg.overlap_schedule if cfg.overlap_schedule is not None else self.device.type == "cuda"
         self._paused: str | None = None
         self._stepping = False
         self._updating = False
@@ -197,32 +208,12 @@ class Engine:
     def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise :class:`RequestError` if :meth:`submit` would refuse this request
         (lets a route validate a whole batch before queueing any of it)."""
-        if not prompt_ids:
-            raise RequestError("the prompt is empty")
-        # The length first: a prompt too long for the context is not worth scanning.
-        if len(prompt_ids) >= self.max_context:
-            raise RequestError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.max_context}")
-        bad = next((t for t in prompt_ids if not 0 <= int(t) < self.vocab_size), None)
-        if bad is not None:
-            raise RequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        params.validate(self.vocab_size)
-        if params.stop and self.tokenizer is None:
-            raise RequestError("sampling_params.stop needs a tokenizer, and this model directory has none")
-
-    @property
-    def max_prompt_chars(self) -> int:
-        """Longest text prompt (in characters) worth tokenising (:data:`PROMPT_CHARS_PER_TOKEN`)."""
-        return PROMPT_CHARS_PER_TOKEN * self.max_context
+        check_prompt(prompt_ids, params, self.max_context, self.vocab_size, self.tokenizer is not None)
 
     def check_prompt_text(self, text: str, field: str = "text") -> None:
         """Raise :class:`RequestError` naming ``field`` if ``text`` is too long
         to be a prompt of this model; call it before tokenising ``text``."""
-        if len(text) > self.max_prompt_chars:
-            raise RequestError(
-                f"field {field!r} has {len(text)} characters, more than any prompt that fits the model's "
-                f"context of {self.max_context} tokens ({self.max_prompt_chars} characters at most); "
-                "it was not tokenised"
-            )
+        check_prompt_text(text, field, self.max_context)
 
     def pause(self, mode: str = "abort") -> int:
         """Stop generating between two steps; return how many requests are kept
@@ -382,9 +373,11 @@ class Engine:
         old = self._weight_version
         if version == old:
             return
+        ahead = {id(s) for s in self._inflight[0]} if self._inflight else set()
         for s in self._live_sequences():
-            if s.output_ids:
-                s.version_events.append((old, len(s.output_ids)))
+            n = len(s.output_ids) + (id(s) in ahead)  # the step in flight ran on ``old`` too
+            if n:
+                s.version_events.append((old, n))
         self._weight_version = version
 
     def _live_sequences(self) -> list[_Sequence]:
@@ -425,6 +418,7 @@ class Engine:
     def _clear_batch(self) -> None:
         self._batch.clear()
         self._last = None
+        self._inflight = None
 
     def _finish(self, s: _Sequence, reason: FinishReason) -> None:
         if s.finish is not None:
@@ -440,41 +434,10 @@ class Engine:
                 req.future.set_exception(e)
 
     def _result(self, s: _Sequence) -> SampleResult:
-        n_out = len(s.output_ids)
-        end_version = s.end_version or self._weight_version
-        spans = _version_spans(s.version_events, end_version, n_out) if s.version_events else None
-        version = spans[-1].version if spans else end_version
-        return SampleResult(
-            rid=s.req.rid if s.params.n == 1 else f"{s.req.rid}_{s.index}",
-            sample_index=s.index,
-            prompt_ids=s.req.prompt_ids,
-            output_ids=list(s.output_ids),
-            output_logprobs=list(s.logprobs),
-            top_logprobs=s.top,
-            finish_reason=s.finish,
-            weight_version=version,
-            weight_versions=spans if spans and len(spans) > 1 else None,
-            cached_tokens=s.cached_tokens,
-            e2e_latency=time.monotonic() - s.req.created,
-            text=self._text(s),
-        )
-
-    def _text(self, s: _Sequence) -> str | None:
-        if self.tokenizer is None:
-            return None
-        text = self._decode(s.output_ids, s.params.skip_special_tokens)
-        if s.stop_text is not None and not s.params.no_stop_trim:
-            text = text[: text.find(s.stop_text)] if s.stop_text in text else text
-        return text
-
-    def _decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
-        try:
-            return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special) or ""
-        except Exception:  # ids outside the tokenizer's vocabulary
-            return ""
+        return sample_result(s, self._weight_version, self.tokenizer)
 
     def token_text(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else self._decode([token_id], skip_special=False)
+        return None if self.tokenizer is None else decode_ids(self.tokenizer, [token_id], skip_special=False)
 
     # ---- worker loop ----------------------------------------------------- #
 
@@ -498,6 +461,8 @@ class Engine:
         while True:
             with self._cv:
                 while True:
+                    if self._inflight is not None and (self._actions or self._stopping):
+                        self._flush()  # actions see every sampled token recorded
                     while self._actions:
                         fn, fut = self._actions.pop(0)
                         try:
@@ -533,16 +498,49 @@ class Engine:
     # ---- steps (worker thread only) -------------------------------------- #
 
     def _prefill(self, seqs: list[_Sequence]) -> None:
+        self._flush()  # the rows already running have their tokens recorded
         logits = self._batch.prefill(seqs)  # seqs are now the batch's last rows
-        tokens = self._sample(logits, seqs)
-        self._last = tokens if self._last is None else torch.cat([self._last, tokens])
-        self._prune()
+        launched = self._launch(logits, seqs)
+        self._last = launched.tokens if self._last is None else torch.cat([self._last, launched.tokens])
+        self._inflight = (seqs, launched)
+        self._flush()
 
     def _decode_step(self) -> None:
+        rows = list(self._rows)
         logits = self._batch.decode(self._last)
         self._debug_decode_delay()
-        self._last = self._sample(logits, self._rows)
-        self._prune()
+        launched = self._launch(logits, rows)
+        self._last = launched.tokens
+        # Overlapped: record the step before this one while the device runs
+        # this one; rows that ended there are pruned (this step's token for
+        # them is dropped). Else, or when the next step could not be
+        # launched ahead, record this one now.
+        previous, self._inflight = self._inflight, (rows, launched)
+        if previous is not None:
+            self._record(*previous)
+            self._prune()
+        if not (self._overlap and self._may_run_ahead()):
+            self._flush()
+
+    def _may_run_ahead(self) -> bool:
+        """Whether the next step may be launched before the one in flight is
+        recorded: not if a row's next sampling needs its tokens on the host
+        (penalties, min_new_tokens still pending) or if every row ends with
+        the step in flight (nothing to run ahead for)."""
+        ending = 0
+        for s in self._rows:
+            p, n = s.params, len(s.output_ids) + 1
+            if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty or n <= p.min_new_tokens:
+                return False
+            ending += n >= p.max_new_tokens or len(s.req.prompt_ids) + n >= self.max_context
+        return ending < len(self._rows)
+
+    def _flush(self) -> None:
+        """Record the step in flight (if any) and prune the rows it ended."""
+        if self._inflight is not None:
+            previous, self._inflight = self._inflight, None
+            self._record(*previous)
+            self._prune()
 
     def _debug_decode_delay(self) -> None:
         """``debug_decode_delay_s``: a longer decode step (worker, outside the lock)."""
@@ -559,13 +557,16 @@ class Engine:
                 self._clear_batch()
                 return
             self._batch.keep(keep)
-            self._last = self._last[torch.tensor(keep, device=self.device)]
+            self._last = self._last[upload(keep, self.device)]
 
     # ---- sampling -------------------------------------------------------- #
 
-    def _sample(self, logits: torch.Tensor, seqs: list[_Sequence]) -> torch.Tensor:
-        """Pick one token per row, record it (and its logprob), check stops."""
-        picked = sample_tokens(logits, seqs, self.device, self._rng, self.eos_token_ids)
+    def _launch(self, logits: torch.Tensor, seqs: list[_Sequence]) -> Launched:
+        return launch_sample(logits, seqs, self.device, self._rng, self.eos_token_ids)
+
+    def _record(self, seqs: list[_Sequence], launched: Launched) -> None:
+        """Record each live row's token (and its logprob), check stops."""
+        picked = launched.resolve()
         with self._cv:
             for i, s in enumerate(seqs):
                 if s.finish is not None:
@@ -575,7 +576,6 @@ class Engine:
                 if i in picked.top:
                     s.top = (s.top or []) + [picked.top[i]]
                 self._check_stop(s)
-        return picked.tokens
 
     def _check_stop(self, s: _Sequence) -> None:
         p = s.params
@@ -587,7 +587,7 @@ class Engine:
                 return
             if p.stop:
                 longest = max(len(x) for x in p.stop)
-                tail = self._decode(s.output_ids[-(longest + 8) :], p.skip_special_tokens)
+                tail = decode_ids(self.tokenizer, s.output_ids[-(longest + 8) :], p.skip_special_tokens)
                 hit = next((x for x in p.stop if x in tail), None)
                 if hit is not None:
                     s.stop_text = hit

@@ -13,6 +13,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import torch
 
@@ -236,3 +237,65 @@ def parse_stop(value) -> tuple[str, ...] | None:
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
         return tuple(v for v in value if v)
     return None
+
+
+def decode_ids(tokenizer: Any, ids: Sequence[int], skip_special: bool = True) -> str:
+    """``ids`` as text ("" for ids outside the tokenizer's vocabulary)."""
+    try:
+        return tokenizer.decode(list(ids), skip_special_tokens=skip_special) or ""
+    except Exception:
+        return ""
+
+
+def sample_result(s: _Sequence, current_version: str, tokenizer: Any) -> SampleResult:
+    """What a finished (or aborted) sample returns; its text if there is a tokenizer."""
+    n_out = len(s.output_ids)
+    end_version = s.end_version or current_version
+    spans = _version_spans(s.version_events, end_version, n_out) if s.version_events else None
+    text = None
+    if tokenizer is not None:
+        text = decode_ids(tokenizer, s.output_ids, s.params.skip_special_tokens)
+        if s.stop_text is not None and not s.params.no_stop_trim and s.stop_text in text:
+            text = text[: text.find(s.stop_text)]
+    return SampleResult(
+        rid=s.req.rid if s.params.n == 1 else f"{s.req.rid}_{s.index}",
+        sample_index=s.index,
+        prompt_ids=s.req.prompt_ids,
+        output_ids=list(s.output_ids),
+        output_logprobs=list(s.logprobs),
+        top_logprobs=s.top,
+        finish_reason=s.finish,
+        weight_version=spans[-1].version if spans else end_version,
+        weight_versions=spans if spans and len(spans) > 1 else None,
+        cached_tokens=s.cached_tokens,
+        e2e_latency=time.monotonic() - s.req.created,
+        text=text,
+    )
+
+
+def check_prompt(prompt_ids: Sequence[int], params: SamplingParams, max_context: int, vocab_size: int,
+                 has_tokenizer: bool) -> None:
+    """Raise :class:`RequestError` for a prompt (or sampling parameters) an
+    engine of this context and vocabulary cannot serve."""
+    if not prompt_ids:
+        raise RequestError("the prompt is empty")
+    # The length first: a prompt too long for the context is not worth scanning.
+    if len(prompt_ids) >= max_context:
+        raise RequestError(f"the prompt has {len(prompt_ids)} tokens; the model's context is {max_context}")
+    bad = next((t for t in prompt_ids if not 0 <= int(t) < vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    params.validate(vocab_size)
+    if params.stop and not has_tokenizer:
+        raise RequestError("sampling_params.stop needs a tokenizer, and this model directory has none")
+
+
+def check_prompt_text(text: str, field: str, max_context: int) -> None:
+    """Raise :class:`RequestError` naming ``field`` if ``text`` is longer than
+    any prompt that fits ``max_context`` (:data:`PROMPT_CHARS_PER_TOKEN`)."""
+    most = PROMPT_CHARS_PER_TOKEN * max_context
+    if len(text) > most:
+        raise RequestError(
+            f"field {field!r} has {len(text)} characters, more than any prompt that fits the model's "
+            f"context of {max_context} tokens ({most} characters at most); it was not tokenised"
+        )

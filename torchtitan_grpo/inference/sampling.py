@@ -14,6 +14,7 @@ from typing import Sequence
 
 import torch
 
+from torchtitan_grpo.inference.batch import upload
 from torchtitan_grpo.inference.requests import _GREEDY_EPS, _Sequence
 
 
@@ -32,13 +33,47 @@ class Sampled:
     rows whose request asked for them."""
 
 
+class Launched:
+    """A step's sampling, queued on the device: ``tokens`` can feed the next
+    decode step at once, and the host values arrive by :meth:`resolve` (a
+    copy started now, so on a GPU the host can launch the next step before
+    this one's values are read: the engine's overlapped schedule)."""
+
+    def __init__(self, tokens: torch.Tensor, chosen: torch.Tensor, top: dict[int, tuple[torch.Tensor, torch.Tensor]]):
+        self.tokens = tokens
+        self._top = top
+        self._event = None
+        if tokens.device.type == "cuda":
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (tokens, chosen)]
+            for h, t in zip(self._host, (tokens, chosen)):
+                h.copy_(t, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = [tokens, chosen]
+
+    def resolve(self) -> Sampled:
+        """Wait for the values (if not yet there) and return them."""
+        if self._event is not None:
+            self._event.synchronize()
+        tops = {i: list(zip(v.tolist(), ix.tolist())) for i, (v, ix) in self._top.items()}
+        return Sampled(self.tokens, self._host[0].tolist(), self._host[1].tolist(), tops)
+
+
 def sample_tokens(
+    logits: torch.Tensor, seqs: Sequence[_Sequence], device: torch.device, rng: random.Random, eos_ids: Sequence[int]
+) -> Sampled:
+    """:func:`launch_sample`, then its values."""
+    return launch_sample(logits, seqs, device, rng, eos_ids).resolve()
+
+
+def launch_sample(
     logits: torch.Tensor,
     seqs: Sequence[_Sequence],
     device: torch.device,
     rng: random.Random,
     eos_ids: Sequence[int],
-) -> Sampled:
+) -> Launched:
     """Pick one token per row of ``logits`` ([len(seqs), vocab]) for ``seqs``.
 
     Greedy rows take the argmax of the processed logits. The others draw from
@@ -54,7 +89,7 @@ def sample_tokens(
     params = [s.params for s in seqs]
     greedy = [p.temperature < _GREEDY_EPS for p in params]
     temps_l = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
-    temps = temps_l[0] if len(set(temps_l)) == 1 else torch.tensor(temps_l, device=device)[:, None]
+    temps = temps_l[0] if len(set(temps_l)) == 1 else upload(temps_l, device)[:, None]
     # The log-softmax reads the model's dtype and computes in fp32 (no fp32
     # copy of the logits unless a temperature divides them first).
     scaled = logits if set(temps_l) == {1.0} else logits.float() / temps
@@ -71,21 +106,17 @@ def sample_tokens(
         else:
             x = _truncate(proc.float() / temps, top_k, [p.top_p for p in params], [p.min_p for p in params])
             cdf = torch.softmax(x, dim=-1).cumsum_(dim=-1)
-        u = torch.tensor([(s.generator or rng).random() for s in seqs], device=device, dtype=cdf.dtype)
+        u = upload([(s.generator or rng).random() for s in seqs], device, cdf.dtype)
         # The first token whose cumulative mass exceeds u (scaled by the total,
         # which rounding keeps a hair off 1): token i wins with probability p_i;
         # a token of zero mass never does.
         drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1).clamp_(max=vocab - 1)
         tokens = drawn if not any(greedy) else torch.where(
-            torch.tensor(greedy, device=device), proc.argmax(dim=-1), drawn)
+            upload(greedy, device), proc.argmax(dim=-1), drawn)
     chosen = logp.gather(1, tokens[:, None]).squeeze(1)
-    tok_list = tokens.tolist()
-    tops = {}
-    for i, s in enumerate(seqs):
-        if s.req.top_logprobs_num > 0:
-            v, ix = logp[i].topk(min(s.req.top_logprobs_num, vocab))
-            tops[i] = list(zip(v.tolist(), ix.tolist()))
-    return Sampled(tokens, tok_list, chosen.tolist(), tops)
+    tops = {i: logp[i].topk(min(s.req.top_logprobs_num, vocab)) for i, s in enumerate(seqs)
+            if s.req.top_logprobs_num > 0}
+    return Launched(tokens, chosen, tops)
 
 
 def process_logits(
@@ -140,15 +171,15 @@ def _truncate(x: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list
     if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_x, order = x.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=dev)
-        sorted_x = sorted_x.masked_fill(ranks[None, :] >= torch.tensor(top_k, device=dev)[:, None], float("-inf"))
+        sorted_x = sorted_x.masked_fill(ranks[None, :] >= upload(top_k, dev)[:, None], float("-inf"))
         probs = torch.softmax(sorted_x, dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass strictly ahead of each token
-        drop = before > torch.tensor(top_p, device=dev)[:, None]
+        drop = before > upload(top_p, dev)[:, None]
         drop[:, 0] = False  # the most likely token always survives
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         x = torch.empty_like(x).scatter_(1, order, sorted_x)
     if any(p > 0 for p in min_p):
         probs = torch.softmax(x, dim=-1)
-        floor = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p, device=dev)[:, None]
+        floor = probs.max(dim=-1, keepdim=True).values * upload(min_p, dev)[:, None]
         x = x.masked_fill(probs < floor, float("-inf"))
     return x

@@ -184,6 +184,9 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                         "context, at most 2048. The cache takes max-batch-size x max-model-len positions up front")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="static cache on a GPU: launch the decode step's kernels one by one (debugging)")
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="record each decode step's tokens before launching the next (SGLang's flag; by default "
+                        "a GPU engine launches step k+1 while the host records step k)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health and /health_generate")
     p.add_argument("--weight-group-timeout", type=float, default=300.0,
@@ -218,7 +221,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     return ServerConfig(
         model=a.model, host=a.host, port=a.port, device=a.device, dtype=a.dtype, seed=a.seed,
         max_batch_size=a.max_batch_size, kv_cache=a.kv_cache, max_model_len=a.max_model_len,
-        cuda_graphs=not a.no_cuda_graphs, api_key=a.api_key,
+        cuda_graphs=not a.no_cuda_graphs, overlap_schedule=not a.disable_overlap_schedule, api_key=a.api_key,
         weight_group_timeout_s=a.weight_group_timeout, num_threads=a.num_threads,
         debug_update_delay_s=a.debug_update_delay_s, debug_decode_delay_s=a.debug_decode_delay_s,
         chat_template=chat_template, trust_request_chat_template=a.trust_request_chat_template,
@@ -228,6 +231,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
 def engine_config(cfg: ServerConfig) -> EngineConfig:
     return EngineConfig(cfg.model, cfg.device, cfg.dtype, cfg.seed, cfg.max_batch_size,
                         kv_cache=cfg.kv_cache, max_model_len=cfg.max_model_len, cuda_graphs=cfg.cuda_graphs,
+                        overlap_schedule=None if cfg.overlap_schedule else False,
                         debug_decode_delay_s=cfg.debug_decode_delay_s)
 
 

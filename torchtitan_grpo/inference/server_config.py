@@ -23,6 +23,9 @@ class ServerConfig:
     model's context, at most 2048)."""
     cuda_graphs: bool = True
     """Off with ``--no-cuda-graphs``."""
+    overlap_schedule: bool = True
+    """Off with ``--disable-overlap-schedule`` (on: the engine's default, which
+    overlaps on a GPU only)."""
     api_key: str | None = None
     """If set, every route except /health and /health_generate needs
     ``Authorization: Bearer KEY``."""

@@ -38,6 +38,8 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
+from torchtitan_grpo.inference.batch import upload
+
 logger = logging.getLogger(__name__)
 
 _SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -252,7 +254,7 @@ class StaticBatch:
         # Rows in slots 0..n-1, in order (the usual case: lowest free slot
         # first): plain slices, no index tensor to upload, no gather.
         dense = self._slot_of[-1] == n_rows - 1 and self._slot_of == list(range(n_rows))
-        slots = slice(0, n_rows) if dense else torch.tensor(self._slot_of, device=self.device)
+        slots = slice(0, n_rows) if dense else upload(self._slot_of, self.device)
         self._tokens[slots] = last
         live = n_rows if dense else max(self._slot_of) + 1
         longest = max(self._len[s] for s in self._slot_of) + 1
