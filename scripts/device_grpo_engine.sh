@@ -5,7 +5,7 @@
 # with the servers' KV cache static (the default on a GPU) and dynamic (the
 # engine before issue 22). From the repo root with .whl/ carried:
 #
-#   OUT=... BUDGET=560 [STEPS=6] bash scripts/device_grpo_engine.sh
+#   OUT=... BUDGET=560 [STEPS=6] [KVS="static dynamic"] bash scripts/device_grpo_engine.sh
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-$PWD/outputs/device_grpo_engine}
@@ -13,7 +13,7 @@ BUDGET=${BUDGET:-560}
 mkdir -p "$OUT"
 source scripts/device_env.sh
 rc=0
-for kv in static dynamic; do
+for kv in ${KVS:-static dynamic}; do
   budgeted "pipeline_$kv.log" python3 bench/pipeline_loop.py --one-gpu --steps "${STEPS:-6}" --warmup 2 \
     --out "$OUT/runs-$kv" --server-args "--kv-cache $kv" || rc=$?
   echo "== kv_cache $kv"; cat "$OUT/pipeline_$kv.log"
