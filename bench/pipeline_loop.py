@@ -20,8 +20,9 @@ of generation and training is the only difference. Per run, after
 * push stall: what the snapshot cost the trainer's thread per step; lag: how
   many versions the first server was behind when the step was logged.
 
-On CPU, "serial-N-sync" is the demo as shipped (serial loop, synchronous
-push), the baseline of "the demo's loop time pipelined vs serial".
+"serial-N-sync" is the serial loop with a synchronous push: on CPU the demo
+as shipped, the baseline of "the demo's loop time pipelined vs serial"; on a
+GPU the serial step with no version installed while it generates.
 
 "pipelined-N-real-order" repeats the pipelined run with the weight push in
 the order a real SGLang gets it (``weight_sync.pipeline_requests`` and
@@ -157,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrent-runs", type=int, default=1,
                     help="rows run at once (each with its own servers); >1 only where the figures do not "
                          "matter (the suite's smoke test): concurrent runs share the CPU")
+    ap.add_argument("--only", default="", help="comma-separated row names to run (default: all)")
     ap.add_argument("extra", nargs="*", help="more grpo_train.py overrides, after --")
     args = ap.parse_args(argv)
 
@@ -182,12 +184,15 @@ def main(argv: list[str] | None = None) -> int:
         for depth, loop in ((0, "serial"), (1, "pipelined")):
             plan.append((f"{loop}-{n}", depth, [0.0] * n, ()))
     n = replicas[0]
-    if not gpu:
-        # The demo as shipped: the serial loop with a synchronous push (exactly on-policy).
-        plan.append((f"serial-{n}-sync", 0, [0.0] * n, ("--weight_sync.mode", "sync")))
+    # The serial loop with a synchronous push (exactly on-policy): the demo as
+    # shipped, and on a GPU the serial step without a version installed while
+    # it generates.
+    plan.append((f"serial-{n}-sync", 0, [0.0] * n, ("--weight_sync.mode", "sync")))
     # What a real SGLang gets: one request after another's reply, no early answers.
     plan.append((f"pipelined-{n}-real-order", 1, [0.0] * n,
                  ("--weight_sync.no-pipeline-requests", "--weight_sync.no-ack-posted")))
+    if args.only:
+        plan = [p for p in plan if p[0] in args.only.split(",")]
     if args.concurrent_runs > 1:
         from concurrent.futures import ThreadPoolExecutor
 
@@ -197,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         done = [train(args, name, depth, delays, extra) for name, depth, delays, extra in plan]
     runs: dict[str, Run] = {r.name: r for r in done}
     slow_delay = 0.0
-    if args.slow_factor > 0 and 2 in replicas:
+    if args.slow_factor > 0 and "pipelined-2" in runs:
         fast = runs["pipelined-2"]
         latency = fast.mean("rollout/group_latency_s")
         tokens = max(fast.mean("rollout/completion_len"), 1.0)
