@@ -188,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     # shipped, and on a GPU the serial step without a version installed while
     # it generates.
     plan.append((f"serial-{n}-sync", 0, [0.0] * n, ("--weight_sync.mode", "sync")))
+    if gpu:
+        # Serial, async push installed between decode steps (in_place) rather
+        # than after the running batch drains (the serial default, "none").
+        plan.append((f"serial-{n}-in-place", 0, [0.0] * n, ("--weight_sync.pause_mode", "in_place")))
     # What a real SGLang gets: one request after another's reply, no early answers.
     plan.append((f"pipelined-{n}-real-order", 1, [0.0] * n,
                  ("--weight_sync.no-pipeline-requests", "--weight_sync.no-ack-posted")))
@@ -219,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
           f"reward first 10 | last 10 | loop s |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, r in runs.items():
-        serial = runs.get(name.replace("pipelined", "serial").replace("-real-order", "").replace("-sync", ""))
+        serial = runs.get(name.replace("pipelined", "serial").replace("-real-order", "").replace("-sync", "")
+                          .replace("-in-place", ""))
         ideal = (serial.wait_s + serial.rest_s) / max(serial.wait_s, serial.rest_s) if serial else float("nan")
         gain = r.samples_per_s / serial.samples_per_s if serial else float("nan")
         loop_s = sum(x["time/step_s"] for x in r.rows)
