@@ -351,3 +351,16 @@ def test_inference_urls_override_is_a_comma_separated_list():
     assert cfg.inference.urls == ["http://n1:30000", "http://n2:30001"]
     with pytest.raises(SystemExit):
         parse_config(["--job.config_file", demo, "--inference.urls", "http://n1:30000", "http://n2:30001"])
+
+
+def test_a_mistyped_model_path_fails_the_job_before_anything_starts(tmp_path):
+    """The config says grpo.tiny_model_if_missing, but the path the user gave
+    does not exist: the job dies naming the key, and nothing is written there
+    (only the demo's own path gets the tiny model). Needs no SLURM: the check
+    runs before the first srun."""
+    typo = tmp_path / "tiny-qwn3"
+    env = _env(SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="node1", SLURM_SUBMIT_DIR=ROOT)
+    r = _run(["bash", SBATCH, CONFIG, "--model.hf_assets_path", str(typo)], cwd=ROOT, env=env)
+    assert r.returncode != 0
+    assert "model.hf_assets_path" in r.stderr + r.stdout and "never at a path given to it" in r.stderr + r.stdout
+    assert not typo.exists()
