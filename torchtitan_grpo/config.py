@@ -292,7 +292,7 @@ class WeightSync:
     bucket goes out then, queued behind the one in flight: the link never
     idles between buckets and no broadcast waits on the trainer's GPU for a
     receive (2 H200s, 8B in 1 GiB buckets: 0.73 -> 0.89 of raw NCCL;
-    docs/PERFORMANCE.md runs 47-48). In vLLM's (one update per version) the
+    docs/perf-history/weight-push.md runs 47-48). In vLLM's (one update per version) the
     finish is then handled while the bytes arrive instead of after them."""
 
     master_address: str = "127.0.0.1"

@@ -143,7 +143,7 @@ class GroupPush(Transport):
         stop = threading.Event()
         # One hop to the replica's thread for all of them, not one per buffer
         # through the event loop (on 2 H200s this made no measurable
-        # difference to push bandwidth: docs/PERFORMANCE.md, runs 4 and 5).
+        # difference to push bandwidth: docs/perf-history/weight-push.md, runs 4 and 5).
         send = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(
             r.executor, self.broadcast_all, r, staged, buckets, stop, wait))
         try:

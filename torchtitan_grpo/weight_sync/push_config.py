@@ -75,7 +75,7 @@ class PushConfig:
     receive is posted (``?ack=posted``). SGLang's protocol sends each bucket
     then, queued behind the one in flight, so the link never idles between
     buckets and no broadcast waits on the trainer's GPU for a receive (2
-    H200s, 8B in 1 GiB buckets: 0.73 -> 0.89 of raw NCCL; docs/PERFORMANCE.md
+    H200s, 8B in 1 GiB buckets: 0.73 -> 0.89 of raw NCCL; docs/perf-history/weight-push.md
     runs 47-48). vLLM's protocol still broadcasts once the round is started;
     its finish is then handled while the bytes arrive, not after them."""
     api_key: str = ""

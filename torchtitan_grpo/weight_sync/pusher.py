@@ -254,7 +254,7 @@ class Pusher:
         # thread goes back to training right after the snapshot, and a sender
         # busy on the event loop meanwhile would make every torch call of the
         # snapshot wait for the GIL: on 2 H200s the async step's stall went
-        # from 0.6-1.0 ms to 2.7 ms that way (docs/PERFORMANCE.md, run 27), so
+        # from 0.6-1.0 ms to 2.7 ms that way (docs/perf-history/weight-push.md, run 27), so
         # it publishes after.
         if wait:
             self._publish(staged, version)

@@ -148,7 +148,7 @@ class SGLangPush(GroupPush):
                     # replica is about to post its receive: an NCCL broadcast
                     # launched earlier spins on the trainer's GPU until then
                     # (2 H200s: a replica slowed 10x made the async step 1.30x
-                    # slower that way, docs/PERFORMANCE.md runs 10-11).
+                    # slower that way, docs/perf-history/weight-push.md runs 10-11).
                     await until(updates[k - 1], watched)
                 await self.with_broadcasts(r, watched, staged, [k])
             # The replica loads a session's buckets as one version at its end.
