@@ -254,3 +254,29 @@ def test_missing_and_invalid_config_files_are_named(tmp_path):
 def test_bounds_of_timeout_and_clip_keys(key, value, message):
     with pytest.raises(ConfigError, match=rf"config key {re.escape(key)} = .*: {message}"):
         parse_config(["--job.config_file", DEMO, f"--{key}", value])
+
+
+def test_inference_keys_become_flags_the_started_servers_parse(tmp_path, monkeypatch):
+    """What the trainer passes its built-in servers ([inference] kv_cache,
+    max_model_len, chat_template) parses as the server's own flags; a chat
+    template that is neither a file nor a template is a config error naming
+    the key."""
+    import os
+
+    from torchtitan_grpo.config import ConfigError, parse_config
+    from torchtitan_grpo.inference.server import parse_args
+    from torchtitan_grpo.session import server_engine_args
+
+    demo = os.path.join(os.path.dirname(os.path.dirname(__file__)), "train_configs", "demo_cpu.toml")
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    monkeypatch.chdir(tmp_path)  # a relative path: the servers get it made absolute
+    cfg = parse_config(["--job.config_file", demo, "--inference.kv_cache", "dynamic", "--inference.max_model_len",
+                        "64", "--inference.chat_template", "chat.jinja"])
+    args = server_engine_args(cfg.inference)
+    monkeypatch.chdir("/")
+    srv = parse_args(["--model", "m", "--port", "0", *args])
+    assert (srv.kv_cache, srv.max_model_len, srv.chat_template) == ("dynamic", 64, template.read_text())
+    with pytest.raises(ConfigError, match=r"inference\.chat_template"):
+        parse_config(["--job.config_file", demo, "--inference.chat_template", "no-such-file.jinja"])
+

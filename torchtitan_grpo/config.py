@@ -196,6 +196,13 @@ class Inference:
     prompt and completion together (their ``--max-model-len``); 0 = the
     model's context, at most 2048. Its memory is taken at start-up."""
 
+    chat_template: str = ""
+    """Started built-in servers' ``--chat-template``: a Jinja template (a
+    file, or the text itself) that renders ``/v1/chat/completions`` messages
+    in place of the tokenizer's own (environments such as Atropos's call
+    that route; needed when the tokenizer has no template). "" = the
+    tokenizer's."""
+
     host: str = "127.0.0.1"
     """Interface the started servers bind to."""
 
@@ -393,6 +400,14 @@ def validate(cfg) -> None:
            'must be "cpu", "cuda" or "cuda:N"', i.server_device)
     _check(i.max_model_len == 0 or i.max_model_len >= 2, "inference.max_model_len",
            "must be 0 (the model's context, at most 2048) or >= 2", i.max_model_len)
+    if i.chat_template:
+        from torchtitan_grpo.inference.chat_template import load_chat_template
+
+        try:
+            load_chat_template(i.chat_template)
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            _check(False, "inference.chat_template", f"is neither a readable file nor a Jinja template ({e})",
+                   i.chat_template[:80])
     _check(i.startup_timeout_s > 0, "inference.startup_timeout_s", "must be > 0", i.startup_timeout_s)
     _check(i.server_max_restarts >= 0, "inference.server_max_restarts", "must be >= 0", i.server_max_restarts)
     _check(i.request_timeout_s > 0, "inference.request_timeout_s", "must be > 0", i.request_timeout_s)

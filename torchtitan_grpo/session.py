@@ -119,6 +119,16 @@ def _prompt_source(cfg):
     return tasks.PromptIterator(data, cfg.grpo.prompts_per_step, cfg.grpo.seed), None
 
 
+def server_engine_args(i) -> tuple[str, ...]:
+    """The ``[inference]`` engine settings (``i``) as the started built-in
+    servers' command-line flags."""
+    args = ("--kv-cache", i.kv_cache, "--max-model-len", str(i.max_model_len))
+    if i.chat_template:  # a file's path made absolute: the servers may start elsewhere
+        template = os.path.abspath(i.chat_template) if os.path.isfile(i.chat_template) else i.chat_template
+        args += ("--chat-template", template)
+    return args
+
+
 @contextlib.contextmanager
 def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
     """With ``resume``, the prompt source continues where the checkpoint left
@@ -138,7 +148,7 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
         if i.urls or i.replica_file:
             urls = list(i.urls)
         else:
-            engine_args = ("--kv-cache", i.kv_cache, "--max-model-len", str(i.max_model_len))
+            engine_args = server_engine_args(i)
             specs = [ServerSpec(hf_dir, device=i.server_device, dtype=i.server_dtype, host=i.host,
                                 threads=i.server_threads, seed=cfg.grpo.seed + k, api_key=key,
                                 extra_args=engine_args)
