@@ -44,6 +44,14 @@ def test_weight_push_cpu():
     assert rows[1].count("| - ") == 6  # the disk push of the second row was not run
 
 
+def test_metric_log_bench():
+    r, out = _run([sys.executable, "bench/metric_log.py", "--steps", "5"])
+    assert r.returncode == 0, out[-4000:]
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [row.split("|")[1].strip() for row in rows] == ["jsonl-only", "tb-summary", "tb-add-scalar-flush"]
+    assert all(float(row.split("|")[2]) > 0 for row in rows)
+
+
 def test_snapshot_copy_cpu():
     r, out = _run([sys.executable, "bench/snapshot_copy.py", "--cpu", "--reps", "1"])
     assert r.returncode == 0, out[-4000:]

@@ -208,7 +208,7 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
         if r.source == "builtin":
             logger.info("rollouts: %s (pipeline depth %d)%s", "pipelined" if depth else "serial", depth,
                         f"; weight updates pause generation {pause_mode}" if depth and w.mode != "off" else "")
-        log = MetricLogger(cfg.job.dump_folder, cfg.metrics.save_tb_folder,
+        log = MetricLogger(cfg.job.dump_folder, cfg.metrics.save_tb_folder, cfg.metrics.enable_tensorboard,
                            resume_step=None if resume is None else resume.step)
         stack.callback(log.close)
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
