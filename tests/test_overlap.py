@@ -27,8 +27,8 @@ REQUESTS = [
 ]
 
 
-def _run(model_dir: str, kv_cache: str, overlap: bool) -> list:
-    eng = Engine(EngineConfig(model_dir, dtype="float32", max_batch_size=16, kv_cache=kv_cache,
+def _run(model_dir: str, kv_cache: str, overlap: bool, device: str = "cpu") -> list:
+    eng = Engine(EngineConfig(model_dir, device=device, dtype="float32", max_batch_size=16, kv_cache=kv_cache,
                               max_model_len=32, overlap_schedule=overlap))
     eng.start()
     try:
@@ -38,9 +38,15 @@ def _run(model_dir: str, kv_cache: str, overlap: bool) -> list:
         eng.shutdown()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("kv_cache", ["dynamic", "static"])
-def test_overlapped_schedule_generates_what_the_serial_one_does(tiny_model_dir, kv_cache):
-    serial, overlapped = _run(tiny_model_dir, kv_cache, False), _run(tiny_model_dir, kv_cache, True)
+def test_overlapped_schedule_generates_what_the_serial_one_does(tiny_model_dir, kv_cache, device):
+    """On CUDA: the overlap's real case (copies and events), static cache with
+    CUDA graphs; fp32, so both schedules pick the same tokens."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA (run on a device machine: docs/GPU_RUNS.md)")
+    serial = _run(tiny_model_dir, kv_cache, False, device)
+    overlapped = _run(tiny_model_dir, kv_cache, True, device)
     assert [r.finish_reason.kind for r in serial] == [r.finish_reason.kind for r in overlapped]
     assert "length" in {r.finish_reason.kind for r in serial}
     if kv_cache == "static":  # the 22-token prompt ended at the 32-position context
