@@ -502,8 +502,8 @@ class Engine:
         logits = self._batch.prefill(seqs)  # seqs are now the batch's last rows
         launched = self._launch(logits, seqs)
         self._last = launched.tokens if self._last is None else torch.cat([self._last, launched.tokens])
-        self._inflight = (seqs, launched)
-        self._flush()
+        self._record(seqs, launched)
+        self._prune()
 
     def _decode_step(self) -> None:
         rows = list(self._rows)

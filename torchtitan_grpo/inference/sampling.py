@@ -89,10 +89,11 @@ def launch_sample(
     params = [s.params for s in seqs]
     greedy = [p.temperature < _GREEDY_EPS for p in params]
     temps_l = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
-    temps = temps_l[0] if len(set(temps_l)) == 1 else upload(temps_l, device)[:, None]
+    distinct = set(temps_l)
+    temps = temps_l[0] if len(distinct) == 1 else upload(temps_l, device)[:, None]
     # The log-softmax reads the model's dtype and computes in fp32 (no fp32
     # copy of the logits unless a temperature divides them first).
-    scaled = logits if set(temps_l) == {1.0} else logits.float() / temps
+    scaled = logits if distinct == {1.0} else logits.float() / temps
     logp = torch.log_softmax(scaled, dim=-1, dtype=torch.float32)
     proc = process_logits(logits, seqs, device, eos_ids)
     top_k = [_top_k(p.top_k, vocab) for p in params]

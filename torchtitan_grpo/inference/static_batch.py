@@ -382,7 +382,6 @@ class StaticBatch:
         for b, n in self.shapes():
             if (b, n) not in self._graphs:
                 self._graphs[(b, n)] = self._capture(b, n)
-        self.late_captures = 0
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
 
