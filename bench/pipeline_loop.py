@@ -22,7 +22,9 @@ of generation and training is the only difference. Per run, after
 
 "serial-N-sync" is the serial loop with a synchronous push: on CPU the demo
 as shipped, the baseline of "the demo's loop time pipelined vs serial"; on a
-GPU the serial step with no version installed while it generates.
+GPU (only when ``--only`` names it, like "serial-N-in-place", the async push
+installed between decode steps) the serial step with no version installed
+while it generates.
 
 "pipelined-N-real-order" repeats the pipelined run with the weight push in
 the order a real SGLang gets it (``weight_sync.pipeline_requests`` and
@@ -187,11 +189,14 @@ def main(argv: list[str] | None = None) -> int:
     # The serial loop with a synchronous push (exactly on-policy): the demo as
     # shipped, and on a GPU the serial step without a version installed while
     # it generates.
-    plan.append((f"serial-{n}-sync", 0, [0.0] * n, ("--weight_sync.mode", "sync")))
-    if gpu:
-        # Serial, async push installed between decode steps (in_place) rather
-        # than after the running batch drains (the serial default, "none").
-        plan.append((f"serial-{n}-in-place", 0, [0.0] * n, ("--weight_sync.pause_mode", "in_place")))
+    sync = (f"serial-{n}-sync", 0, [0.0] * n, ("--weight_sync.mode", "sync"))
+    # Serial, async push installed between decode steps (in_place) rather
+    # than after the running batch drains (the serial default, "none").
+    in_place = (f"serial-{n}-in-place", 0, [0.0] * n, ("--weight_sync.pause_mode", "in_place"))
+    if not gpu:
+        plan.append(sync)
+    elif args.only:  # on a GPU only when named: the default plan fits the device scripts' budgets
+        plan += [sync, in_place]
     # What a real SGLang gets: one request after another's reply, no early answers.
     plan.append((f"pipelined-{n}-real-order", 1, [0.0] * n,
                  ("--weight_sync.no-pipeline-requests", "--weight_sync.no-ack-posted")))

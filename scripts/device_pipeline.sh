@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # The pipelined loop on one GPU in one device call: bench/pipeline_loop.py
 # --one-gpu (Qwen3-0.6B shape, trainer and a bf16 built-in server sharing
-# cuda:0, ipc push): serial, pipelined, and pipelined with the real-engine
-# request order, each a real grpo_train.py run. From the repo root with .whl/
-# carried:
+# cuda:0, ipc push): serial, pipelined, pipelined with the real-engine request
+# order, and the serial loop with the push sync or installed in place, each a
+# real grpo_train.py run ($ONLY: a comma-separated subset of those rows). Then
+# per run and step: the trainer's wait, the generation span (first group's
+# start to last group's end), the mean group latency, train time and version
+# lag, and the trainer's step lines. From the repo root with .whl/ carried:
 #
-#   OUT=... BUDGET=560 [STEPS=8] bash scripts/device_pipeline.sh
+#   OUT=... BUDGET=560 [STEPS=8] [ONLY=serial-1,serial-1-in-place,serial-1-sync] bash scripts/device_pipeline.sh
 #
-# Logs go to $OUT; the table ends the output.
+# Logs go to $OUT; the table ends the bench's output.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-$PWD/outputs/device_pipeline}
@@ -15,12 +18,21 @@ BUDGET=${BUDGET:-560}
 mkdir -p "$OUT"
 source scripts/device_env.sh
 budgeted pipeline_loop.log python3 bench/pipeline_loop.py --one-gpu --steps "${STEPS:-8}" --warmup 2 \
-  --out "$OUT/runs"
+  --out "$OUT/runs" ${ONLY:+--only "$ONLY"}
 rc=$?
 cat "$OUT/pipeline_loop.log"
-# the trainers' logs (step lines) beside the table
 for d in "$OUT"/runs/*/; do
-  [ -f "$d/train.log" ] && { echo "== $d"; grep -E "INFO step|rollouts:|stopped|Error" "$d/train.log" | tail -12; }
+  [ -f "$d/metrics.jsonl" ] || continue
+  echo "== $d (per step: wait s, generate span s, mean group latency s, train s, version lag)"
+  python3 - "$d/metrics.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    m = json.loads(line)
+    print(f"step {m['step']:>2}  wait {m.get('time/wait_s', float('nan')):.3f}  "
+          f"span {m.get('time/generate_s', float('nan')):.3f}  group {m.get('rollout/group_latency_s', float('nan')):.3f}  "
+          f"train {m.get('time/train_s', float('nan')):.3f}  lag {m.get('push/replica0_version_lag', float('nan')):.0f}")
+PY
+  [ -f "$d/train.log" ] && grep -E "INFO step|rollouts:|stopped|Error" "$d/train.log" | tail -12
 done
 find "$OUT/runs" -name "*.safetensors" -delete 2>/dev/null
 exit $rc
