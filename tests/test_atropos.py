@@ -289,6 +289,17 @@ def test_environment_tokens_get_no_gradient(loss_agg):
         assert record2[key] == pytest.approx(record[key], abs=1e-5), key
 
 
+def test_pack_places_tokens_masks_and_logprobs_and_pads_to_rows_and_length():
+    samples = [Sample([1, 2], [3], [-0.5], 0.25, 1.0, "stop", []),
+               Sample([4], [5, 6, 7], [-0.1, 2.0, -0.3], -1.0, 0.0, "stop", [], loss_mask=[1, 0, True])]
+    tokens, mask, old, adv = _pack(samples, 9, torch.device("cpu"), rows=3, length=5)
+    assert tokens.tolist() == [[1, 2, 3, 9, 9], [4, 5, 6, 7, 9], [9] * 5]
+    assert mask.tolist() == [[0, 1, 0, 0], [1, 0, 1, 0], [0] * 4]
+    assert torch.equal(old, torch.tensor([[0, -0.5, 0, 0], [-0.1, 0, -0.3, 0], [0] * 4]))
+    assert (tokens.dtype, mask.dtype, old.dtype) == (torch.long, torch.float32, torch.float32)
+    assert adv.tolist() == [0.25, -1.0, 0.0]
+
+
 def test_pack_checks_mask_lengths():
     s = Sample([1], [2, 3], [-0.1, -0.2], 1.0, 1.0, "stop", [], loss_mask=[1.0])
     with pytest.raises(ValueError, match="loss_mask"):

@@ -56,6 +56,19 @@ def test_entropy_from_logits_masked_mean():
     assert entropy_from_logits(logits, torch.zeros(2, 2)).item() == 0.0
 
 
+@pytest.mark.parametrize("chunk_rows", [1, 2, 5])
+def test_entropy_is_the_same_whatever_the_chunk(monkeypatch, chunk_rows):
+    import torchtitan_grpo.loss as L
+
+    torch.manual_seed(0)
+    logits = torch.randn(5, 3, 7, dtype=torch.bfloat16)
+    mask = torch.tensor([[1, 1, 0], [0, 1, 1], [1, 0, 0], [0, 0, 0], [1, 1, 1]])
+    logp = torch.log_softmax(logits.float() / 0.7, dim=-1)
+    expected = (-(logp.exp() * logp).sum(-1) * mask).sum() / mask.sum()
+    monkeypatch.setattr(L, "_ENTROPY_CHUNK_ELEMENTS", chunk_rows * 3 * 7)
+    assert float(entropy_from_logits(logits, mask, temperature=0.7)) == pytest.approx(float(expected), abs=1e-5)
+
+
 # --------------------------------------------------------------------------
 # grpo_loss: the hand-checked batch
 # --------------------------------------------------------------------------

@@ -68,25 +68,32 @@ def token_logprobs(
     return picked - torch.logsumexp(x, dim=-1)
 
 
+_ENTROPY_CHUNK_ELEMENTS = 1 << 25
+"""Logits entries per entropy chunk: 128 MiB per float32 temporary."""
+
+
 @torch.no_grad()
 def entropy_from_logits(
     logits: torch.Tensor, mask: torch.Tensor, temperature: float = 1.0
 ) -> torch.Tensor:
     """Mean entropy (nats) of the sampling distribution over the masked tokens.
 
-    A metric only (no gradient). Rows are processed one at a time so the
-    float32 temporaries are ``[T, V]`` rather than ``[B, T, V]``.
-    Returns a 0-dim float32 tensor; 0 when the mask is empty.
+    A metric only (no gradient). Rows are processed a few at a time so the
+    float32 temporaries stay near ``_ENTROPY_CHUNK_ELEMENTS`` (one ``[T, V]``
+    row when a row alone is larger) rather than ``[B, T, V]``; a chunk is as
+    many rows as fit, since a few ops per row cost more than the math on a
+    small vocabulary. Returns a 0-dim float32 tensor; 0 when the mask is empty.
     """
     mask = mask.float()
     total = torch.zeros((), dtype=torch.float32, device=logits.device)
-    for row_logits, row_mask in zip(logits, mask):
-        x = row_logits.float()
+    rows = max(1, _ENTROPY_CHUNK_ELEMENTS // max(logits.shape[1] * logits.shape[2], 1))
+    for chunk_logits, chunk_mask in zip(logits.split(rows), mask.split(rows)):
+        x = chunk_logits.float()
         if temperature > 0 and temperature != 1.0:
             x = x / temperature
         logp = torch.log_softmax(x, dim=-1)
-        ent = -(logp.exp() * logp).sum(-1)  # [T]
-        total += (ent * row_mask).sum()
+        ent = -(logp.exp() * logp).sum(-1)  # [rows, T]
+        total += (ent * chunk_mask).sum()
     return total / mask.sum().clamp(min=1.0)
 
 

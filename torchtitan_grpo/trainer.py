@@ -204,29 +204,36 @@ def _pack(samples: list[Sample], pad_id: int, device: torch.device, rows: int = 
     lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
     T = max([*lengths, length, 2])
     B = max(len(samples), rows)
-    tokens = torch.full((B, T), pad_id, dtype=torch.long)
-    mask = torch.zeros(B, T - 1)
-    old = torch.zeros(B, T - 1)
+    # Rows are built as Python lists and become tensors in one call each: a
+    # few tensor writes per sample cost more than the lists on a CPU step.
+    tok_rows, mask_rows, old_rows = [], [], []
     for i, s in enumerate(samples):
-        seq = s.prompt_ids + s.completion_ids
-        tokens[i, : len(seq)] = torch.tensor(seq)
+        seq = [*s.prompt_ids, *s.completion_ids]
         start = len(s.prompt_ids) - 1  # logits at position t predict token t+1
         n = len(s.completion_ids)
         if start < 0:
             raise ValueError(f"sample {i} has no prompt token: the first completion token has nothing to predict it")
         if len(s.rollout_logprobs) != n:
             raise ValueError(f"sample {i}: {len(s.rollout_logprobs)} rollout logprobs for {n} completion tokens")
-        lp = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
         if s.loss_mask is None:
-            mask[i, start : start + n] = 1.0
-            old[i, start : start + n] = lp
+            m, lp = [1.0] * n, [float(x) for x in s.rollout_logprobs]
         else:
             if len(s.loss_mask) != n:
                 raise ValueError(f"sample {i}: loss_mask has {len(s.loss_mask)} entries for {n} completion tokens")
-            m = torch.tensor(s.loss_mask, dtype=torch.float32)
-            mask[i, start : start + n] = m
+            m = [float(x) for x in s.loss_mask]
             # untrained positions may hold placeholders (Atropos sends 1.0): never let them reach the loss
-            old[i, start : start + n] = torch.where(m > 0, lp, torch.zeros_like(lp))
+            lp = [float(x) if k > 0 else 0.0 for x, k in zip(s.rollout_logprobs, m)]
+        tail = [0.0] * (T - 1 - start - n)
+        tok_rows.append(seq + [pad_id] * (T - len(seq)))
+        mask_rows.append([0.0] * start + m + tail)
+        old_rows.append([0.0] * start + lp + tail)
+    for _ in range(B - len(samples)):
+        tok_rows.append([pad_id] * T)
+        mask_rows.append([0.0] * (T - 1))
+        old_rows.append([0.0] * (T - 1))
+    tokens = torch.tensor(tok_rows, dtype=torch.long)
+    mask = torch.tensor(mask_rows, dtype=torch.float32)
+    old = torch.tensor(old_rows, dtype=torch.float32)
     adv = torch.zeros(B)
     adv[: len(samples)] = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
     return tokens.to(device), mask.to(device), old.to(device), adv.to(device)
