@@ -60,6 +60,7 @@ from dataclasses import dataclass
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.proc_cpu import StepCpuMeter, cores  # noqa: E402
 from torchtitan_grpo.inference.launcher import ServerSpec, log_tail, start_servers, stop_process  # noqa: E402
 
 
@@ -80,6 +81,7 @@ class Run:
     rows: list[dict]
     warmup: int
     wall_s: float
+    cpu: dict[str, float]  # CPU seconds per step after the warm-up: "trainer", "servers" (empty: not measured)
 
     def _after(self) -> list[dict]:
         return self.rows[self.warmup:]
@@ -123,8 +125,15 @@ def train(args, name: str, depth: int, delays: list[float], extra: tuple[str, ..
                    PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p))
         t0 = time.perf_counter()
         with open(os.path.join(dump, "train.log"), "w") as log:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                timeout=args.run_timeout_s).returncode
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+            meter = StepCpuMeter(os.path.join(dump, "metrics.jsonl"), args.warmup,
+                                 [s.proc.pid for s in servers], proc.pid)
+            try:
+                rc = proc.wait(timeout=args.run_timeout_s)
+            finally:
+                if proc.poll() is None:
+                    stop_process(proc)
+                cpu = meter.per_step()
         wall = time.perf_counter() - t0
         if rc != 0:
             raise RuntimeError(f"run {name} failed (exit {rc}):\n{log_tail(os.path.join(dump, 'train.log'), 40)}")
@@ -133,7 +142,7 @@ def train(args, name: str, depth: int, delays: list[float], extra: tuple[str, ..
             stop_process(srv.proc)
     with open(os.path.join(dump, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
-    run = Run(name, rows, min(args.warmup, len(rows) - 1), wall)
+    run = Run(name, rows, min(args.warmup, len(rows) - 1), wall, cpu)
     print(f"# {name}: {len(rows)} steps in {wall:.1f} s, {run.samples_per_s:.1f} samples/s, "
           f"wait {run.wait_s:.3f} s, rest {run.rest_s:.3f} s", flush=True)
     return run
@@ -223,20 +232,31 @@ def main(argv: list[str] | None = None) -> int:
         for depth, loop in ((0, "serial"), (1, "pipelined")):
             runs[f"{loop}-2-slow"] = train(args, f"{loop}-2-slow", depth, [0.0, slow_delay])
 
+    ncores = cores()
     print()
     print(f"| run | steps | samples/s | step s | wait s | train+push s | push stall ms | lag | ideal x | x serial | of ideal | "
-          f"reward first 10 | last 10 | loop s |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          f"cpu s/step trainer + servers | box bound x | of bound | reward first 10 | last 10 | loop s |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, r in runs.items():
         serial = runs.get(name.replace("pipelined", "serial").replace("-real-order", "").replace("-sync", "")
                           .replace("-in-place", ""))
         ideal = (serial.wait_s + serial.rest_s) / max(serial.wait_s, serial.rest_s) if serial else float("nan")
         gain = r.samples_per_s / serial.samples_per_s if serial else float("nan")
+        # On shared cores a step takes at least (CPU s per step) / cores: the
+        # overlap can give at most serial step / that, whatever the ideal says.
+        box = min(ideal, serial.mean("time/step_s") * ncores / sum(serial.cpu.values())) \
+            if serial and serial.cpu and not gpu else float("nan")
+        pipelined = name.startswith("pipelined")
+        cpu = f"{r.cpu['trainer']:.3f} + {r.cpu['servers']:.3f}" if r.cpu else ""
         loop_s = sum(x["time/step_s"] for x in r.rows)
         print(f"| {name} | {len(r.rows)} | {r.samples_per_s:.1f} | {r.mean('time/step_s'):.3f} | {r.wait_s:.3f} | "
               f"{r.rest_s:.3f} | {r.mean('time/push_stall_s') * 1e3:.1f} | {r.mean('push/replica0_version_lag'):.1f} | {ideal:.2f} | {gain:.2f} | "
-              f"{gain / ideal if name.startswith('pipelined') else float('nan'):.2f} | "
+              f"{gain / ideal if pipelined else float('nan'):.2f} | {cpu} | {box:.2f} | "
+              f"{gain / box if pipelined else float('nan'):.2f} | "
               f"{r.reward(True):.3f} | {r.reward(False):.3f} | {loop_s:.1f} |")
+    if not gpu:
+        print(f"\n{ncores} cores; box bound = min(ideal, serial step s x cores / serial CPU s per step): the most "
+              f"an overlap can give when the trainer and the servers share the cores")
     if "pipelined-2-slow" in runs:
         base = runs["pipelined-2"].samples_per_s
         lat = [runs["pipelined-2-slow"].mean(f"pool/replica{i}_latency_s") for i in (0, 1)]

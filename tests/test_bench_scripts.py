@@ -140,6 +140,9 @@ def test_pipeline_loop_cpu(tmp_path):
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[header + 2:] if line.startswith("| ")]
     assert [row[0] for row in rows] == ["serial-1", "pipelined-1", "serial-1-sync", "pipelined-1-real-order"], rows
     assert all(row[1] == "6" and float(row[2]) > 0 for row in rows), rows
+    # CPU seconds per step, trainer + servers, from /proc: both measured in every run
+    cpu = [row[lines[header].strip("|").split("|").index(" cpu s/step trainer + servers ")] for row in rows]
+    assert all(float(t) > 0 and float(s) > 0 for t, s in (c.split(" + ") for c in cpu)), cpu
     for name in ("serial-1", "pipelined-1"):
         log = (tmp_path / name / "train.log").read_text()
         assert f"pipeline depth {0 if name.startswith('serial') else 1}" in log
