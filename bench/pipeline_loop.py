@@ -18,7 +18,12 @@ of generation and training is the only difference. Per run, after
 * "of ideal": pipelined samples/s / (serial samples/s x ideal); the
   target is >= 0.9;
 * push stall: what the snapshot cost the trainer's thread per step; lag: how
-  many versions the first server was behind when the step was logged.
+  many versions the first server was behind when the step was logged;
+* CPU seconds per step of the trainer's processes and of the servers, the
+  GPU's busy fraction on a GPU (bench/proc_cpu.py), and the box bound: the
+  ideal capped by what shared hardware allows, serial step x cores / serial
+  CPU s per step on CPU, 1 / serial busy fraction on one GPU (two processes'
+  kernels take turns); "of bound" is the pipelined gain's share of it.
 
 "serial-N-sync" is the serial loop with a synchronous push: on CPU the demo
 as shipped, the baseline of "the demo's loop time pipelined vs serial"; on a
@@ -127,7 +132,7 @@ def train(args, name: str, depth: int, delays: list[float], extra: tuple[str, ..
         with open(os.path.join(dump, "train.log"), "w") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
             meter = StepCpuMeter(os.path.join(dump, "metrics.jsonl"), args.warmup,
-                                 [s.proc.pid for s in servers], proc.pid)
+                                 [s.proc.pid for s in servers], proc.pid, gpu=0 if args.one_gpu else None)
             try:
                 rc = proc.wait(timeout=args.run_timeout_s)
             finally:
@@ -235,28 +240,33 @@ def main(argv: list[str] | None = None) -> int:
     ncores = cores()
     print()
     print(f"| run | steps | samples/s | step s | wait s | train+push s | push stall ms | lag | ideal x | x serial | of ideal | "
-          f"cpu s/step trainer + servers | box bound x | of bound | reward first 10 | last 10 | loop s |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          f"cpu s/step trainer + servers | GPU busy | box bound x | of bound | reward first 10 | last 10 | loop s |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, r in runs.items():
         serial = runs.get(name.replace("pipelined", "serial").replace("-real-order", "").replace("-sync", "")
                           .replace("-in-place", ""))
         ideal = (serial.wait_s + serial.rest_s) / max(serial.wait_s, serial.rest_s) if serial else float("nan")
         gain = r.samples_per_s / serial.samples_per_s if serial else float("nan")
-        # On shared cores a step takes at least (CPU s per step) / cores: the
-        # overlap can give at most serial step / that, whatever the ideal says.
-        box = min(ideal, serial.mean("time/step_s") * ncores / sum(serial.cpu.values())) \
-            if serial and serial.cpu and not gpu else float("nan")
+        # On shared cores a step takes at least (CPU s per step) / cores, and on
+        # one shared GPU (kernels of two processes take turns) at least its busy
+        # time: the overlap can give at most serial step / that.
+        box = float("nan")
+        if serial and gpu and "gpu_busy" in serial.cpu:
+            box = min(ideal, 1.0 / max(serial.cpu["gpu_busy"], 1e-9))
+        elif serial and serial.cpu and not gpu:
+            box = min(ideal, serial.mean("time/step_s") * ncores / (serial.cpu["trainer"] + serial.cpu["servers"]))
         pipelined = name.startswith("pipelined")
         cpu = f"{r.cpu['trainer']:.3f} + {r.cpu['servers']:.3f}" if r.cpu else ""
+        busy = f"{r.cpu['gpu_busy']:.0%}" if "gpu_busy" in r.cpu else ""
         loop_s = sum(x["time/step_s"] for x in r.rows)
         print(f"| {name} | {len(r.rows)} | {r.samples_per_s:.1f} | {r.mean('time/step_s'):.3f} | {r.wait_s:.3f} | "
               f"{r.rest_s:.3f} | {r.mean('time/push_stall_s') * 1e3:.1f} | {r.mean('push/replica0_version_lag'):.1f} | {ideal:.2f} | {gain:.2f} | "
-              f"{gain / ideal if pipelined else float('nan'):.2f} | {cpu} | {box:.2f} | "
+              f"{gain / ideal if pipelined else float('nan'):.2f} | {cpu} | {busy} | {box:.2f} | "
               f"{gain / box if pipelined else float('nan'):.2f} | "
               f"{r.reward(True):.3f} | {r.reward(False):.3f} | {loop_s:.1f} |")
-    if not gpu:
-        print(f"\n{ncores} cores; box bound = min(ideal, serial step s x cores / serial CPU s per step): the most "
-              f"an overlap can give when the trainer and the servers share the cores")
+    print(f"\nbox bound = min(ideal, serial step s x cores / serial CPU s per step) on CPU ({ncores} cores), "
+          f"min(ideal, 1 / serial GPU busy fraction) on one GPU: the most an overlap can give when the trainer "
+          f"and the servers share the cores or the GPU")
     if "pipelined-2-slow" in runs:
         base = runs["pipelined-2"].samples_per_s
         lat = [runs["pipelined-2-slow"].mean(f"pool/replica{i}_latency_s") for i in (0, 1)]

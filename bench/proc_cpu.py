@@ -1,17 +1,21 @@
-"""CPU seconds a run's processes spend per trainer step (Linux ``/proc``).
+"""What a run's processes use per trainer step: CPU seconds (Linux
+``/proc``) and, on a GPU, the fraction of time a kernel ran (``nvidia-smi``).
 
 On a box where the trainer and the servers share the cores, the overlap of
 generation and training can only go as far as the cores allow: a step cannot
-take less than (CPU seconds the whole run spends per step) / (cores). The
-pipelined-loop benchmark prints that bound beside the issue's ideal, which
-assumes the two phases never compete.
+take less than (CPU seconds the whole run spends per step) / (cores). On one
+GPU shared by two processes, their kernels take turns (no MPS), so a step
+cannot take less than the time the GPU was busy in it. The pipelined-loop
+benchmark prints that bound beside the issue's ideal, which assumes the two
+phases never compete.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
+import subprocess
 import threading
-import time
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -42,18 +46,20 @@ def descendants(root: int) -> list[int]:
 class StepCpuMeter:
     """Polls a growing metrics.jsonl and the CPU time of ``groups`` of
     processes; :meth:`per_step` is each group's CPU seconds per step between
-    the first poll that saw ``from_step`` lines and the last poll that saw
-    more. The trainer's processes are found below ``trainer_root`` once the
+    the first poll that saw ``from_step`` lines and the first poll that saw
+    the last line. The trainer's processes are found below ``trainer_root`` once the
     file exists (torchrun starts them late)."""
 
     def __init__(self, metrics_path: str, from_step: int, server_pids: list[int], trainer_root: int,
-                 poll_s: float = 0.05) -> None:
+                 poll_s: float = 0.05, gpu: int | None = None) -> None:
         self.path, self.from_step, self.poll_s = metrics_path, from_step, poll_s
         self.server_pids, self.trainer_root = server_pids, trainer_root
         self.trainer_pids: list[int] = []
         self.first: tuple[int, dict[str, float]] | None = None
         self.last: tuple[int, dict[str, float]] | None = None
         self._offset, self._lines = 0, 0
+        self.window: list[datetime.datetime] = []  # wall clock at the first and the last poll
+        self._gpu = GpuBusy(gpu) if gpu is not None else None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cpu-meter", daemon=True)
         self._thread.start()
@@ -90,21 +96,59 @@ class StepCpuMeter:
                 continue
             if self.first is None:
                 self.first = (n, cpu)
-            elif n > self.first[0]:
+                self.window = [datetime.datetime.now()] * 2
+            elif n > (self.last or self.first)[0]:  # at a new line only: the run's end is not a step
                 self.last = (n, cpu)
+                self.window[1] = datetime.datetime.now()
 
     def per_step(self) -> dict[str, float]:
         """CPU seconds per step of each group (empty if the window was too short)."""
         self._stop.set()
         self._thread.join()
+        busy = self._gpu.busy_fraction(*self.window) if self._gpu is not None and self.window else None
         if self.first is None or self.last is None:
             return {}
         steps = self.last[0] - self.first[0]
-        return {k: (self.last[1][k] - self.first[1][k]) / steps for k in self.first[1]}
+        out = {k: (self.last[1][k] - self.first[1][k]) / steps for k in self.first[1]}
+        if busy is not None:
+            out["gpu_busy"] = busy
+        return out
+
+
+class GpuBusy:
+    """``nvidia-smi`` sampling one GPU's utilisation (the share of each
+    ~100 ms in which a kernel ran) until :meth:`busy_fraction` is asked."""
+
+    def __init__(self, index: int, period_ms: int = 100) -> None:
+        try:
+            self.proc = subprocess.Popen(
+                ["nvidia-smi", "-i", str(index), "--query-gpu=timestamp,utilization.gpu",
+                 "--format=csv,noheader,nounits", "-lms", str(period_ms)],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.proc = None
+
+    def busy_fraction(self, start: datetime.datetime, end: datetime.datetime) -> float | None:
+        """Mean utilisation of the samples taken between ``start`` and ``end``
+        (None without nvidia-smi or samples)."""
+        if self.proc is None:
+            return None
+        self.proc.terminate()
+        out, _ = self.proc.communicate()
+        vals = []
+        for line in out.splitlines():
+            stamp, _, util = line.partition(",")
+            try:
+                t = datetime.datetime.strptime(stamp.strip(), "%Y/%m/%d %H:%M:%S.%f")
+                if start <= t <= end:
+                    vals.append(float(util) / 100.0)
+            except ValueError:
+                continue
+        return sum(vals) / len(vals) if vals else None
 
 
 def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-__all__ = ["StepCpuMeter", "cores", "descendants"]
+__all__ = ["GpuBusy", "StepCpuMeter", "cores", "descendants"]
