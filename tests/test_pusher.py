@@ -427,7 +427,7 @@ def test_session_end_goes_out_with_the_last_byte_only_to_the_builtin_server(
         monkeypatch.setattr(Transport, "probe_builtin", not_builtin)
     # 0.5 s per update after its bytes arrived (inside the server's update lock).
     (srv,) = _servers(tmp_path, tiny_model_dir, [0.5])
-    pusher = Pusher(loop, [srv.url], PushConfig(mode="sync", protocol=protocol, bucket_bytes=32 << 10,
+    pusher = Pusher(loop, [srv.url], PushConfig(mode="sync", protocol=protocol, bucket_bytes=192 << 10,
                                                 packed_buffer_bytes=20_000, pipelined=pipelined),
                     torch.device("cpu"))
     try:
