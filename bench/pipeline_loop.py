@@ -20,7 +20,7 @@ of generation and training is the only difference. Per run, after
 * push stall: what the snapshot cost the trainer's thread per step; lag: how
   many versions the first server was behind when the step was logged;
 * CPU seconds per step of the trainer's processes and of the servers, the
-  GPU's busy fraction on a GPU (bench/proc_cpu.py), and the box bound: the
+  GPU's busy fraction on a GPU (bench/step_usage.py), and the box bound: the
   ideal capped by what shared hardware allows, serial step x cores / serial
   CPU s per step on CPU, 1 / serial busy fraction on one GPU (two processes'
   kernels take turns); "of bound" is the pipelined gain's share of it.
@@ -65,7 +65,7 @@ from dataclasses import dataclass
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.proc_cpu import StepCpuMeter, cores  # noqa: E402
+from bench.step_usage import StepUsageMeter, cores  # noqa: E402
 from torchtitan_grpo.inference.launcher import ServerSpec, log_tail, start_servers, stop_process  # noqa: E402
 
 
@@ -86,7 +86,9 @@ class Run:
     rows: list[dict]
     warmup: int
     wall_s: float
-    cpu: dict[str, float]  # CPU seconds per step after the warm-up: "trainer", "servers" (empty: not measured)
+    usage: dict[str, float]
+    """After the warm-up: CPU seconds per step ("trainer", "servers") and the
+    GPU's busy fraction ("gpu_busy"); empty if not measured."""
 
     def _after(self) -> list[dict]:
         return self.rows[self.warmup:]
@@ -131,14 +133,14 @@ def train(args, name: str, depth: int, delays: list[float], extra: tuple[str, ..
         t0 = time.perf_counter()
         with open(os.path.join(dump, "train.log"), "w") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-            meter = StepCpuMeter(os.path.join(dump, "metrics.jsonl"), args.warmup,
+            meter = StepUsageMeter(os.path.join(dump, "metrics.jsonl"), args.warmup,
                                  [s.proc.pid for s in servers], proc.pid, gpu=0 if args.one_gpu else None)
             try:
                 rc = proc.wait(timeout=args.run_timeout_s)
             finally:
                 if proc.poll() is None:
                     stop_process(proc)
-                cpu = meter.per_step()
+                usage = meter.per_step()
         wall = time.perf_counter() - t0
         if rc != 0:
             raise RuntimeError(f"run {name} failed (exit {rc}):\n{log_tail(os.path.join(dump, 'train.log'), 40)}")
@@ -147,7 +149,7 @@ def train(args, name: str, depth: int, delays: list[float], extra: tuple[str, ..
             stop_process(srv.proc)
     with open(os.path.join(dump, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
-    run = Run(name, rows, min(args.warmup, len(rows) - 1), wall, cpu)
+    run = Run(name, rows, min(args.warmup, len(rows) - 1), wall, usage)
     print(f"# {name}: {len(rows)} steps in {wall:.1f} s, {run.samples_per_s:.1f} samples/s, "
           f"wait {run.wait_s:.3f} s, rest {run.rest_s:.3f} s", flush=True)
     return run
@@ -251,13 +253,13 @@ def main(argv: list[str] | None = None) -> int:
         # one shared GPU (kernels of two processes take turns) at least its busy
         # time: the overlap can give at most serial step / that.
         box = float("nan")
-        if serial and gpu and "gpu_busy" in serial.cpu:
-            box = min(ideal, 1.0 / max(serial.cpu["gpu_busy"], 1e-9))
-        elif serial and serial.cpu and not gpu:
-            box = min(ideal, serial.mean("time/step_s") * ncores / (serial.cpu["trainer"] + serial.cpu["servers"]))
+        if serial and gpu and "gpu_busy" in serial.usage:
+            box = min(ideal, 1.0 / max(serial.usage["gpu_busy"], 1e-9))
+        elif serial and serial.usage and not gpu:
+            box = min(ideal, serial.mean("time/step_s") * ncores / (serial.usage["trainer"] + serial.usage["servers"]))
         pipelined = name.startswith("pipelined")
-        cpu = f"{r.cpu['trainer']:.3f} + {r.cpu['servers']:.3f}" if r.cpu else ""
-        busy = f"{r.cpu['gpu_busy']:.0%}" if "gpu_busy" in r.cpu else ""
+        cpu = f"{r.usage['trainer']:.3f} + {r.usage['servers']:.3f}" if r.usage else ""
+        busy = f"{r.usage['gpu_busy']:.0%}" if "gpu_busy" in r.usage else ""
         loop_s = sum(x["time/step_s"] for x in r.rows)
         print(f"| {name} | {len(r.rows)} | {r.samples_per_s:.1f} | {r.mean('time/step_s'):.3f} | {r.wait_s:.3f} | "
               f"{r.rest_s:.3f} | {r.mean('time/push_stall_s') * 1e3:.1f} | {r.mean('push/replica0_version_lag'):.1f} | {ideal:.2f} | {gain:.2f} | "

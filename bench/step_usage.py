@@ -43,7 +43,7 @@ def descendants(root: int) -> list[int]:
     return found
 
 
-class StepCpuMeter:
+class StepUsageMeter:
     """Polls a growing metrics.jsonl and the CPU time of ``groups`` of
     processes; :meth:`per_step` is each group's CPU seconds per step between
     the first poll that saw ``from_step`` lines and the first poll that saw
@@ -151,4 +151,4 @@ def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-__all__ = ["GpuBusy", "StepCpuMeter", "cores", "descendants"]
+__all__ = ["GpuBusy", "StepUsageMeter", "cores", "descendants"]
