@@ -143,9 +143,10 @@ class Rollout:
     off-policy), and so on; a step takes the first groups that finish, so a
     slow replica never holds it. Capped by grpo.max_staleness. -1 (auto): 1
     with weight_sync.mode "async" or "off", 0 with "sync", and 0 when the
-    started servers share a trainer's GPU (one GPU for both: generating
-    while training slows both; measured 33-37 against 39.5 samples/s serial
-    on an H100, docs/PERFORMANCE.md). In pipelined mode a
+    started servers share a trainer's GPU (one GPU for both: the two
+    processes' kernels take turns, and the serial step already keeps an H100
+    busy 89 % of the time, so overlap can give at most 1.13 x; measured 0.98
+    x serial, docs/PERFORMANCE.md). In pipelined mode a
     push installs its version between decode steps (weight_sync.pause_mode
     "none" becomes "in_place"), so generation does not drain for it."""
 
