@@ -44,6 +44,11 @@ latency), and print pipelined and serial samples/s as fractions of the
 Also printed: each run's first and last 10 steps' mean reward (the CPU demo
 must still learn pipelined) and the loop's wall time.
 
+``--repeats N`` runs the rows N times, one pass after another, and ends with
+each pipelined row's x serial, of ideal and of bound per pass and their
+median: on a box whose speed drifts between passes (the 2-core CPU box) one
+pass does not settle a target.
+
 ``--concurrent-runs N`` runs N rows at once (the suite's smoke test: every
 row's code path in less time); their figures then share the machine and
 mean nothing.
@@ -116,8 +121,8 @@ class Run:
         return statistics.fmean(r["reward/mean"] for r in rows)
 
 
-def train(args, name: str, depth: int, delays: list[float], extra: tuple[str, ...] = ()) -> Run:
-    dump = os.path.join(args.out, name)
+def train(args, name: str, depth: int, delays: list[float], extra: tuple[str, ...] = (), out: str = "") -> Run:
+    dump = os.path.join(out or args.out, name)
     shutil.rmtree(dump, ignore_errors=True)
     os.makedirs(dump)
     servers = start_servers(server_specs(args, delays), dump, timeout_s=600)  # each answers /health
@@ -177,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="rows run at once (each with its own servers); >1 only where the figures do not "
                          "matter (the suite's smoke test): concurrent runs share the CPU")
     ap.add_argument("--only", default="", help="comma-separated row names to run (default: all)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run the rows this many times (the slow-replica rows once) and print each pipelined "
+                         "row's shares per repeat and their median")
     ap.add_argument("extra", nargs="*", help="more grpo_train.py overrides, after --")
     args = ap.parse_args(argv)
 
@@ -218,16 +226,31 @@ def main(argv: list[str] | None = None) -> int:
                  ("--weight_sync.no-pipeline-requests", "--weight_sync.no-ack-posted")))
     if args.only:
         plan = [p for p in plan if p[0] in args.only.split(",")]
+    shares = []  # per repeat: pipelined row -> (x serial, of ideal, of bound)
+    for rep in range(args.repeats):
+        out = args.out if args.repeats == 1 else os.path.join(args.out, f"repeat{rep + 1}")
+        if args.repeats > 1:
+            print(f"# repeat {rep + 1} of {args.repeats}", flush=True)
+        # the slow-replica rows once: they compare loops, not passes
+        runs = run_plan(args, plan, out, slow=rep == 0)
+        shares.append(print_table(runs, gpu))
+    if args.repeats > 1:
+        print_spread(shares)
+    return 0
+
+
+def run_plan(args, plan, out: str, slow: bool) -> dict[str, Run]:
+    """Every row of ``plan``, then (``slow``) the slow-replica rows."""
     if args.concurrent_runs > 1:
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(args.concurrent_runs) as pool:
-            done = list(pool.map(lambda p: train(args, p[0], p[1], p[2], p[3]), plan))
+            done = list(pool.map(lambda p: train(args, p[0], p[1], p[2], p[3], out), plan))
     else:
-        done = [train(args, name, depth, delays, extra) for name, depth, delays, extra in plan]
+        done = [train(args, name, depth, delays, extra, out) for name, depth, delays, extra in plan]
     runs: dict[str, Run] = {r.name: r for r in done}
     slow_delay = 0.0
-    if args.slow_factor > 0 and "pipelined-2" in runs:
+    if slow and args.slow_factor > 0 and "pipelined-2" in runs:
         fast = runs["pipelined-2"]
         latency = fast.mean("rollout/group_latency_s")
         tokens = max(fast.mean("rollout/completion_len"), 1.0)
@@ -237,8 +260,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# slow replica: --debug-decode-delay-s {slow_delay:.4f} (fast group latency {latency:.3f} s, "
               f"{tokens:.1f} tokens per completion)", flush=True)
         for depth, loop in ((0, "serial"), (1, "pipelined")):
-            runs[f"{loop}-2-slow"] = train(args, f"{loop}-2-slow", depth, [0.0, slow_delay])
+            runs[f"{loop}-2-slow"] = train(args, f"{loop}-2-slow", depth, [0.0, slow_delay], out=out)
 
+    return runs
+
+
+def print_table(runs: dict[str, Run], gpu: bool) -> dict[str, tuple[float, float, float]]:
+    """The table of one pass; returns each pipelined row's (x serial, of ideal, of bound)."""
+    shares = {}
     ncores = cores()
     print()
     print(f"| run | steps | samples/s | step s | wait s | train+push s | push stall ms | lag | ideal x | x serial | of ideal | "
@@ -258,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         elif serial and serial.usage and not gpu:
             box = min(ideal, serial.mean("time/step_s") * ncores / (serial.usage["trainer"] + serial.usage["servers"]))
         pipelined = name.startswith("pipelined")
+        if pipelined:
+            shares[name] = (gain, gain / ideal, gain / box)
         cpu = f"{r.usage['trainer']:.3f} + {r.usage['servers']:.3f}" if r.usage else ""
         busy = f"{r.usage['gpu_busy']:.0%}" if "gpu_busy" in r.usage else ""
         loop_s = sum(x["time/step_s"] for x in r.rows)
@@ -275,7 +306,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nslow replica (group latency {lat[1]:.3f} s against {lat[0]:.3f} s, {lat[1] / max(lat[0], 1e-9):.1f}x): "
               f"pipelined {runs['pipelined-2-slow'].samples_per_s / base:.2f} x and serial "
               f"{runs['serial-2-slow'].samples_per_s / base:.2f} x of the 2-fast-replica pipelined samples/s")
-    return 0
+    return shares
+
+
+def print_spread(shares: list[dict[str, tuple[float, float, float]]]) -> None:
+    """Each pipelined row over the repeats. A pass's figures move with the
+    box's speed; each repeat compares rows run back to back, and the median
+    over repeats is what a target can be read from."""
+    print()
+    print("| run | repeats | x serial, each | of ideal, each | median of ideal | of bound, each | median of bound |")
+    print("| --- | ---: | --- | --- | ---: | --- | ---: |")
+    for name in shares[0]:
+        got = [s[name] for s in shares if name in s]
+        each = [" ".join(f"{g[k]:.2f}" for g in got) for k in range(3)]
+        print(f"| {name} | {len(got)} | {each[0]} | {each[1]} | {statistics.median(g[1] for g in got):.2f} | "
+              f"{each[2]} | {statistics.median(g[2] for g in got):.2f} |")
 
 
 if __name__ == "__main__":
