@@ -126,6 +126,17 @@ def test_device_issue4_cpu_and_its_verify_run(tmp_path):
     assert (dump / "tiny-qwen3" / "config.json").is_file()  # the script wrote its model before the run
 
 
+def test_pipeline_loop_spread_gives_each_repeat_and_the_median(capsys):
+    sys.path.insert(0, ROOT)
+    from bench.pipeline_loop import print_spread
+
+    print_spread([{"pipelined-1": (1.2, 0.7, 0.8), "pipelined-2-slow": (4.0, 3.5, 3.5)},
+                  {"pipelined-1": (1.5, 0.9, 0.95)}, {"pipelined-1": (1.4, 0.8, 0.9)}])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| pipelined")]
+    assert rows == ["| pipelined-1 | 3 | 1.20 1.50 1.40 | 0.70 0.90 0.80 | 0.80 | 0.80 0.95 0.90 | 0.90 |",
+                    "| pipelined-2-slow | 1 | 4.00 | 3.50 | 3.50 | 3.50 | 3.50 |"]
+
+
 def test_pipeline_loop_cpu(tmp_path):
     """The serial/pipelined benchmark end to end on CPU with few steps: each
     run trains, and the table has its rows with figures (the one-GPU run of
