@@ -2,6 +2,7 @@
 
     python bench/pipeline_loop.py --cpu                # tiny Qwen3, digits task, 1 and 2 CPU servers
     python bench/pipeline_loop.py --one-gpu            # Qwen3-0.6B shape, trainer + server on cuda:0, ipc push
+    python bench/pipeline_loop.py --two-gpu            # the same model, trainer on cuda:0, server on cuda:1, NCCL push
 
 Each row is one real ``grpo_train.py`` run under torchrun, against built-in
 servers this script starts fresh for it (a server keeps the weights a run
@@ -23,7 +24,9 @@ of generation and training is the only difference. Per run, after
   GPU's busy fraction on a GPU (bench/step_usage.py), and the box bound: the
   ideal capped by what shared hardware allows, serial step x cores / serial
   CPU s per step on CPU, 1 / serial busy fraction on one GPU (two processes'
-  kernels take turns); "of bound" is the pipelined gain's share of it.
+  kernels take turns), the ideal itself on two GPUs (nothing is shared but
+  the host's 16+ cores; both GPUs' busy fractions are printed); "of bound"
+  is the pipelined gain's share of it.
 
 "serial-N-sync" is the serial loop with a synchronous push: on CPU the demo
 as shipped, the baseline of "the demo's loop time pipelined vs serial"; on a
@@ -139,7 +142,7 @@ def train(args, name: str, depth: int, delays: list[float], extra: tuple[str, ..
         with open(os.path.join(dump, "train.log"), "w") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
             meter = StepUsageMeter(os.path.join(dump, "metrics.jsonl"), args.warmup,
-                                 [s.proc.pid for s in servers], proc.pid, gpu=0 if args.one_gpu else None)
+                                 [s.proc.pid for s in servers], proc.pid, gpus=args.gpus)
             try:
                 rc = proc.wait(timeout=args.run_timeout_s)
             finally:
@@ -169,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--cpu", action="store_true", help="tiny Qwen3, digits task, CPU servers, gloo push")
     mode.add_argument("--one-gpu", action="store_true",
                       help="Qwen3-0.6B shape (random weights), trainer and bf16 server on cuda:0, ipc push")
+    mode.add_argument("--two-gpu", action="store_true",
+                      help="the same model, trainer on cuda:0 and bf16 server(s) on cuda:1, NCCL push")
     ap.add_argument("--steps", type=int, default=None, help="steps per run (CPU 150, GPU 12)")
     ap.add_argument("--warmup", type=int, default=None, help="steps left out of the figures (CPU 5, GPU 3)")
     ap.add_argument("--replicas", default=None, help="comma-separated server counts (CPU '1,2', GPU '1')")
@@ -190,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from torchtitan_grpo.demo_assets import QWEN3_0_6B, TinyQwen3, ensure_tiny_qwen3
 
-    gpu = args.one_gpu
+    gpu = args.one_gpu or args.two_gpu
     args.steps = args.steps or (12 if gpu else 150)
     args.warmup = args.warmup if args.warmup is not None else (3 if gpu else 5)
     replicas = [int(x) for x in (args.replicas or ("1" if gpu else "1,2")).split(",")]
@@ -199,10 +204,13 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     if gpu:
         args.config = os.path.join(ROOT, "train_configs", "bench_pipeline_gpu.toml")
-        args.server_device, args.server_dtype, args.transport = "cuda:0", "bfloat16", "ipc"
+        args.server_device, args.server_dtype = ("cuda:1" if args.two_gpu else "cuda:0"), "bfloat16"
+        args.transport = "nccl" if args.two_gpu else "ipc"
+        args.gpus = (0, 1) if args.two_gpu else (0,)
     else:
         args.config = os.path.join(ROOT, "train_configs", "demo_cpu.toml")
         args.server_device, args.server_dtype, args.transport = "cpu", "float32", "gloo"
+        args.gpus = ()
 
     # (name, pipeline depth, per-server decode delays, extra overrides), in table order
     plan: list[tuple[str, int, list[float], tuple[str, ...]]] = []
@@ -233,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# repeat {rep + 1} of {args.repeats}", flush=True)
         # the slow-replica rows once: they compare loops, not passes
         runs = run_plan(args, plan, out, slow=rep == 0)
-        shares.append(print_table(runs, gpu))
+        shares.append(print_table(runs, "two" if args.two_gpu else "one" if gpu else ""))
     if args.repeats > 1:
         print_spread(shares)
     return 0
@@ -265,8 +273,9 @@ def run_plan(args, plan, out: str, slow: bool) -> dict[str, Run]:
     return runs
 
 
-def print_table(runs: dict[str, Run], gpu: bool) -> dict[str, tuple[float, float, float]]:
-    """The table of one pass; returns each pipelined row's (x serial, of ideal, of bound)."""
+def print_table(runs: dict[str, Run], gpu: str = "") -> dict[str, tuple[float, float, float]]:
+    """The table of one pass (``gpu``: "" on CPU, "one" or "two" GPUs);
+    returns each pipelined row's (x serial, of ideal, of bound)."""
     shares = {}
     ncores = cores()
     print()
@@ -282,7 +291,9 @@ def print_table(runs: dict[str, Run], gpu: bool) -> dict[str, tuple[float, float
         # one shared GPU (kernels of two processes take turns) at least its busy
         # time: the overlap can give at most serial step / that.
         box = float("nan")
-        if serial and gpu and "gpu_busy" in serial.usage:
+        if serial and gpu == "two":
+            box = ideal  # the phases run on different GPUs: nothing they need is shared
+        elif serial and gpu and "gpu_busy" in serial.usage:
             box = min(ideal, 1.0 / max(serial.usage["gpu_busy"], 1e-9))
         elif serial and serial.usage and not gpu:
             box = min(ideal, serial.mean("time/step_s") * ncores / (serial.usage["trainer"] + serial.usage["servers"]))
@@ -290,7 +301,7 @@ def print_table(runs: dict[str, Run], gpu: bool) -> dict[str, tuple[float, float
         if pipelined:
             shares[name] = (gain, gain / ideal, gain / box)
         cpu = f"{r.usage['trainer']:.3f} + {r.usage['servers']:.3f}" if r.usage else ""
-        busy = f"{r.usage['gpu_busy']:.0%}" if "gpu_busy" in r.usage else ""
+        busy = " / ".join(f"{v:.0%}" for k, v in r.usage.items() if k.endswith("_busy"))
         loop_s = sum(x["time/step_s"] for x in r.rows)
         print(f"| {name} | {len(r.rows)} | {r.samples_per_s:.1f} | {r.mean('time/step_s'):.3f} | {r.wait_s:.3f} | "
               f"{r.rest_s:.3f} | {r.mean('time/push_stall_s') * 1e3:.1f} | {r.mean('push/replica0_version_lag'):.1f} | {ideal:.2f} | {gain:.2f} | "
@@ -299,7 +310,7 @@ def print_table(runs: dict[str, Run], gpu: bool) -> dict[str, tuple[float, float
               f"{r.reward(True):.3f} | {r.reward(False):.3f} | {loop_s:.1f} |")
     print(f"\nbox bound = min(ideal, serial step s x cores / serial CPU s per step) on CPU ({ncores} cores), "
           f"min(ideal, 1 / serial GPU busy fraction) on one GPU: the most an overlap can give when the trainer "
-          f"and the servers share the cores or the GPU")
+          f"and the servers share the cores or the GPU; the ideal on two GPUs (GPU busy: trainer's / server's)")
     if "pipelined-2-slow" in runs:
         base = runs["pipelined-2"].samples_per_s
         lat = [runs["pipelined-2-slow"].mean(f"pool/replica{i}_latency_s") for i in (0, 1)]

@@ -51,7 +51,7 @@ class StepUsageMeter:
     file exists (torchrun starts them late)."""
 
     def __init__(self, metrics_path: str, from_step: int, server_pids: list[int], trainer_root: int,
-                 poll_s: float = 0.05, gpu: int | None = None) -> None:
+                 poll_s: float = 0.05, gpus: tuple[int, ...] = ()) -> None:
         self.path, self.from_step, self.poll_s = metrics_path, from_step, poll_s
         self.server_pids, self.trainer_root = server_pids, trainer_root
         self.trainer_pids: list[int] = []
@@ -59,7 +59,9 @@ class StepUsageMeter:
         self.last: tuple[int, dict[str, float]] | None = None
         self._offset, self._lines = 0, 0
         self.window: list[datetime.datetime] = []  # wall clock at the first and the last poll
-        self._gpu = GpuBusy(gpu) if gpu is not None else None
+        # one sampler per GPU: "gpu_busy" is the first's (the trainer's),
+        # "gpu<i>_busy" each other's (the servers' GPUs when they have their own)
+        self._gpus = {("gpu_busy" if n == 0 else f"gpu{i}_busy"): GpuBusy(i) for n, i in enumerate(gpus)}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cpu-meter", daemon=True)
         self._thread.start()
@@ -105,13 +107,12 @@ class StepUsageMeter:
         """CPU seconds per step of each group (empty if the window was too short)."""
         self._stop.set()
         self._thread.join()
-        busy = self._gpu.busy_fraction(*self.window) if self._gpu is not None and self.window else None
+        busy = {k: g.busy_fraction(*(self.window or (None, None))) for k, g in self._gpus.items()}
         if self.first is None or self.last is None:
             return {}
         steps = self.last[0] - self.first[0]
         out = {k: (self.last[1][k] - self.first[1][k]) / steps for k in self.first[1]}
-        if busy is not None:
-            out["gpu_busy"] = busy
+        out.update({k: v for k, v in busy.items() if v is not None})
         return out
 
 
@@ -128,13 +129,15 @@ class GpuBusy:
         except OSError:
             self.proc = None
 
-    def busy_fraction(self, start: datetime.datetime, end: datetime.datetime) -> float | None:
-        """Mean utilisation of the samples taken between ``start`` and ``end``
-        (None without nvidia-smi or samples)."""
+    def busy_fraction(self, start: datetime.datetime | None, end: datetime.datetime | None) -> float | None:
+        """Stops sampling; the mean utilisation of the samples taken between
+        ``start`` and ``end`` (None without nvidia-smi, a window or samples)."""
         if self.proc is None:
             return None
         self.proc.terminate()
         out, _ = self.proc.communicate()
+        if start is None or end is None:
+            return None
         vals = []
         for line in out.splitlines():
             stamp, _, util = line.partition(",")

@@ -10,6 +10,10 @@
 #
 #   OUT=... BUDGET=560 [STEPS=8] [ONLY=serial-1,serial-1-in-place,serial-1-sync] bash scripts/device_pipeline.sh
 #
+# MODE=two-gpu (a 2-GPU machine): the trainer on cuda:0 and the server on
+# cuda:1, NCCL push, the phases no longer sharing a GPU; REPEATS=N runs the
+# rows N times and ends with the median.
+#
 # Logs go to $OUT; the table ends the bench's output.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -17,11 +21,11 @@ OUT=${OUT:-$PWD/outputs/device_pipeline}
 BUDGET=${BUDGET:-560}
 mkdir -p "$OUT"
 source scripts/device_env.sh
-budgeted pipeline_loop.log python3 bench/pipeline_loop.py --one-gpu --steps "${STEPS:-8}" --warmup 2 \
-  --out "$OUT/runs" ${ONLY:+--only "$ONLY"}
+budgeted pipeline_loop.log python3 bench/pipeline_loop.py "--${MODE:-one-gpu}" --steps "${STEPS:-8}" --warmup 2 \
+  --out "$OUT/runs" --repeats "${REPEATS:-1}" ${ONLY:+--only "$ONLY"}
 rc=$?
 cat "$OUT/pipeline_loop.log"
-for d in "$OUT"/runs/*/; do
+for d in "$OUT"/runs/*/ "$OUT"/runs/repeat*/*/; do
   [ -f "$d/metrics.jsonl" ] || continue
   echo "== $d (per step: wait s, generate span s, mean group latency s, train s, version lag)"
   python3 - "$d/metrics.jsonl" <<'PY'
