@@ -162,6 +162,30 @@ def test_cuda_graph_replay_equals_eager_and_bf16_tracks_hf(tiny_model_dir):
             assert (row.log_softmax(-1) - ref.log_softmax(-1)).abs().max() < 0.1
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (run on a device machine: docs/GPU_RUNS.md)")
+def test_engine_on_a_second_gpu_captures_its_graphs_there(tiny_model_dir):
+    """A server on cuda:1 starts with cuda:0 current: its decode graphs must
+    be captured on cuda:1's stream (they were not, and start-up failed), and
+    it generates what the same engine on cuda:0 does."""
+    from torchtitan_grpo.inference.engine import Engine, EngineConfig
+    from torchtitan_grpo.inference.requests import SamplingParams
+
+    assert torch.cuda.current_device() == 0
+    outs = {}
+    for dev in ("cuda:0", "cuda:1"):
+        eng = Engine(EngineConfig(tiny_model_dir, device=dev, dtype="bfloat16", max_batch_size=4, kv_cache="static",
+                                  max_model_len=48, cuda_graphs=True))
+        eng.start()
+        try:
+            assert eng.static_cache and eng._batch._graphs, "no decode graph was captured"
+            futs = [eng.submit([5, 9, 4, 7], SamplingParams(max_new_tokens=16, n=2, seed=3, ignore_eos=True)),
+                    eng.submit([8, 3], SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True))]
+            outs[dev] = [r.output_ids for f in futs for r in f.result(timeout=120)]
+        finally:
+            eng.shutdown()
+    assert outs["cuda:1"] == outs["cuda:0"]
+
+
 def test_engine_on_a_static_cache_generates_what_the_dynamic_one_does(tiny_model_dir):
     """Same requests (seeded sampling, n > 1, a top-p row, a greedy row) on
     both KV batches: the same tokens and logprobs; the static engine's context

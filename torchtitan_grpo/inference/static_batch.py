@@ -414,6 +414,9 @@ class StaticBatch:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # torch.cuda.graph captures on the *current* device's stream: a
+        # server on cuda:1 starts with cuda:0 current, and a capture there of
+        # kernels on cuda:1 is invalidated (it was, on a 2-GPU host).
+        with torch.cuda.device(self.device), torch.cuda.graph(graph, pool=self._pool):
             out = self._step(b, n, self._logits[:b])
         return graph, out
