@@ -159,6 +159,7 @@ class StaticBatch:
         self.rows: list[Any] = []
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
+        self._capture_stream = None
         self._warm: set[int] = set()  # slot buckets whose eager warm-up ran
         self.late_captures = 0
         """Graphs captured while generating (after :meth:`capture_all`): each
@@ -413,10 +414,14 @@ class StaticBatch:
             self._warm.add(b)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.device)
         graph = torch.cuda.CUDAGraph()
-        # torch.cuda.graph captures on the *current* device's stream: a
-        # server on cuda:1 starts with cuda:0 current, and a capture there of
-        # kernels on cuda:1 is invalidated (it was, on a 2-GPU host).
-        with torch.cuda.device(self.device), torch.cuda.graph(graph, pool=self._pool):
+        # Our own capture stream, on the batch's device, under that device:
+        # torch.cuda.graph's default stream is one per process, made on
+        # whichever device was current at its first capture. A server on
+        # cuda:1 (cuda:0 current) failed to start on a 2-GPU host, and a
+        # second engine on another GPU captured on the first one's stream.
+        with torch.cuda.device(self.device), torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream):
             out = self._step(b, n, self._logits[:b])
         return graph, out
