@@ -146,7 +146,9 @@ class Rollout:
     started servers share a trainer's GPU (one GPU for both: the two
     processes' kernels take turns, and the serial step already keeps an H100
     busy 89 % of the time, so overlap can give at most 1.13 x; measured 0.98
-    x serial, docs/PERFORMANCE.md). In pipelined mode a
+    x serial). With the servers on their own GPU, 1 gave 1.88 x the serial
+    loop's samples/s (0.95 of the ideal overlap; 2 x H100, a 28-layer model;
+    docs/PERFORMANCE.md). In pipelined mode a
     push installs its version between decode steps (weight_sync.pause_mode
     "none" becomes "in_place"), so generation does not drain for it."""
 
