@@ -157,3 +157,45 @@ def test_pipeline_loop_cpu(tmp_path):
     for name in ("serial-1", "pipelined-1"):
         log = (tmp_path / name / "train.log").read_text()
         assert f"pipeline depth {0 if name.startswith('serial') else 1}" in log
+
+
+def test_pipeline_loop_two_gpu_bound_is_the_ideal_and_both_gpus_are_shown(capsys):
+    """On two GPUs nothing is shared: the box bound is the ideal, and the
+    busy column gives the trainer's GPU and the server's."""
+    sys.path.insert(0, ROOT)
+    from bench.pipeline_loop import Run, print_table
+
+    def rows(wait, rest, n=4):
+        return [{"step": i + 1, "time/step_s": wait + rest, "time/wait_s": wait, "time/train_s": rest,
+                 "time/push_stall_s": 0.001, "push/replica0_version_lag": 1.0, "reward/mean": 0.0,
+                 "offpolicy/kept_samples": 64} for i in range(n)]
+
+    runs = {"serial-1": Run("serial-1", rows(0.9, 1.0), 1, 10.0, {"trainer": 1.0, "servers": 0.9,
+                                                                  "gpu_busy": 0.8, "gpu1_busy": 0.45}),
+            "pipelined-1": Run("pipelined-1", rows(0.0, 1.0), 1, 10.0, {"trainer": 1.0, "servers": 0.5,
+                                                                        "gpu_busy": 0.92, "gpu1_busy": 0.5})}
+    shares = print_table(runs, "two")
+    gain = 1.9  # 1.9 s serial step against 1.0 s
+    ideal = 1.9 / 1.0
+    assert shares["pipelined-1"] == pytest.approx((gain, gain / ideal, gain / ideal))
+    out = capsys.readouterr().out
+    # (one GPU's bound, 1 / 0.8 = 1.25 x, would cap the share at 1.9 / 1.25)
+    assert "| 92% / 50% |" in out and "| 80% / 45% |" in out
+
+
+def test_atropos_source_summary_shares_of_the_step():
+    sys.path.insert(0, ROOT)
+    from bench.atropos_source import summarize
+
+    rows = [{"time/step_s": 5.0, "time/wait_s": 4.0, "reward/mean": 1.0, "atropos/pull_s": 1.0,
+             "atropos/convert_s": 1.0, "atropos/exposed_s": 2.0}]  # step 1: left out
+    rows += [{"time/step_s": 0.5, "time/wait_s": 0.3, "reward/mean": r, "atropos/pull_s": 0.02,
+              "atropos/convert_s": 0.005, "atropos/exposed_s": 0.01, "atropos/prefetched": float(i % 2)}
+             for i, r in enumerate([0.0] * 10 + [1.0] * 10)]
+    s = summarize(rows)
+    assert s["steps_per_s"] == pytest.approx(2.0) and s["wait_s"] == pytest.approx(0.3)
+    assert s["pull_ms"] == pytest.approx(20.0) and s["convert_ms"] == pytest.approx(5.0)
+    assert s["share"] == pytest.approx(0.05) and s["exposed_share"] == pytest.approx(0.02)
+    assert s["prefetched"] == pytest.approx(0.5)
+    assert s["reward_last"] == 1.0 and s["reward_first"] == pytest.approx(0.1)  # step 1 counts for the reward
+    assert "share" not in summarize([{k: v for k, v in r.items() if not k.startswith("atropos")} for r in rows])
