@@ -24,7 +24,7 @@ import torch
 from tests.server_procs import free_port
 from torchtitan_grpo.rollout.advantages import group_advantages
 from torchtitan_grpo.rollout.atropos import AtroposConfig, AtroposSource
-from torchtitan_grpo.rollout.atropos_groups import Malformed, convert_group
+from torchtitan_grpo.rollout.atropos_groups import Malformed, convert_group, convert_groups
 from torchtitan_grpo.rollout.producer import ProducerStopped
 from torchtitan_grpo.trainer import Sample, _LossContext, _micro_batch_loss, _pack
 
@@ -198,6 +198,24 @@ def test_convert_own_advantages_and_overrides():
     g["overrides"] = [{}, {}]
     c = convert_group(g)
     assert [s.advantage for s in c.samples] == [2.0, -1.0] and c.averaged_advantages == 1
+
+
+def test_a_batch_of_mixed_group_sizes_keeps_each_group_apart():
+    """Atropos may hand over groups of different sizes in one batch (an
+    environment's off-size groups, several environments): each is converted
+    with advantages relative to its own members only."""
+    def group(scores):
+        n = len(scores)
+        return {"tokens": [[1, 2, 3 + i] for i in range(n)], "masks": [[-100, -100, 3 + i] for i in range(n)],
+                "scores": scores, "inference_logprobs": [[1.0, 1.0, -0.5]] * n}
+
+    sizes = ([1.0, 0.0, 0.0], [0.0, 1.0], [1.0, 1.0, 0.0, 0.0, 1.0])
+    out = convert_groups([group(list(s)) for s in sizes], scale_rewards=True)
+    assert [len(c.samples) for c in out] == [3, 2, 5]
+    for c, scores in zip(out, sizes):
+        want = group_advantages(torch.tensor([scores]), scale_by_std=True)[0]
+        assert [s.advantage for s in c.samples] == pytest.approx(want.tolist())
+        assert [s.reward for s in c.samples] == list(scores)
 
 
 def test_first_token_is_never_trained():
