@@ -37,6 +37,7 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from torchtitan_grpo.inference.launcher import log_tail  # noqa: E402
 from torchtitan_grpo.net import free_port  # noqa: E402
 
 PROMPTS, GROUP = 16, 16
@@ -54,9 +55,8 @@ def _spawn(cmd: list[str], log: str, **env: str) -> subprocess.Popen:
                                 start_new_session=True)
 
 
-def _kill(proc: subprocess.Popen | None) -> None:
-    if proc is None or proc.poll() is not None and _gone(proc.pid):
-        return
+def _kill(proc: subprocess.Popen) -> None:
+    """The process's whole group (a group already gone: nothing to do)."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)
@@ -68,20 +68,11 @@ def _kill(proc: subprocess.Popen | None) -> None:
             continue
 
 
-def _gone(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return False
-    except ProcessLookupError:
-        return True
-
-
 def _wait_for(what: str, ok, proc: subprocess.Popen, log: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not ok():
         if proc.poll() is not None or time.monotonic() > deadline:
-            with open(log, errors="replace") as f:
-                raise RuntimeError(f"{what} did not happen; last lines of {log}:\n{f.read()[-3000:]}")
+            raise RuntimeError(f"{what} did not happen; last lines of {log}:\n{log_tail(log, 40)}")
         time.sleep(0.2)
 
 
@@ -126,8 +117,7 @@ def run(args, name: str, out: str) -> list[dict]:
                                 os.path.join(dump, "env.log"), DIGITS_MODEL=args.model_dir))
         rc = trainer.wait(timeout=args.run_timeout_s)
         if rc != 0:
-            with open(trainer_log, errors="replace") as f:
-                raise RuntimeError(f"run {name} failed (exit {rc}):\n{f.read()[-3000:]}")
+            raise RuntimeError(f"run {name} failed (exit {rc}):\n{log_tail(trainer_log, 40)}")
     finally:
         for p in reversed(procs):
             _kill(p)

@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from torchtitan_grpo.demo_assets import QWEN3_0_6B, TinyQwen3, ensure_tiny_qwen3
 
-    gpu = args.one_gpu or args.two_gpu
+    gpu = "two" if args.two_gpu else "one" if args.one_gpu else ""  # print_table's mode; "" on CPU
     args.steps = args.steps or (12 if gpu else 150)
     args.warmup = args.warmup if args.warmup is not None else (3 if gpu else 5)
     replicas = [int(x) for x in (args.replicas or ("1" if gpu else "1,2")).split(",")]
@@ -204,9 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     if gpu:
         args.config = os.path.join(ROOT, "train_configs", "bench_pipeline_gpu.toml")
-        args.server_device, args.server_dtype = ("cuda:1" if args.two_gpu else "cuda:0"), "bfloat16"
-        args.transport = "nccl" if args.two_gpu else "ipc"
-        args.gpus = (0, 1) if args.two_gpu else (0,)
+        args.server_device, args.server_dtype = ("cuda:1" if gpu == "two" else "cuda:0"), "bfloat16"
+        args.transport = "nccl" if gpu == "two" else "ipc"
+        args.gpus = (0, 1) if gpu == "two" else (0,)
     else:
         args.config = os.path.join(ROOT, "train_configs", "demo_cpu.toml")
         args.server_device, args.server_dtype, args.transport = "cpu", "float32", "gloo"
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# repeat {rep + 1} of {args.repeats}", flush=True)
         # the slow-replica rows once: they compare loops, not passes
         runs = run_plan(args, plan, out, slow=rep == 0)
-        shares.append(print_table(runs, "two" if args.two_gpu else "one" if gpu else ""))
+        shares.append(print_table(runs, gpu))
     if args.repeats > 1:
         print_spread(shares)
     return 0
