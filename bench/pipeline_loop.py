@@ -232,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     # What a real SGLang gets: one request after another's reply, no early answers.
     plan.append((f"pipelined-{n}-real-order", 1, [0.0] * n,
                  ("--weight_sync.no-pipeline-requests", "--weight_sync.no-ack-posted")))
+    # The rollout client in a process of its own (rollout.client_process).
+    plan += [(f"pipelined-{k}-client", 1, [0.0] * k, ("--rollout.client_process",)) for k in replicas]
     if args.only:
         plan = [p for p in plan if p[0] in args.only.split(",")]
     shares = []  # per repeat: pipelined row -> (x serial, of ideal, of bound)
@@ -283,7 +285,7 @@ def print_table(runs: dict[str, Run], gpu: str = "") -> dict[str, tuple[float, f
           f"cpu s/step trainer + servers | GPU busy | box bound x | of bound | reward first 10 | last 10 | loop s |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, r in runs.items():
-        serial = runs.get(name.replace("pipelined", "serial").replace("-real-order", "").replace("-sync", "")
+        serial = runs.get(name.replace("pipelined", "serial").replace("-real-order", "").replace("-client", "").replace("-sync", "")
                           .replace("-in-place", ""))
         ideal = (serial.wait_s + serial.rest_s) / max(serial.wait_s, serial.rest_s) if serial else float("nan")
         gain = r.samples_per_s / serial.samples_per_s if serial else float("nan")

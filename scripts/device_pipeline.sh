@@ -12,7 +12,9 @@
 #
 # MODE=two-gpu (a 2-GPU machine): the trainer on cuda:0 and the server on
 # cuda:1, NCCL push, the phases no longer sharing a GPU; REPEATS=N runs the
-# rows N times and ends with the median.
+# rows N times and ends with the median. MODE=cpu runs the CPU rows on the
+# device machine's cores (16+: the cores no longer cap the overlap). ARGS:
+# more bench flags (e.g. "--slow-factor 0").
 #
 # Logs go to $OUT; the table ends the bench's output.
 set -uo pipefail
@@ -22,7 +24,7 @@ BUDGET=${BUDGET:-560}
 mkdir -p "$OUT"
 source scripts/device_env.sh
 budgeted pipeline_loop.log python3 bench/pipeline_loop.py "--${MODE:-one-gpu}" --steps "${STEPS:-8}" --warmup 2 \
-  --out "$OUT/runs" --repeats "${REPEATS:-1}" ${ONLY:+--only "$ONLY"}
+  --out "$OUT/runs" --repeats "${REPEATS:-1}" ${ONLY:+--only "$ONLY"} ${ARGS:-}
 rc=$?
 cat "$OUT/pipeline_loop.log"
 for d in "$OUT"/runs/*/ "$OUT"/runs/repeat*/*/; do

@@ -152,6 +152,13 @@ class Rollout:
     push installs its version between decode steps (weight_sync.pause_mode
     "none" becomes "in_place"), so generation does not drain for it."""
 
+    client_process: bool = False
+    """Run the rollout client (prompt encoding, the requests to the servers,
+    decoding, rewards) in a process of its own beside rank 0, which then only
+    takes finished groups. In the trainer's process the client's Python
+    shares the GIL with the training step's (rollout/client_process.py).
+    rollout.source = "builtin" only."""
+
     use_chat_template: bool = True
     """Wrap dataset prompts (task = "jsonl") as one user message with the
     tokenizer's chat template and the generation prompt, when it has one."""

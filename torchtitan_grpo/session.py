@@ -10,7 +10,6 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
 import torch.distributed as dist
 
 from torchtitan_grpo.aio import LoopThread
@@ -18,11 +17,9 @@ from torchtitan_grpo.inference.launcher import ReplicaEvent, ServerSpec, Supervi
 from torchtitan_grpo.inference.pool import InferencePool, PoolConfig
 from torchtitan_grpo.inference.types import SamplingParams
 from torchtitan_grpo.metrics import MetricLogger, window_mean
-from torchtitan_grpo.rollout import tasks
 from torchtitan_grpo.config import api_key, pipeline_depth
-from torchtitan_grpo.rollout.groups import GroupScorer, make_reward_fn
-from torchtitan_grpo.rollout.ledger import PromptLedger
-from torchtitan_grpo.rollout.producer import RolloutProducer
+from torchtitan_grpo.rollout.client_process import RolloutProcess
+from torchtitan_grpo.rollout.producer import ProducerSpec, RolloutProducer, build_producer
 from torchtitan_grpo.trainer import Dist
 from torchtitan_grpo.weight_sync.gather import push_dtype
 from torchtitan_grpo.weight_sync.pusher import NoPush, Pusher, PushConfig, WeightPusher
@@ -110,13 +107,18 @@ def _atropos_source(cfg, hf_dir: str, pool: InferencePool, resume: Resumed | Non
     return source
 
 
-def _prompt_source(cfg):
-    """A resumable source of prompt batches (state_dict/load_state_dict) and the task's reward."""
-    r = cfg.rollout
-    if r.task == "digits":
-        return tasks.DigitsPrompts(cfg.grpo.prompts_per_step, cfg.grpo.seed), tasks.digits_reward
-    data = tasks.load_prompts(r.dataset_path, r.prompt_key)
-    return tasks.PromptIterator(data, cfg.grpo.prompts_per_step, cfg.grpo.seed), None
+def producer_spec(cfg, hf_dir: str, tok, resume: Resumed | None) -> ProducerSpec:
+    """The built-in source's producer, from the config (``tok``: its stop token)."""
+    r, g = cfg.rollout, cfg.grpo
+    eos = (tok.eos_token_id,) if tok.eos_token_id is not None else ()
+    return ProducerSpec(
+        hf_dir=hf_dir, task=r.task, dataset_path=r.dataset_path, prompt_key=r.prompt_key, reward_fn=r.reward_fn,
+        prompts_per_step=g.prompts_per_step, group_size=g.group_size, seed=g.seed, depth=pipeline_depth(cfg),
+        sampling=SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                                top_k=r.top_k, stop_token_ids=eos),
+        scale_rewards=g.scale_rewards, filter_constant_groups=g.filter_constant_groups,
+        reward_timeout_s=r.reward_timeout_s, use_chat_template=r.use_chat_template,
+        resume_prompts=resume.prompts if resume is not None else None)
 
 
 def server_engine_args(i) -> tuple[str, ...]:
@@ -162,9 +164,17 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
                 f.write("".join(u + "\n" for u in urls))
         loop = LoopThread()
         stack.callback(loop.close)
-        pool = InferencePool(urls, PoolConfig(backend=i.backend, model=i.model, replica_file=i.replica_file or None,
-                                              request_timeout_s=i.request_timeout_s, max_retries=i.max_retries,
-                                              api_key=key))
+        pool_config = PoolConfig(backend=i.backend, model=i.model, replica_file=i.replica_file or None,
+                                 request_timeout_s=i.request_timeout_s, max_retries=i.max_retries, api_key=key)
+        client = None
+        if r.source == "builtin" and r.client_process:
+            # The producer and its pool live in the client process; `pool` is their control surface here.
+            client = RolloutProcess(producer_spec(cfg, hf_dir, tok, resume), urls, pool_config,
+                                    pushing=w.mode != "off", startup_timeout_s=i.startup_timeout_s)
+            stack.callback(client.close)
+            pool = client.pool
+        else:
+            pool = InferencePool(urls, pool_config)
         if w.mode == "off":
             pusher: WeightPusher = NoPush()
         else:
@@ -180,33 +190,28 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
             stack.callback(pusher.close)
             pool.on_join = pusher.add_replica  # replicas from inference.replica_file get weights too
             pool.on_down = pusher.replica_down  # a replica known to be down leaves the push at once
-        loop.run(pool.start())
-        stack.callback(lambda: loop.run(pool.close(), timeout=10))
+        if client is not None:
+            pool.start()
+        else:
+            loop.run(pool.start())
+            stack.callback(lambda: loop.run(pool.close(), timeout=10))
         if supervisor is not None:
             supervisor.on_event = _replica_events(pool)
         if w.mode != "off":
+            if client is not None:
+                pool.pushing()  # replicas that join from now on get the weights before their first group
             pusher.connect(initial_version=0 if resume is None else -1)
 
         if r.source == "atropos":
             rollouts = _atropos_source(cfg, hf_dir, pool, resume)
+        elif client is not None:
+            rollouts = client
         else:
-            prompts, task_reward = _prompt_source(cfg)
-            ledger = PromptLedger(prompts)
-            if resume is not None and resume.prompts is not None:
-                ledger.load_state_dict(resume.prompts)
-            scorer = GroupScorer(tok, make_reward_fn(r.reward_fn, task_reward), group_size=cfg.grpo.group_size,
-                                 prompt_key=r.prompt_key, scale_rewards=cfg.grpo.scale_rewards,
-                                 filter_constant_groups=cfg.grpo.filter_constant_groups,
-                                 reward_timeout_s=r.reward_timeout_s,
-                                 use_chat_template=r.use_chat_template and r.task == "jsonl")
-            eos = [t for t in ([tok.eos_token_id] if tok.eos_token_id is not None else [])]
-            sampling = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                                      top_k=r.top_k, stop_token_ids=tuple(eos))
-            rollouts = RolloutProducer(loop, pool, ledger, scorer, prompts_per_step=cfg.grpo.prompts_per_step,
-                                       depth=depth, sampling=sampling, seed=cfg.grpo.seed)
+            rollouts = build_producer(producer_spec(cfg, hf_dir, tok, resume), loop, pool)
         stack.callback(rollouts.close)
         if r.source == "builtin":
-            logger.info("rollouts: %s (pipeline depth %d)%s", "pipelined" if depth else "serial", depth,
+            logger.info("rollouts: %s (pipeline depth %d)%s%s", "pipelined" if depth else "serial", depth,
+                        ", client in its own process" if client is not None else "",
                         f"; weight updates pause generation {pause_mode}" if depth and w.mode != "off" else "")
         log = MetricLogger(cfg.job.dump_folder, cfg.metrics.save_tb_folder, cfg.metrics.enable_tensorboard,
                            resume_step=None if resume is None else resume.step)

@@ -21,6 +21,7 @@ from torchtitan_grpo import model as hf_model
 from torchtitan_grpo import parallel
 from torchtitan_grpo import pipeline as pipeline_parallel
 from torchtitan_grpo.rollout import offpolicy
+from torchtitan_grpo.rollout.sample import Sample
 
 logger = logging.getLogger(__name__)
 
@@ -159,36 +160,6 @@ def hf_weights(policy: Policy) -> dict[str, torch.Tensor]:
 
 
 # ------------------------------------------------------------------ one step
-
-@dataclass
-class Sample:
-    """One completion with everything the loss needs (built on rank 0)."""
-
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    rollout_logprobs: list[float]
-    advantage: float
-    reward: float
-    finish_reason: str
-    weight_versions: list[str]
-    loss_mask: list[float] | None = None
-    """Per completion token (aligned with ``completion_ids``): 1 = trained,
-    0 = not trained (a tool result or an environment's reply inside a
-    multi-turn trajectory; its rollout logprob is ignored). None trains every
-    completion token. A multi-turn trajectory is ``prompt_ids`` = the tokens
-    before its first trained token and ``completion_ids`` = the rest."""
-
-    version_spans: list[tuple[str, int, int]] | None = None
-    """``(version, start, end)`` over ``completion_ids`` when the engine reports
-    per-token versions (a weight update landed mid-generation); with
-    ``grpo.is_correction = "token"`` tokens too stale are masked out one by one
-    (``offpolicy.select_samples``)."""
-
-    @property
-    def num_loss_tokens(self) -> float:
-        """Tokens the loss sees (the token-count normaliser's share of this sample)."""
-        return float(len(self.completion_ids)) if self.loss_mask is None else float(sum(self.loss_mask))
-
 
 def _pack(samples: list[Sample], pad_id: int, device: torch.device, rows: int = 0, length: int = 0):
     """Right-padded tokens plus, at the positions that *predict* trained

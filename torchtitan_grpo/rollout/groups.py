@@ -16,7 +16,7 @@ import torch
 from torchtitan_grpo.inference.types import Completion
 from torchtitan_grpo.rollout import rewards as rw
 from torchtitan_grpo.rollout.advantages import constant_group_mask, group_advantages
-from torchtitan_grpo.trainer import Sample
+from torchtitan_grpo.rollout.sample import Sample
 
 
 @dataclass

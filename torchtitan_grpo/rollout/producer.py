@@ -36,13 +36,14 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 from torchtitan_grpo.aio import LoopThread
 from torchtitan_grpo.inference.pool import InferencePool
 from torchtitan_grpo.inference.types import SamplingParams
 from torchtitan_grpo.rollout.groups import GroupScorer, ScoredGroup, batch_metrics
 from torchtitan_grpo.rollout.ledger import PromptLedger
-from torchtitan_grpo.trainer import Sample
+from torchtitan_grpo.rollout.sample import Sample
 
 logger = logging.getLogger("torchtitan_grpo")
 
@@ -64,7 +65,12 @@ class RolloutProducer:
     runs on ``loop``."""
 
     def __init__(self, loop: LoopThread, pool: InferencePool, ledger: PromptLedger, scorer: GroupScorer, *,
-                 prompts_per_step: int, depth: int, sampling: SamplingParams, seed: int = 0):
+                 prompts_per_step: int, depth: int, sampling: SamplingParams, seed: int = 0,
+                 on_group: Callable[[ScoredGroup], None] | None = None,
+                 on_error: Callable[[BaseException], None] | None = None):
+        """``on_group`` (on the loop's thread, in buffer order) and ``on_error``
+        let a rollout client process mirror the buffer in the trainer's process
+        (``client_process.py``)."""
         if depth < 0:
             raise ValueError(f"depth must be >= 0, got {depth}")
         self.loop, self.pool, self.ledger, self.scorer = loop, pool, ledger, scorer
@@ -72,6 +78,7 @@ class RolloutProducer:
         self.depth = depth
         self.sampling = sampling
         self.seed = seed
+        self.on_group, self.on_error = on_group, on_error
         self._cond = threading.Condition()
         self._buffer: deque[ScoredGroup] = deque()  # finished, in finishing order
         self._in_flight = 0
@@ -106,16 +113,24 @@ class RolloutProducer:
                 raise ProducerStopped(f"rollout generation failed: {self._error}") from self._error
             if self._closed:
                 raise ProducerStopped("rollout producer closed")
-            groups = [self._buffer.popleft() for _ in range(self.prompts_per_step)]
+        groups, metrics = self.take(self.prompts_per_step, time.monotonic() - t0)
+        return RolloutBatch([s for g in groups for s in g.samples], metrics, [g.index for g in groups])
+
+    def take(self, n: int, wait_s: float) -> tuple[list[ScoredGroup], dict[str, float]]:
+        """Hand the first ``n`` finished groups (they must be buffered) to the
+        trainer, which waited ``wait_s`` for them: the ledger records them, the
+        next groups may be admitted. Returns them and the step's rollout metrics."""
+        with self._cond:
+            if len(self._buffer) < n:
+                raise RuntimeError(f"take({n}) with {len(self._buffer)} groups buffered")
+            groups = [self._buffer.popleft() for _ in range(n)]
             self._training = True
             queued = len(self._buffer)
             in_flight = self._in_flight
         now = time.monotonic()
         self.ledger.handed([g.index for g in groups])
         self._wake_admission()
-        return RolloutBatch([s for g in groups for s in g.samples],
-                            self._metrics(groups, now - t0, now, queued, in_flight),
-                            [g.index for g in groups])
+        return groups, self._metrics(groups, wait_s, now, queued, in_flight)
 
     def published(self, version: int) -> None:
         """The trainer finished its step and published ``version`` (the same
@@ -192,13 +207,18 @@ class RolloutProducer:
             self._in_flight -= 1
             self._buffer.append(group)
             self._cond.notify_all()
+        if self.on_group is not None:
+            self.on_group(group)
 
     def _fail(self, e: BaseException) -> None:
         logger.error("rollout producer stopped: %s: %s", type(e).__name__, e)
         with self._cond:
-            if self._error is None:
+            first = self._error is None
+            if first:
                 self._error = e
             self._cond.notify_all()
+        if first and self.on_error is not None:
+            self.on_error(e)
 
     # ---------------------------------------------------------------- metrics
 
@@ -221,3 +241,57 @@ class RolloutProducer:
             "rollout/interval_s": now - since,
         }
         return m
+
+
+# ------------------------------------------------------------------- building
+
+
+@dataclass
+class ProducerSpec:
+    """What a :class:`RolloutProducer` for the built-in source is made of, as
+    plain values: built from the config in the trainer's process
+    (``session.producer_spec``), and sent as is to a rollout client process."""
+
+    hf_dir: str
+    """The tokenizer's directory."""
+    task: str
+    dataset_path: str
+    prompt_key: str
+    reward_fn: str
+    prompts_per_step: int
+    group_size: int
+    seed: int
+    depth: int
+    sampling: SamplingParams
+    scale_rewards: bool
+    filter_constant_groups: bool
+    reward_timeout_s: float
+    use_chat_template: bool
+    resume_prompts: dict | None = None
+    """The checkpoint's ledger state (``state_dict()``), on resume."""
+
+
+def build_producer(spec: ProducerSpec, loop: LoopThread, pool: InferencePool, **hooks) -> RolloutProducer:
+    """The prompt source (digits task or a local dataset), its ledger, the
+    scorer (tokenizer and reward) and the producer, resumed where
+    ``spec.resume_prompts`` says."""
+    from transformers import AutoTokenizer
+
+    from torchtitan_grpo.rollout import tasks
+    from torchtitan_grpo.rollout.groups import make_reward_fn
+
+    if spec.task == "digits":
+        prompts, task_reward = tasks.DigitsPrompts(spec.prompts_per_step, spec.seed), tasks.digits_reward
+    else:
+        prompts = tasks.PromptIterator(tasks.load_prompts(spec.dataset_path, spec.prompt_key),
+                                       spec.prompts_per_step, spec.seed)
+        task_reward = None
+    ledger = PromptLedger(prompts)
+    if spec.resume_prompts is not None:
+        ledger.load_state_dict(spec.resume_prompts)
+    scorer = GroupScorer(AutoTokenizer.from_pretrained(spec.hf_dir), make_reward_fn(spec.reward_fn, task_reward),
+                         group_size=spec.group_size, prompt_key=spec.prompt_key, scale_rewards=spec.scale_rewards,
+                         filter_constant_groups=spec.filter_constant_groups, reward_timeout_s=spec.reward_timeout_s,
+                         use_chat_template=spec.use_chat_template and spec.task == "jsonl")
+    return RolloutProducer(loop, pool, ledger, scorer, prompts_per_step=spec.prompts_per_step, depth=spec.depth,
+                           sampling=spec.sampling, seed=spec.seed, **hooks)

@@ -1,0 +1,378 @@
+"""The rollout client in a process of its own (``rollout.client_process``).
+
+Why: the client's work for each group (prompt encoding, the HTTP request and
+its JSON, decoding, the reward) is Python. In the trainer's process it holds
+the GIL that the training step's Python needs too: on the 2-core CPU demo,
+pipelined, 69 % of the GIL-held samples were the client's and the train phase
+stretched from 0.030 to 0.049 s (docs/PERFORMANCE.md). Here the client runs
+beside the trainer and hands it finished groups.
+
+The split:
+
+* client process: the :class:`InferencePool`, the prompt ledger, the scorer
+  and the :class:`RolloutProducer` (admission, retries, re-sends), exactly
+  as they run in the trainer's process otherwise;
+* trainer process: :class:`RolloutProcess`, the producer's trainer-side
+  surface (``start``, ``next_batch``, ``published``, ``state_dict``,
+  ``close``), over a mirror of the producer's buffer, and
+  :class:`RemotePool`, the pool's control surface that the weight pusher and
+  the server supervisor use (``mark_down``, ``retire``, ``eject``,
+  ``readmit``, the ``on_down`` / ``on_join`` hooks, ``events``).
+
+Each finished group is sent as soon as it is buffered, in buffer order, so a
+trainer step finds its groups already in its own process; taking them costs
+one round trip (the client's ledger records the hand-over and returns the
+step's rollout metrics). Checkpoints ask the client for the ledger's state.
+
+Messages are pickled over a socket pair made for the two processes; nothing
+from the network reaches them. Client -> trainer: ``("group", ScoredGroup)``,
+``("down", url, reason)``, ``("join", url, assumed_stale)``,
+``("error", text)``, ``("reply", value)`` / ``("reply_error", text)``.
+Trainer -> client: ``("start_pool",)``, ``("pushing",)``,
+``("start", version)``, ``("took", n, wait_s)``, ``("published", version)``,
+``("state",)``, ``("events",)``, ``("mark_down" | "retire", url, reason)``,
+``("eject" | "readmit", url)``, ``("close",)``; those with a reply are
+answered in order.
+
+If the client process dies, the next ``next_batch`` raises
+:class:`ProducerStopped` naming its exit code (the run stops at a step
+boundary and keeps its checkpoint); if the trainer dies, the client sees
+the socket close and exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from multiprocessing.connection import Connection
+from typing import Any, Callable
+
+from torchtitan_grpo.inference.pool import PoolConfig
+from torchtitan_grpo.rollout.groups import ScoredGroup
+from torchtitan_grpo.rollout.producer import ProducerSpec, ProducerStopped, RolloutBatch
+
+logger = logging.getLogger("torchtitan_grpo")
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class RemotePool:
+    """The inference pool's control surface, in the trainer's process, for a
+    pool that lives in the client process. Any thread."""
+
+    def __init__(self, client: RolloutProcess):
+        self._client = client
+        self.on_down: Callable[[str, str], None] | None = None
+        """Called (on the receiving thread) when the client's pool marks a replica down."""
+        self.on_join: Callable[[str], bool] | None = None
+        """Called with each replica that joins through the replica file; True:
+        it holds stale weights (route to it only after ``readmit``)."""
+        self._events: list[tuple[float, str, str, str]] = []
+
+    def start(self) -> None:
+        """Start the client's pool (its health checks, the replica file)."""
+        self._client._request(("start_pool",))
+
+    def pushing(self) -> None:
+        """From now on a joining replica holds stale weights until the pusher
+        readmits it (call before the pusher connects)."""
+        self._client._send(("pushing",))
+
+    def mark_down(self, url: str, reason: str) -> None:
+        self._client._send(("mark_down", url, reason))
+
+    def retire(self, url: str, reason: str) -> None:
+        self._client._send(("retire", url, reason))
+
+    def eject(self, url: str) -> None:
+        self._client._send(("eject", url))
+
+    def readmit(self, url: str) -> None:
+        self._client._send(("readmit", url))
+
+    @property
+    def events(self) -> list[tuple[float, str, str, str]]:
+        """(time.time(), url, kind, detail) of the client's pool (the last
+        known list once the client has closed)."""
+        if not self._client.closed:
+            try:
+                self._events = self._client._request(("events",))
+            except ProducerStopped:
+                pass
+        return self._events
+
+
+class RolloutProcess:
+    """The built-in rollout producer, run in a child process; the same
+    trainer-side methods as :class:`RolloutProducer`. ``pool`` is its
+    :class:`RemotePool`."""
+
+    def __init__(self, spec: ProducerSpec, urls: list[str], pool_config: PoolConfig, *, pushing: bool,
+                 startup_timeout_s: float = 300.0, reply_timeout_s: float = 300.0):
+        """Starts the client and waits until it has built its side (tokenizer,
+        prompts, reward); raises ProducerStopped with its error if it cannot.
+        ``pushing``: weights are pushed, so replicas joining through the
+        replica file are reported to ``pool.on_join``."""
+        self.prompts_per_step = spec.prompts_per_step
+        self.reply_timeout_s = reply_timeout_s
+        self.pool = RemotePool(self)
+        self.closed = False
+        self._cond = threading.Condition()
+        self._buffer: deque[ScoredGroup] = deque()
+        self._error: str | None = None
+        self._replies: queue.SimpleQueue = queue.SimpleQueue()
+        self._send_lock = threading.Lock()
+        self._request_lock = threading.Lock()
+        self._taken: dict[str, float] | None = None
+        """The last batch's metrics while the client's reply to its ``took`` is pending."""
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p))
+        self._proc = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())],
+                                      pass_fds=(theirs.fileno(),), env=env)
+        theirs.close()
+        self._conn = Connection(ours.detach())
+        self._send((spec, urls, pool_config, pushing))
+        self._receiver = threading.Thread(target=self._receive, name="grpo-rollout-client", daemon=True)
+        self._receiver.start()
+        try:
+            self._request(("ready",), timeout_s=startup_timeout_s)
+        except ProducerStopped as e:
+            self.close()
+            raise ProducerStopped(f"rollout client process could not start: {e}") from None
+
+    # ---------------------------------------------------------------- trainer side
+
+    def start(self, version: int) -> None:
+        self._send(("start", version))
+
+    def next_batch(self, stop: threading.Event | None = None) -> RolloutBatch | None:
+        """The first ``prompts_per_step`` finished groups; None once ``stop`` is set."""
+        n = self.prompts_per_step
+        t0 = time.monotonic()
+        with self._cond:
+            while len(self._buffer) < n and self._error is None and not self.closed:
+                if stop is not None and stop.is_set():
+                    return None
+                self._cond.wait(timeout=0.2)
+            if self._error is not None:
+                raise ProducerStopped(self._error)
+            if self.closed:
+                raise ProducerStopped("rollout producer closed")
+            groups = [self._buffer.popleft() for _ in range(n)]
+        wait_s = time.monotonic() - t0
+        # The client records the hand-over and computes the step's rollout
+        # metrics (its pool's among them) while the trainer trains: no round
+        # trip before the step; published() adds them to the batch's metrics.
+        metrics = {"time/wait_s": wait_s}
+        with self._request_lock:
+            self._finish_take()
+            self._send(("took", n, wait_s))
+            self._taken = metrics
+        return RolloutBatch([s for g in groups for s in g.samples], metrics, [g.index for g in groups])
+
+    def published(self, version: int) -> None:
+        """Also completes the last batch's ``metrics`` (read them after this)."""
+        with self._request_lock:
+            self._finish_take()
+        self._send(("published", version))
+
+    def state_dict(self) -> dict:
+        return self._request(("state",))
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            self.pool._events = self._request(("close",), timeout_s=30)
+        except (ProducerStopped, OSError):
+            pass
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+        try:
+            self._proc.wait(15)
+        except subprocess.TimeoutExpired:
+            logger.warning("rollout client process did not exit; killing it")
+            self._proc.kill()
+            self._proc.wait(5)
+        self._conn.close()
+
+    # ---------------------------------------------------------------- messaging
+
+    def _send(self, msg: tuple) -> None:
+        try:
+            with self._send_lock:
+                self._conn.send(msg)
+        except OSError as e:  # the client is gone: the receiver reports it
+            if not self.closed:
+                logger.warning("rollout client process unreachable (%s): %s dropped", e, msg[0])
+
+    def _request(self, msg: tuple, timeout_s: float | None = None) -> Any:
+        """Send ``msg`` and wait for the client's reply (trainer's thread)."""
+        with self._request_lock:
+            self._finish_take()
+            self._send(msg)
+            return self._reply(msg[0], timeout_s or self.reply_timeout_s)
+
+    def _finish_take(self) -> None:
+        """The reply to the last ``took``: the step's metrics, merged into its batch's."""
+        if self._taken is not None:
+            metrics, self._taken = self._taken, None
+            metrics |= {k: v for k, v in self._reply("took", self.reply_timeout_s).items() if k != "time/wait_s"}
+
+    def _reply(self, what: str, timeout_s: float) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                kind, value = self._replies.get(timeout=0.5)
+                break
+            except queue.Empty:
+                if self._error is not None and self._proc.poll() is not None:
+                    raise ProducerStopped(self._error) from None
+                if time.monotonic() > deadline:
+                    raise ProducerStopped(f"rollout client process did not answer {what!r} "
+                                          f"within {timeout_s:.0f} s") from None
+        if kind == "reply_error":
+            raise ProducerStopped(f"{value} (rollout client process, {what!r})")
+        return value
+
+    def _receive(self) -> None:
+        """The receiving thread: the client's groups, pool events and replies."""
+        try:
+            while True:
+                msg = self._conn.recv()
+                kind = msg[0]
+                if kind == "group":
+                    with self._cond:
+                        self._buffer.append(msg[1])
+                        self._cond.notify_all()
+                elif kind in ("reply", "reply_error"):
+                    self._replies.put((kind, msg[1]))
+                elif kind == "down":
+                    if self.pool.on_down is not None:
+                        self.pool.on_down(msg[1], msg[2])
+                elif kind == "join":
+                    url, assumed = msg[1], msg[2]
+                    stale = bool(self.pool.on_join(url)) if self.pool.on_join is not None else False
+                    if stale != assumed:  # the pusher connected while the client decided
+                        self._send(("eject" if stale else "readmit", url))
+                elif kind == "error":
+                    self._set_error(f"rollout generation failed: {msg[1]}")
+        except (EOFError, OSError):
+            if not self.closed:
+                code = self._proc.wait()
+                self._set_error(f"rollout client process exited ({_describe(code)}); its log is above")
+                self._replies.put(("reply_error", "the process exited"))
+        except Exception as e:  # noqa: BLE001  (a hook that raised: reported, not lost on this thread)
+            self._set_error(f"rollout client messages: {type(e).__name__}: {e}")
+
+    def _set_error(self, text: str) -> None:
+        with self._cond:
+            if self._error is None:
+                self._error = text
+                logger.error("%s", text)
+            self._cond.notify_all()
+
+
+def _describe(code: int) -> str:
+    return f"exit code {code}" if code >= 0 else f"killed by {signal.Signals(-code).name}"
+
+
+# --------------------------------------------------------------------- client side
+
+
+def _client_main(fd: int) -> int:
+    # The trainer decides when the run ends (a signal stops it at a step
+    # boundary, then it closes this process), so Ctrl-C and SIGTERM to the
+    # process group are its to handle; a trainer that dies closes the socket.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="[rollout] %(asctime)s %(levelname)s %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stdout, force=True)
+    from torchtitan_grpo.aio import LoopThread
+    from torchtitan_grpo.inference.pool import InferencePool
+    from torchtitan_grpo.rollout.producer import build_producer
+
+    conn = Connection(fd)
+    lock = threading.Lock()
+
+    def send(msg: tuple) -> None:
+        with lock:
+            conn.send(msg)
+
+    spec, urls, pool_config, pushing = conn.recv()
+    loop = LoopThread("grpo-rollout-io")
+    stale_joins = [False]
+    try:
+        pool = InferencePool(urls, pool_config)
+        if pushing:
+            def on_join(url: str) -> bool:
+                stale = stale_joins[0]
+                send(("join", url, stale))
+                return stale
+            pool.on_join = on_join
+            pool.on_down = lambda url, reason: send(("down", url, reason))
+        producer = build_producer(spec, loop, pool, on_group=lambda g: send(("group", g)),
+                                  on_error=lambda e: send(("error", f"{type(e).__name__}: {e}")))
+    except Exception as e:  # noqa: BLE001  (the trainer reports it)
+        send(("reply_error", f"{type(e).__name__}: {e}"))
+        loop.close()
+        return 1
+    handlers: dict[str, Callable[..., Any]] = {
+        "ready": lambda: None,
+        "start_pool": lambda: loop.run(pool.start()),
+        "pushing": lambda: stale_joins.__setitem__(0, True),
+        "start": producer.start,
+        "took": lambda n, wait_s: producer.take(n, wait_s)[1],
+        "published": producer.published,
+        "state": producer.state_dict,
+        "events": lambda: list(pool.events),
+        "mark_down": pool.mark_down,
+        "retire": pool.retire,
+        "eject": pool.eject,
+        "readmit": pool.readmit,
+    }
+    answered = {"ready", "start_pool", "took", "state", "events"}
+    try:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                logger.warning("the trainer is gone: rollout client stopping")
+                break
+            kind, args = msg[0], msg[1:]
+            if kind == "close":
+                break
+            try:
+                value = handlers[kind](*args)
+            except Exception as e:  # noqa: BLE001
+                if kind not in answered:
+                    raise
+                send(("reply_error", f"{type(e).__name__}: {e}"))
+                continue
+            if kind in answered:
+                send(("reply", value))
+    finally:
+        producer.close()
+        try:
+            loop.run(pool.close(), timeout=10)
+        except Exception:  # noqa: BLE001
+            pass
+        loop.close()
+    try:
+        send(("reply", list(pool.events)))
+    except OSError:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_client_main(int(sys.argv[1])))
