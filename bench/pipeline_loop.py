@@ -38,6 +38,10 @@ while it generates.
 the order a real SGLang gets it (``weight_sync.pipeline_requests`` and
 ``ack_posted`` off: one request after another's reply).
 
+"pipelined-N-in-process" runs the rollout client in the trainer's process
+(``rollout.client_process off``); pipelined rows otherwise run it in a
+process of its own (the default when pipelined).
+
 The slow-replica rows (``--slow-factor``, default 10) start the second of two
 servers with ``--debug-decode-delay-s`` set so that its groups take about
 slow-factor times as long (from the 2-fast-server run's measured group
@@ -232,8 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     # What a real SGLang gets: one request after another's reply, no early answers.
     plan.append((f"pipelined-{n}-real-order", 1, [0.0] * n,
                  ("--weight_sync.no-pipeline-requests", "--weight_sync.no-ack-posted")))
-    # The rollout client in a process of its own (rollout.client_process).
-    plan += [(f"pipelined-{k}-client", 1, [0.0] * k, ("--rollout.client_process",)) for k in replicas]
+    # The rollout client in the trainer's process (pipelined, its default is a process of its own).
+    plan += [(f"pipelined-{k}-in-process", 1, [0.0] * k, ("--rollout.client_process", "off")) for k in replicas]
     if args.only:
         plan = [p for p in plan if p[0] in args.only.split(",")]
     shares = []  # per repeat: pipelined row -> (x serial, of ideal, of bound)
@@ -285,7 +289,7 @@ def print_table(runs: dict[str, Run], gpu: str = "") -> dict[str, tuple[float, f
           f"cpu s/step trainer + servers | GPU busy | box bound x | of bound | reward first 10 | last 10 | loop s |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, r in runs.items():
-        serial = runs.get(name.replace("pipelined", "serial").replace("-real-order", "").replace("-client", "").replace("-sync", "")
+        serial = runs.get(name.replace("pipelined", "serial").replace("-real-order", "").replace("-in-process", "").replace("-sync", "")
                           .replace("-in-place", ""))
         ideal = (serial.wait_s + serial.rest_s) / max(serial.wait_s, serial.rest_s) if serial else float("nan")
         gain = r.samples_per_s / serial.samples_per_s if serial else float("nan")

@@ -17,7 +17,7 @@ from torchtitan_grpo.inference.launcher import ReplicaEvent, ServerSpec, Supervi
 from torchtitan_grpo.inference.pool import InferencePool, PoolConfig
 from torchtitan_grpo.inference.types import SamplingParams
 from torchtitan_grpo.metrics import MetricLogger, window_mean
-from torchtitan_grpo.config import api_key, pipeline_depth
+from torchtitan_grpo.config import api_key, client_process, pipeline_depth
 from torchtitan_grpo.rollout.client_process import RolloutProcess
 from torchtitan_grpo.rollout.producer import ProducerSpec, RolloutProducer, build_producer
 from torchtitan_grpo.trainer import Dist
@@ -167,7 +167,7 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
         pool_config = PoolConfig(backend=i.backend, model=i.model, replica_file=i.replica_file or None,
                                  request_timeout_s=i.request_timeout_s, max_retries=i.max_retries, api_key=key)
         client = None
-        if r.source == "builtin" and r.client_process:
+        if client_process(cfg):
             # The producer and its pool live in the client process; `pool` is their control surface here.
             client = RolloutProcess(producer_spec(cfg, hf_dir, tok, resume), urls, pool_config,
                                     pushing=w.mode != "off", startup_timeout_s=i.startup_timeout_s)

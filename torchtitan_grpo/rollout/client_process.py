@@ -20,9 +20,12 @@ The split:
   ``readmit``, the ``on_down`` / ``on_join`` hooks, ``events``).
 
 Each finished group is sent as soon as it is buffered, in buffer order, so a
-trainer step finds its groups already in its own process; taking them costs
-one round trip (the client's ledger records the hand-over and returns the
-step's rollout metrics). Checkpoints ask the client for the ledger's state.
+trainer step finds its groups already in its own process. Taking them sends
+``took``; the client's ledger records the hand-over and its reply (the step's
+rollout metrics and the ledger's state) is read after the step, when the
+trainer publishes its weights: no round trip sits before a step. A
+checkpoint saves the ledger state of the last reply plus the prompts handed
+over since, so it is exact even with the client gone.
 
 Messages are pickled over a socket pair made for the two processes; nothing
 from the network reaches them. Client -> trainer: ``("group", ScoredGroup)``,
@@ -30,7 +33,7 @@ from the network reaches them. Client -> trainer: ``("group", ScoredGroup)``,
 ``("error", text)``, ``("reply", value)`` / ``("reply_error", text)``.
 Trainer -> client: ``("start_pool",)``, ``("pushing",)``,
 ``("start", version)``, ``("took", n, wait_s)``, ``("published", version)``,
-``("state",)``, ``("events",)``, ``("mark_down" | "retire", url, reason)``,
+``("events",)``, ``("mark_down" | "retire", url, reason)``,
 ``("eject" | "readmit", url)``, ``("close",)``; those with a reply are
 answered in order.
 
@@ -133,6 +136,9 @@ class RolloutProcess:
         self._request_lock = threading.Lock()
         self._taken: dict[str, float] | None = None
         """The last batch's metrics while the client's reply to its ``took`` is pending."""
+        self._ledger_state: dict = {}
+        self._handed_since: list[int] = []
+        """Prompt indices handed over since ``_ledger_state`` was sent."""
         ours, theirs = socket.socketpair()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p))
         self._proc = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())],
@@ -143,7 +149,7 @@ class RolloutProcess:
         self._receiver = threading.Thread(target=self._receive, name="grpo-rollout-client", daemon=True)
         self._receiver.start()
         try:
-            self._request(("ready",), timeout_s=startup_timeout_s)
+            self._ledger_state = self._request(("ready",), timeout_s=startup_timeout_s)
         except ProducerStopped as e:
             self.close()
             raise ProducerStopped(f"rollout client process could not start: {e}") from None
@@ -168,6 +174,7 @@ class RolloutProcess:
                 raise ProducerStopped("rollout producer closed")
             groups = [self._buffer.popleft() for _ in range(n)]
         wait_s = time.monotonic() - t0
+        indices = [g.index for g in groups]
         # The client records the hand-over and computes the step's rollout
         # metrics (its pool's among them) while the trainer trains: no round
         # trip before the step; published() adds them to the batch's metrics.
@@ -176,16 +183,33 @@ class RolloutProcess:
             self._finish_take()
             self._send(("took", n, wait_s))
             self._taken = metrics
-        return RolloutBatch([s for g in groups for s in g.samples], metrics, [g.index for g in groups])
+            self._handed_since += indices
+        return RolloutBatch([s for g in groups for s in g.samples], metrics, indices)
 
     def published(self, version: int) -> None:
-        """Also completes the last batch's ``metrics`` (read them after this)."""
+        """Also completes the last batch's ``metrics`` (read them after this).
+        Never raises: a client that died is reported by the next ``next_batch``."""
         with self._request_lock:
-            self._finish_take()
+            try:
+                self._finish_take()
+            except ProducerStopped as e:
+                logger.warning("rollout metrics of the last step lost: %s", e)
         self._send(("published", version))
 
     def state_dict(self) -> dict:
-        return self._request(("state",))
+        """The ledger's state as of the last hand-over: the client's copy from
+        its reply to that ``took``, plus any batch taken since (so a checkpoint
+        is exact even if the client has died meanwhile)."""
+        with self._request_lock:
+            try:
+                self._finish_take()
+            except ProducerStopped:
+                pass
+            state = dict(self._ledger_state)
+            if self._handed_since and "handed" in state:
+                first = int(state["first_index"])
+                state["handed"] = sorted(set(state["handed"]) | {i for i in self._handed_since if i >= first})
+            return state
 
     def close(self) -> None:
         if self.closed:
@@ -223,10 +247,13 @@ class RolloutProcess:
             return self._reply(msg[0], timeout_s or self.reply_timeout_s)
 
     def _finish_take(self) -> None:
-        """The reply to the last ``took``: the step's metrics, merged into its batch's."""
+        """The reply to the last ``took``: the step's metrics, merged into its
+        batch's, and the ledger's state after the hand-over."""
         if self._taken is not None:
             metrics, self._taken = self._taken, None
-            metrics |= {k: v for k, v in self._reply("took", self.reply_timeout_s).items() if k != "time/wait_s"}
+            step_metrics, self._ledger_state = self._reply("took", self.reply_timeout_s)
+            self._handed_since = []
+            metrics |= {k: v for k, v in step_metrics.items() if k != "time/wait_s"}
 
     def _reply(self, what: str, timeout_s: float) -> Any:
         deadline = time.monotonic() + timeout_s
@@ -238,8 +265,9 @@ class RolloutProcess:
                 if self._error is not None and self._proc.poll() is not None:
                     raise ProducerStopped(self._error) from None
                 if time.monotonic() > deadline:
-                    raise ProducerStopped(f"rollout client process did not answer {what!r} "
-                                          f"within {timeout_s:.0f} s") from None
+                    # A late reply would answer the wrong request: this client is done.
+                    self._set_error(f"rollout client process did not answer {what!r} within {timeout_s:.0f} s")
+                    raise ProducerStopped(self._error) from None
         if kind == "reply_error":
             raise ProducerStopped(f"{value} (rollout client process, {what!r})")
         return value
@@ -327,20 +355,19 @@ def _client_main(fd: int) -> int:
         loop.close()
         return 1
     handlers: dict[str, Callable[..., Any]] = {
-        "ready": lambda: None,
+        "ready": producer.state_dict,
         "start_pool": lambda: loop.run(pool.start()),
         "pushing": lambda: stale_joins.__setitem__(0, True),
         "start": producer.start,
-        "took": lambda n, wait_s: producer.take(n, wait_s)[1],
+        "took": lambda n, wait_s: (producer.take(n, wait_s)[1], producer.state_dict()),
         "published": producer.published,
-        "state": producer.state_dict,
         "events": lambda: list(pool.events),
         "mark_down": pool.mark_down,
         "retire": pool.retire,
         "eject": pool.eject,
         "readmit": pool.readmit,
     }
-    answered = {"ready", "start_pool", "took", "state", "events"}
+    answered = {"ready", "start_pool", "took", "events"}
     try:
         while True:
             try:

@@ -1,0 +1,163 @@
+"""The rollout client in a process of its own (rollout/client_process.py),
+against a real built-in server: groups, metrics and the ledger cross the
+process boundary intact; the pool's control surface reaches the client's pool
+and its events come back; a client that dies or cannot start stops the run
+with its reason. Waits are hang guards, never speed checks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from torchtitan_grpo.inference.pool import PoolConfig
+from torchtitan_grpo.inference.types import SamplingParams
+from torchtitan_grpo.rollout.ledger import PromptLedger
+from torchtitan_grpo.rollout.producer import ProducerSpec, ProducerStopped
+from torchtitan_grpo.rollout.client_process import RolloutProcess
+from torchtitan_grpo.rollout.tasks import DigitsPrompts
+
+PPS, G = 2, 2
+HANG_S = 120.0
+
+
+def spec(model_dir: str, **kw) -> ProducerSpec:
+    return ProducerSpec(**{
+        "hf_dir": model_dir, "task": "digits", "dataset_path": "", "prompt_key": "prompt", "reward_fn": "",
+        "prompts_per_step": PPS, "group_size": G, "seed": 3, "depth": 1,
+        "sampling": SamplingParams(max_new_tokens=4, temperature=1.0), "scale_rewards": True,
+        "filter_constant_groups": False, "reward_timeout_s": 10.0, "use_chat_template": False, **kw})
+
+
+def wait_until(cond, what: str) -> None:
+    deadline = time.monotonic() + HANG_S
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"hang guard: {what}")
+        time.sleep(0.05)
+
+
+def test_groups_metrics_and_ledger_cross_the_process_boundary(model_dir, server):
+    client = RolloutProcess(spec(model_dir), [server], PoolConfig(), pushing=False)
+    try:
+        client.pool.start()
+        client.start(0)
+        handed: list[int] = []
+        for step in range(1, 4):
+            batch = client.next_batch()
+            assert len(batch.samples) == PPS * G and len(batch.indices) == PPS
+            assert all(len(s.completion_ids) == len(s.rollout_logprobs) > 0 for s in batch.samples)
+            # each group's advantages sum to zero (scored in the client, per group)
+            for k in range(PPS):
+                assert abs(sum(s.advantage for s in batch.samples[k * G:(k + 1) * G])) < 1e-5
+            assert "pool/requests" not in batch.metrics  # the client's reply is read at published()
+            client.published(step)
+            assert batch.metrics["pool/requests"] >= PPS * step
+            assert {"reward/mean", "rollout/group_latency_s", "rollout/buffered_groups", "time/wait_s"} <= set(batch.metrics)
+            handed += batch.indices
+            # the checkpoint's ledger state: a fresh ledger resumed from it never draws a handed prompt
+            ledger = PromptLedger(DigitsPrompts(PPS, 3))
+            ledger.load_state_dict(client.state_dict())
+            again = [ledger.draw()[0] for _ in range(2 * PPS)]
+            assert not set(again) & set(handed), (again, handed)
+            assert min(again) == min(set(range(max(handed) + 2 * PPS)) - set(handed))
+        assert len(set(handed)) == len(handed) == 3 * PPS
+    finally:
+        client.close()
+    assert client._proc.returncode == 0
+    assert isinstance(client.pool.events, list)  # the last list, from the close reply
+
+
+def test_pool_control_and_down_reports_cross_both_ways(model_dir, server):
+    dead = "http://127.0.0.1:9"  # nothing listens: connection refused
+    client = RolloutProcess(spec(model_dir), [server, dead], PoolConfig(), pushing=True)
+    downs: list[str] = []
+    client.pool.on_down = lambda url, reason: downs.append(url)
+    try:
+        client.pool.start()
+        client.start(0)
+        client.next_batch()  # the live replica serves; the dead one is found out and reported
+        client.published(1)
+        wait_until(lambda: dead in downs, "the client's pool reporting the dead replica down")
+        client.pool.eject(server)
+        wait_until(lambda: any(e[1] == server and e[2] == "ejected" for e in client.pool.events),
+                   "eject reaching the client's pool")
+        client.pool.readmit(server)
+        wait_until(lambda: any(e[1] == server and e[2] == "readmitted" for e in client.pool.events),
+                   "readmit reaching the client's pool")
+        assert client.next_batch() is not None  # routed again after the readmit
+        client.published(2)
+    finally:
+        client.close()
+
+
+def test_replica_file_joins_reach_the_pusher_hook(model_dir, server, tmp_path):
+    replicas = tmp_path / "replicas.txt"
+    replicas.write_text(server + "\n")
+    client = RolloutProcess(spec(model_dir), [], PoolConfig(replica_file=str(replicas)), pushing=True)
+    joined: list[str] = []
+    # The pusher's answer: True = "holds stale weights, route only after readmit".
+    client.pool.on_join = lambda url: joined.append(url) or True
+    try:
+        client.pool.start()
+        wait_until(lambda: joined == [server], "the join reaching the trainer's hook")
+        # The client assumed fresh (before pushing()); the hook said stale: it is ejected there.
+        wait_until(lambda: any(e[1] == server and e[2] == "ejected" for e in client.pool.events),
+                   "the stale joiner being ejected in the client")
+    finally:
+        client.close()
+
+
+def test_a_killed_client_stops_the_next_batch_with_its_reason(model_dir, server):
+    client = RolloutProcess(spec(model_dir), [server], PoolConfig(), pushing=False)
+    try:
+        client.pool.start()
+        client.start(0)
+        client.next_batch()
+        client.published(1)
+        os.kill(client._proc.pid, signal.SIGKILL)
+        stop = threading.Event()
+        threading.Timer(HANG_S, stop.set).start()
+        with pytest.raises(ProducerStopped, match="SIGKILL"):
+            for _ in range(4):  # groups already mirrored here may still make a batch or two
+                batch = client.next_batch(stop)
+                assert batch is not None, "hang guard: next_batch never reported the dead client"
+                client.published(2)  # never raises: the loss is reported by next_batch
+        stop.set()
+    finally:
+        client.close()
+
+
+def test_a_checkpoint_is_exact_when_the_client_stops_answering(model_dir, server):
+    """A batch taken from the mirror while the client is stopped (SIGSTOP):
+    its hand-over never gets the client's reply, yet the checkpoint's ledger
+    state counts it, and the run then stops naming the silent client."""
+    client = RolloutProcess(spec(model_dir), [server], PoolConfig(), pushing=False, reply_timeout_s=3)
+    try:
+        client.pool.start()
+        client.start(0)
+        client.next_batch()
+        client.published(1)
+        before = client.state_dict()
+        wait_until(lambda: len(client._buffer) >= PPS, "the next step's groups mirrored in the trainer")
+        os.kill(client._proc.pid, signal.SIGSTOP)
+        batch = client.next_batch()
+        after = client.state_dict()  # the reply times out: the last state plus this batch
+        assert after["first_index"] == before["first_index"]
+        assert set(batch.indices) <= set(after["handed"]) and not set(batch.indices) & set(before["handed"])
+        assert set(before["handed"]) <= set(after["handed"])
+        with pytest.raises(ProducerStopped, match="did not answer 'took'"):
+            client.next_batch()
+    finally:
+        os.kill(client._proc.pid, signal.SIGKILL)
+        client.close()
+
+
+def test_a_client_that_cannot_start_names_the_reason(model_dir, tmp_path):
+    missing = str(tmp_path / "no-such-prompts.jsonl")
+    with pytest.raises(ProducerStopped, match="could not start.*no-such-prompts"):
+        RolloutProcess(spec(model_dir, task="jsonl", dataset_path=missing, reward_fn=""),
+                       ["http://127.0.0.1:9"], PoolConfig(), pushing=False)
