@@ -83,6 +83,7 @@ import urllib.parse
 import urllib.request
 
 import torch
+from transformers import AutoTokenizer
 
 import grpo_train
 from torchtitan_grpo import loss as grpo_losses
@@ -110,6 +111,8 @@ def final_check(side):
     """Server weights and logprobs against the trainer's, while the server is up."""
     policy, temperature, device = seen["policy"], seen["temperature"], seen["device"]
     weights = hf_weights(policy)
+    # The run's tokenizer (the rollout client that holds one may be a process of its own).
+    tok = AutoTokenizer.from_pretrained(seen["hf_dir"])
     out = {"replicas": []}
     for rep in side.pusher.replicas:
         url = rep.url
@@ -122,7 +125,7 @@ def final_check(side):
             worst = max(worst, float((served - ref).abs().max()))
             if not torch.equal(served, ref):
                 unequal.append(name)
-        ids = [side.rollouts.scorer.encode_prompt(p) for p in PROMPTS]
+        ids = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]  # the digits task's encoding
         gen = _post(url + "/generate", {"input_ids": ids, "return_logprob": True, "sampling_params": {
             "max_new_tokens": 8, "temperature": temperature, "ignore_eos": True, "sampling_seed": 1234}})
         lp_diff, gen_versions = 0.0, set()
@@ -168,6 +171,7 @@ session.RolloutSide.summary = summary
 
 def main(argv):
     cfg = parse_config(argv)
+    seen["hf_dir"] = cfg.model.hf_assets_path
     grpo_train.main(argv)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0

@@ -149,14 +149,17 @@ def test_pipeline_loop_cpu(tmp_path):
     lines = r.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("| run | steps | samples/s"))
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[header + 2:] if line.startswith("| ")]
-    assert [row[0] for row in rows] == ["serial-1", "pipelined-1", "serial-1-sync", "pipelined-1-real-order"], rows
+    assert [row[0] for row in rows] == ["serial-1", "pipelined-1", "serial-1-sync", "pipelined-1-real-order",
+                                        "pipelined-1-in-process"], rows
     assert all(row[1] == "6" and float(row[2]) > 0 for row in rows), rows
     # CPU seconds per step, trainer + servers, from /proc: both measured in every run
     cpu = [row[lines[header].strip("|").split("|").index(" cpu s/step trainer + servers ")] for row in rows]
     assert all(float(t) > 0 and float(s) > 0 for t, s in (c.split(" + ") for c in cpu)), cpu
-    for name in ("serial-1", "pipelined-1"):
+    for name in ("serial-1", "pipelined-1", "pipelined-1-in-process"):
         log = (tmp_path / name / "train.log").read_text()
         assert f"pipeline depth {0 if name.startswith('serial') else 1}" in log
+        # pipelined, the client runs in a process of its own unless the row says otherwise
+        assert ("client in its own process" in log) == (name == "pipelined-1"), name
 
 
 def test_pipeline_loop_two_gpu_bound_is_the_ideal_and_both_gpus_are_shown(capsys):
