@@ -179,6 +179,20 @@ def test_pipeline_depth():
         cfg("--weight_sync.mode", "async", "--rollout.pipeline_depth", "-2")
 
 
+def test_client_process():
+    """auto: the rollout client in a process of its own exactly when pipelined."""
+    from torchtitan_grpo.config import client_process
+
+    cfg = lambda *a: parse_config(["--job.config_file", DEMO, *a])  # noqa: E731
+    assert not client_process(cfg())  # serial (sync push): nothing runs beside the client
+    assert client_process(cfg("--weight_sync.mode", "async"))
+    assert not client_process(cfg("--weight_sync.mode", "async", "--rollout.pipeline_depth", "0"))
+    assert not client_process(cfg("--weight_sync.mode", "async", "--rollout.client_process", "off"))
+    assert client_process(cfg("--rollout.client_process", "on"))
+    with pytest.raises(ConfigError, match=r"rollout\.client_process = 'on': can be \"on\" only with rollout\.source"):
+        cfg("--rollout.client_process", "on", "--rollout.source", "atropos")
+
+
 def test_api_key_from_the_environment(monkeypatch):
     from torchtitan_grpo.config import api_key
 
