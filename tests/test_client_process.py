@@ -17,7 +17,7 @@ from torchtitan_grpo.inference.pool import PoolConfig
 from torchtitan_grpo.inference.types import SamplingParams
 from torchtitan_grpo.rollout.ledger import PromptLedger
 from torchtitan_grpo.rollout.producer import ProducerSpec, ProducerStopped
-from torchtitan_grpo.rollout.client_process import RolloutProcess
+from torchtitan_grpo.rollout.client_process import RolloutProcess, SpawnedClient
 from torchtitan_grpo.rollout.tasks import DigitsPrompts
 
 PPS, G = 2, 2
@@ -161,3 +161,11 @@ def test_a_client_that_cannot_start_names_the_reason(model_dir, tmp_path):
     with pytest.raises(ProducerStopped, match="could not start.*no-such-prompts"):
         RolloutProcess(spec(model_dir, task="jsonl", dataset_path=missing, reward_fn=""),
                        ["http://127.0.0.1:9"], PoolConfig(), pushing=False)
+
+
+def test_a_client_spawned_ahead_and_never_used_exits_cleanly():
+    """rollout_side spawns the client before the servers start; if the run
+    stops before it is used, closing the socket ends it (exit 0, no hang)."""
+    spawned = SpawnedClient.spawn()
+    spawned.close()
+    assert spawned.proc.returncode == 0

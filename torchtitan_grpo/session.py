@@ -18,7 +18,7 @@ from torchtitan_grpo.inference.pool import InferencePool, PoolConfig
 from torchtitan_grpo.inference.types import SamplingParams
 from torchtitan_grpo.metrics import MetricLogger, window_mean
 from torchtitan_grpo.config import api_key, client_process, pipeline_depth
-from torchtitan_grpo.rollout.client_process import RolloutProcess
+from torchtitan_grpo.rollout.client_process import RolloutProcess, SpawnedClient
 from torchtitan_grpo.rollout.producer import ProducerSpec, RolloutProducer, build_producer
 from torchtitan_grpo.trainer import Dist
 from torchtitan_grpo.weight_sync.gather import push_dtype
@@ -146,6 +146,10 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
     pause_mode = "in_place" if depth > 0 and w.pause_mode == "none" else w.pause_mode
     key = api_key(cfg)
     with contextlib.ExitStack() as stack:
+        # The rollout client's process starts first: its imports overlap the servers' start.
+        spawned = SpawnedClient.spawn() if client_process(cfg) else None
+        if spawned is not None:
+            stack.callback(spawned.close)
         supervisor = None
         if i.urls or i.replica_file:
             urls = list(i.urls)
@@ -167,10 +171,10 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
         pool_config = PoolConfig(backend=i.backend, model=i.model, replica_file=i.replica_file or None,
                                  request_timeout_s=i.request_timeout_s, max_retries=i.max_retries, api_key=key)
         client = None
-        if client_process(cfg):
+        if spawned is not None:
             # The producer and its pool live in the client process; `pool` is their control surface here.
             client = RolloutProcess(producer_spec(cfg, hf_dir, tok, resume), urls, pool_config,
-                                    pushing=w.mode != "off", startup_timeout_s=i.startup_timeout_s)
+                                    pushing=w.mode != "off", startup_timeout_s=i.startup_timeout_s, spawned=spawned)
             stack.callback(client.close)
             pool = client.pool
         else:

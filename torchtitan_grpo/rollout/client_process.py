@@ -45,6 +45,7 @@ the socket close and exits.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import queue
@@ -55,6 +56,7 @@ import sys
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
@@ -113,17 +115,47 @@ class RemotePool:
         return self._events
 
 
+@dataclass
+class SpawnedClient:
+    """A client process started ahead of its work: it imports torch,
+    transformers and the pool while the servers start, and waits for a
+    :class:`RolloutProcess` to send it its spec."""
+
+    proc: subprocess.Popen
+    conn: Connection
+
+    @classmethod
+    def spawn(cls) -> SpawnedClient:
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p))
+        proc = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())],
+                                pass_fds=(theirs.fileno(),), env=env)
+        theirs.close()
+        return cls(proc, Connection(ours.detach()))
+
+    def close(self) -> None:
+        """Unless a RolloutProcess took it over: the client sees the socket close and exits."""
+        self.conn.close()
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
 class RolloutProcess:
     """The built-in rollout producer, run in a child process; the same
     trainer-side methods as :class:`RolloutProducer`. ``pool`` is its
     :class:`RemotePool`."""
 
     def __init__(self, spec: ProducerSpec, urls: list[str], pool_config: PoolConfig, *, pushing: bool,
-                 startup_timeout_s: float = 300.0, reply_timeout_s: float = 300.0):
-        """Starts the client and waits until it has built its side (tokenizer,
-        prompts, reward); raises ProducerStopped with its error if it cannot.
-        ``pushing``: weights are pushed, so replicas joining through the
-        replica file are reported to ``pool.on_join``."""
+                 startup_timeout_s: float = 300.0, reply_timeout_s: float = 300.0,
+                 spawned: SpawnedClient | None = None):
+        """Starts the client (or takes over ``spawned``) and waits until it has
+        built its side (tokenizer, prompts, reward); raises ProducerStopped
+        with its error if it cannot. ``pushing``: weights are pushed, so
+        replicas joining through the replica file are reported to
+        ``pool.on_join``."""
         self.prompts_per_step = spec.prompts_per_step
         self.reply_timeout_s = reply_timeout_s
         self.pool = RemotePool(self)
@@ -139,12 +171,8 @@ class RolloutProcess:
         self._ledger_state: dict = {}
         self._handed_since: list[int] = []
         """Prompt indices handed over since ``_ledger_state`` was sent."""
-        ours, theirs = socket.socketpair()
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p))
-        self._proc = subprocess.Popen([sys.executable, "-m", __name__, str(theirs.fileno())],
-                                      pass_fds=(theirs.fileno(),), env=env)
-        theirs.close()
-        self._conn = Connection(ours.detach())
+        spawned = spawned or SpawnedClient.spawn()
+        self._proc, self._conn = spawned.proc, spawned.conn
         self._send((spec, urls, pool_config, pushing))
         self._receiver = threading.Thread(target=self._receive, name="grpo-rollout-client", daemon=True)
         self._receiver.start()
@@ -325,6 +353,10 @@ def _client_main(fd: int) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="[rollout] %(asctime)s %(levelname)s %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stdout, force=True)
+    # Imported before the spec arrives: a client spawned early does this while
+    # the servers start (transformers loads its tokenizer classes on first use).
+    importlib.import_module("transformers").AutoTokenizer
+
     from torchtitan_grpo.aio import LoopThread
     from torchtitan_grpo.inference.pool import InferencePool
     from torchtitan_grpo.rollout.producer import build_producer
@@ -336,7 +368,10 @@ def _client_main(fd: int) -> int:
         with lock:
             conn.send(msg)
 
-    spec, urls, pool_config, pushing = conn.recv()
+    try:
+        spec, urls, pool_config, pushing = conn.recv()
+    except (EOFError, OSError):  # spawned early, never used (the run stopped before)
+        return 0
     loop = LoopThread("grpo-rollout-io")
     stale_joins = [False]
     try:
