@@ -156,6 +156,30 @@ def test_a_checkpoint_is_exact_when_the_client_stops_answering(model_dir, server
         client.close()
 
 
+def test_a_stopped_client_is_found_out_while_the_trainer_waits(model_dir, server):
+    """SIGSTOP while the trainer waits for groups: silent past
+    silent_timeout_s, the wait ends with the reason (heartbeats keep a
+    live client that has nothing to send from looking silent)."""
+    client = RolloutProcess(spec(model_dir), [server], PoolConfig(), pushing=False, silent_timeout_s=12)
+    try:
+        client.pool.start()
+        stop = threading.Event()
+        threading.Timer(15, stop.set).start()
+        # not started: no group comes for 15 s, only heartbeats, and they keep the client alive
+        assert client.next_batch(stop) is None
+        client.start(0)
+        client.next_batch()
+        client.published(1)
+        os.kill(client._proc.pid, signal.SIGSTOP)
+        with client._cond:
+            client._buffer.clear()  # whatever was mirrored: the wait must be for groups the stopped client owes
+        with pytest.raises(ProducerStopped, match="silent for"):
+            client.next_batch()
+    finally:
+        os.kill(client._proc.pid, signal.SIGKILL)
+        client.close()
+
+
 def test_a_client_that_cannot_start_names_the_reason(model_dir, tmp_path):
     missing = str(tmp_path / "no-such-prompts.jsonl")
     with pytest.raises(ProducerStopped, match="could not start.*no-such-prompts"):

@@ -30,7 +30,8 @@ over since, so it is exact even with the client gone.
 Messages are pickled over a socket pair made for the two processes; nothing
 from the network reaches them. Client -> trainer: ``("group", ScoredGroup)``,
 ``("down", url, reason)``, ``("join", url, assumed_stale)``,
-``("error", text)``, ``("reply", value)`` / ``("reply_error", text)``.
+``("error", text)``, ``("reply", value)`` / ``("reply_error", text)``,
+``("alive",)`` every ``HEARTBEAT_S``.
 Trainer -> client: ``("start_pool",)``, ``("pushing",)``,
 ``("start", version)``, ``("took", n, wait_s)``, ``("published", version)``,
 ``("events",)``, ``("mark_down" | "retire", url, reason)``,
@@ -66,6 +67,8 @@ from torchtitan_grpo.rollout.producer import ProducerSpec, ProducerStopped, Roll
 
 logger = logging.getLogger("torchtitan_grpo")
 
+HEARTBEAT_S = 5.0
+"""How often a client with nothing else to send says it is alive."""
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -150,14 +153,19 @@ class RolloutProcess:
 
     def __init__(self, spec: ProducerSpec, urls: list[str], pool_config: PoolConfig, *, pushing: bool,
                  startup_timeout_s: float = 300.0, reply_timeout_s: float = 300.0,
-                 spawned: SpawnedClient | None = None):
+                 silent_timeout_s: float = 120.0, spawned: SpawnedClient | None = None):
         """Starts the client (or takes over ``spawned``) and waits until it has
         built its side (tokenizer, prompts, reward); raises ProducerStopped
         with its error if it cannot. ``pushing``: weights are pushed, so
         replicas joining through the replica file are reported to
-        ``pool.on_join``."""
+        ``pool.on_join``. A client is alive while it sends something (it
+        says so every ``HEARTBEAT_S`` when it has nothing else to send);
+        silent for ``silent_timeout_s`` (a stopped or wedged process) while
+        the trainer waits for groups, it stops the run."""
         self.prompts_per_step = spec.prompts_per_step
         self.reply_timeout_s = reply_timeout_s
+        self.silent_timeout_s = silent_timeout_s
+        self._last_heard = time.monotonic()
         self.pool = RemotePool(self)
         self.closed = False
         self._cond = threading.Condition()
@@ -196,6 +204,10 @@ class RolloutProcess:
                 if stop is not None and stop.is_set():
                     return None
                 self._cond.wait(timeout=0.2)
+                silent = time.monotonic() - self._last_heard
+                if silent > self.silent_timeout_s and self._error is None:
+                    self._error = f"rollout client process silent for {silent:.0f} s (stopped or wedged)"
+                    logger.error("%s", self._error)
             if self._error is not None:
                 raise ProducerStopped(self._error)
             if self.closed:
@@ -305,7 +317,10 @@ class RolloutProcess:
         try:
             while True:
                 msg = self._conn.recv()
+                self._last_heard = time.monotonic()
                 kind = msg[0]
+                if kind == "alive":
+                    continue
                 if kind == "group":
                     with self._cond:
                         self._buffer.append(msg[1])
@@ -403,6 +418,15 @@ def _client_main(fd: int) -> int:
         "readmit": pool.readmit,
     }
     answered = {"ready", "start_pool", "took", "events"}
+
+    def heartbeat() -> None:
+        while True:
+            time.sleep(HEARTBEAT_S)
+            try:
+                send(("alive",))
+            except OSError:
+                return
+    threading.Thread(target=heartbeat, name="grpo-rollout-alive", daemon=True).start()
     try:
         while True:
             try:
