@@ -160,7 +160,8 @@ class Rollout:
     pipelined (pipeline_depth resolves to >= 1; serial, nothing runs beside
     the client). Pipelined on 2 x H100 (28-layer model) the trainer's step
     went from 1.006 to 0.95 s with it on (0.98-1.01 of the ideal overlap
-    instead of 0.94; docs/PERFORMANCE.md); it costs a process start (2-14 s).
+    instead of 0.94; docs/PERFORMANCE.md). The process starts with the
+    servers, so its imports overlap their start-up.
     rollout.source = "builtin" only (Atropos environments are their own
     processes already)."""
 
