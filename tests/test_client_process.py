@@ -68,6 +68,7 @@ def test_groups_metrics_and_ledger_cross_the_process_boundary(model_dir, server)
     finally:
         client.close()
     assert client._proc.returncode == 0
+    assert client._error is None  # its exit after close is expected, not an error
     assert isinstance(client.pool.events, list)  # the last list, from the close reply
 
 

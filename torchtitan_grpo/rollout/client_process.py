@@ -168,6 +168,7 @@ class RolloutProcess:
         self._last_heard = time.monotonic()
         self.pool = RemotePool(self)
         self.closed = False
+        self._closing = False
         self._cond = threading.Condition()
         self._buffer: deque[ScoredGroup] = deque()
         self._error: str | None = None
@@ -254,6 +255,7 @@ class RolloutProcess:
     def close(self) -> None:
         if self.closed:
             return
+        self._closing = True  # the client's exit from here on is expected
         try:
             self.pool._events = self._request(("close",), timeout_s=30)
         except (ProducerStopped, OSError):
@@ -338,7 +340,7 @@ class RolloutProcess:
                 elif kind == "error":
                     self._set_error(f"rollout generation failed: {msg[1]}")
         except (EOFError, OSError):
-            if not self.closed:
+            if not self._closing:
                 code = self._proc.wait()
                 self._set_error(f"rollout client process exited ({_describe(code)}); its log is above")
                 self._replies.put(("reply_error", "the process exited"))
