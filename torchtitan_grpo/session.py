@@ -48,9 +48,10 @@ def prepare_model_dir(cfg, d: Dist) -> str:
 
 @dataclass
 class RolloutSide:
-    rollouts: RolloutProducer | AtroposSource
-    """Finished groups for the trainer; its state_dict() (the prompts handed
-    to the trainer) is checkpointed."""
+    rollouts: RolloutProducer | RolloutProcess | AtroposSource
+    """Finished groups for the trainer (the producer in rank 0's process, or
+    in a client process beside it); its state_dict() (the prompts handed to
+    the trainer) is checkpointed."""
     pusher: WeightPusher
     log: MetricLogger
     pad_id: int
