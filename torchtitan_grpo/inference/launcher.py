@@ -173,7 +173,8 @@ def stop_process(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
         proc.wait(grace_s)
 
 
-def _describe_exit(code: int) -> str:
+def describe_exit(code: int) -> str:
+    """A process's return code in words: exit code N, or killed by SIGNAME."""
     if code >= 0:
         return f"exit code {code}"
     return f"killed by {signal.Signals(-code).name}" if -code in signal.valid_signals() else f"signal {-code}"
@@ -272,12 +273,12 @@ class Supervisor:
     def _step(self, w: _Watched) -> None:
         proc = w.server.proc
         if w.state == "up" and proc.poll() is not None:
-            self._failed(w, "exited", f"pid {proc.pid} {_describe_exit(proc.returncode)}")
+            self._failed(w, "exited", f"pid {proc.pid} {describe_exit(proc.returncode)}")
         elif w.state == "waiting" and time.monotonic() >= w.due:
             self._respawn(w)
         elif w.state == "starting":
             if proc.poll() is not None:
-                self._failed(w, "restart_failed", f"{_describe_exit(proc.returncode)} during start-up")
+                self._failed(w, "restart_failed", f"{describe_exit(proc.returncode)} during start-up")
             elif _healthy(w.server.url, w.spec.api_key):
                 w.state = "up"
                 detail = f"pid {proc.pid}, attempt {w.attempts}/{self.max_restarts}"

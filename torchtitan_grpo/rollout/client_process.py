@@ -61,6 +61,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
+from torchtitan_grpo.inference.launcher import describe_exit
 from torchtitan_grpo.inference.pool import PoolConfig
 from torchtitan_grpo.rollout.groups import ScoredGroup
 from torchtitan_grpo.rollout.producer import ProducerSpec, ProducerStopped, RolloutBatch
@@ -342,7 +343,7 @@ class RolloutProcess:
         except (EOFError, OSError):
             if not self._closing:
                 code = self._proc.wait()
-                self._set_error(f"rollout client process exited ({_describe(code)}); its log is above")
+                self._set_error(f"rollout client process exited ({describe_exit(code)}); its log is above")
                 self._replies.put(("reply_error", "the process exited"))
         except Exception as e:  # noqa: BLE001  (a hook that raised: reported, not lost on this thread)
             self._set_error(f"rollout client messages: {type(e).__name__}: {e}")
@@ -353,10 +354,6 @@ class RolloutProcess:
                 self._error = text
                 logger.error("%s", text)
             self._cond.notify_all()
-
-
-def _describe(code: int) -> str:
-    return f"exit code {code}" if code >= 0 else f"killed by {signal.Signals(-code).name}"
 
 
 # --------------------------------------------------------------------- client side
