@@ -52,12 +52,16 @@ def _servers_alive(model_dir: str) -> list[str]:
 def test_two_ranks_fsdp_sync_push_on_policy(tmp_path, tiny_model_dir):
     """2 trainer ranks (FSDP over gloo), 2 built-in servers, sync pushes: after
     each push the servers generate with exactly the trainer's weights, so the
-    trainer's logprobs of the sampled tokens equal the servers' (fp32)."""
+    trainer's logprobs of the sampled tokens equal the servers' (fp32). The
+    rollout client runs in its own process (off by default when serial): the
+    serial loop stays exactly on-policy across that boundary too."""
     dump = str(tmp_path / "run")
     r = _torchrun(2, "--training.steps", "3", "--job.dump_folder", dump, "--model.hf_assets_path", tiny_model_dir,
                   "--inference.num_servers", "2", "--grpo.prompts_per_step", "4", "--grpo.group_size", "4",
-                  "--weight_sync.mode", "sync", "--grpo.kl_coef", "0.01")  # + an FSDP-sharded reference
+                  "--weight_sync.mode", "sync", "--grpo.kl_coef", "0.01",  # + an FSDP-sharded reference
+                  "--rollout.client_process", "on")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "serial (pipeline depth 0), client in its own process" in r.stdout
     rows = _metrics(dump)
     assert [m["step"] for m in rows] == [1, 2, 3]
     for m in rows:
