@@ -82,7 +82,7 @@ sys.path.insert(0, str(ROOT))
 
 from torchtitan_grpo.aio import LoopThread  # noqa: E402
 from torchtitan_grpo.demo_assets import QWEN3_0_6B, TinyQwen3, write_tiny_qwen3  # noqa: E402
-from torchtitan_grpo.inference.launcher import free_port, log_tail  # noqa: E402
+from torchtitan_grpo.inference.launcher import free_port, log_tail, stop_process  # noqa: E402
 from torchtitan_grpo.weight_sync import buckets as bk  # noqa: E402
 
 GROUP_NAME = "weight_update_group"
@@ -135,13 +135,7 @@ def wait_healthy(s: Server, timeout_s: float) -> None:
 
 
 def stop_server(s: Server) -> None:
-    if s.proc.poll() is None:
-        s.proc.terminate()
-        try:
-            s.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            s.proc.kill()
-            s.proc.wait(10)
+    stop_process(s.proc, grace_s=10)
 
 
 def http(url: str, body: dict | None = None, timeout_s: float = 30) -> dict:

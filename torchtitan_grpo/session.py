@@ -212,7 +212,7 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
         elif client is not None:
             rollouts = client
         else:
-            rollouts = build_producer(producer_spec(cfg, hf_dir, tok, resume), loop, pool)
+            rollouts = build_producer(producer_spec(cfg, hf_dir, tok, resume), loop, pool, tokenizer=tok)
         stack.callback(rollouts.close)
         if r.source == "builtin":
             logger.info("rollouts: %s (pipeline depth %d)%s%s", "pipelined" if depth else "serial", depth,

@@ -140,9 +140,14 @@ class SpawnedClient:
     def close(self) -> None:
         """Unless a RolloutProcess took it over: the client sees the socket close and exits."""
         self.conn.close()
+        self.reap()
+
+    def reap(self, grace_s: float = 15.0) -> None:
+        """Wait for the client to exit on its own (it ignores SIGTERM); kill it after ``grace_s``."""
         try:
-            self.proc.wait(15)
+            self.proc.wait(grace_s)
         except subprocess.TimeoutExpired:
+            logger.warning("rollout client process did not exit; killing it")
             self.proc.kill()
             self.proc.wait(5)
 
@@ -181,8 +186,8 @@ class RolloutProcess:
         self._ledger_state: dict = {}
         self._handed_since: list[int] = []
         """Prompt indices handed over since ``_ledger_state`` was sent."""
-        spawned = spawned or SpawnedClient.spawn()
-        self._proc, self._conn = spawned.proc, spawned.conn
+        self._spawned = spawned or SpawnedClient.spawn()
+        self._proc, self._conn = self._spawned.proc, self._spawned.conn
         self._send((spec, urls, pool_config, pushing))
         self._receiver = threading.Thread(target=self._receive, name="grpo-rollout-client", daemon=True)
         self._receiver.start()
@@ -207,9 +212,8 @@ class RolloutProcess:
                     return None
                 self._cond.wait(timeout=0.2)
                 silent = time.monotonic() - self._last_heard
-                if silent > self.silent_timeout_s and self._error is None:
-                    self._error = f"rollout client process silent for {silent:.0f} s (stopped or wedged)"
-                    logger.error("%s", self._error)
+                if silent > self.silent_timeout_s:
+                    self._set_error(f"rollout client process silent for {silent:.0f} s (stopped or wedged)")
             if self._error is not None:
                 raise ProducerStopped(self._error)
             if self.closed:
@@ -264,12 +268,7 @@ class RolloutProcess:
         with self._cond:
             self.closed = True
             self._cond.notify_all()
-        try:
-            self._proc.wait(15)
-        except subprocess.TimeoutExpired:
-            logger.warning("rollout client process did not exit; killing it")
-            self._proc.kill()
-            self._proc.wait(5)
+        self._spawned.reap()
         self._conn.close()
 
     # ---------------------------------------------------------------- messaging

@@ -271,10 +271,11 @@ class ProducerSpec:
     """The checkpoint's ledger state (``state_dict()``), on resume."""
 
 
-def build_producer(spec: ProducerSpec, loop: LoopThread, pool: InferencePool, **hooks) -> RolloutProducer:
+def build_producer(spec: ProducerSpec, loop: LoopThread, pool: InferencePool, tokenizer=None,
+                   **hooks) -> RolloutProducer:
     """The prompt source (digits task or a local dataset), its ledger, the
-    scorer (tokenizer and reward) and the producer, resumed where
-    ``spec.resume_prompts`` says."""
+    scorer (``tokenizer``, loaded from ``spec.hf_dir`` if None, and the
+    reward) and the producer, resumed where ``spec.resume_prompts`` says."""
     from transformers import AutoTokenizer
 
     from torchtitan_grpo.rollout import tasks
@@ -289,7 +290,7 @@ def build_producer(spec: ProducerSpec, loop: LoopThread, pool: InferencePool, **
     ledger = PromptLedger(prompts)
     if spec.resume_prompts is not None:
         ledger.load_state_dict(spec.resume_prompts)
-    scorer = GroupScorer(AutoTokenizer.from_pretrained(spec.hf_dir), make_reward_fn(spec.reward_fn, task_reward),
+    scorer = GroupScorer(tokenizer or AutoTokenizer.from_pretrained(spec.hf_dir), make_reward_fn(spec.reward_fn, task_reward),
                          group_size=spec.group_size, prompt_key=spec.prompt_key, scale_rewards=spec.scale_rewards,
                          filter_constant_groups=spec.filter_constant_groups, reward_timeout_s=spec.reward_timeout_s,
                          use_chat_template=spec.use_chat_template and spec.task == "jsonl")
