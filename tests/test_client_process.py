@@ -17,7 +17,8 @@ from torchtitan_grpo.inference.pool import PoolConfig
 from torchtitan_grpo.inference.types import SamplingParams
 from torchtitan_grpo.rollout.ledger import PromptLedger
 from torchtitan_grpo.rollout.producer import ProducerSpec, ProducerStopped
-from torchtitan_grpo.rollout.client_process import RolloutProcess, SpawnedClient
+from torchtitan_grpo.rollout.client_process import GroupOutbox, RolloutProcess, SpawnedClient
+from torchtitan_grpo.rollout.groups import ScoredGroup
 from torchtitan_grpo.rollout.tasks import DigitsPrompts
 
 PPS, G = 2, 2
@@ -194,3 +195,28 @@ def test_a_client_spawned_ahead_and_never_used_exits_cleanly():
     spawned = SpawnedClient.spawn()
     spawned.close()
     assert spawned.proc.returncode == 0
+
+
+def test_the_outbox_sends_a_step_at_a_time_in_buffer_order():
+    """Groups are held until the trainer's mirror and the held ones make a
+    step; then all held go in one message, in the order they finished, and a
+    take lets the next ones go."""
+    sent: list[tuple] = []
+    box = GroupOutbox(sent.append, per_step=3)
+    groups = [ScoredGroup(i, [], [0.0], 1, 0, True) for i in range(8)]
+    box.add(groups[0])
+    box.add(groups[1])
+    assert sent == []  # two of three: the trainer could not take a step yet
+    box.add(groups[2])
+    assert sent == [("groups", groups[0:3])]
+    for g in groups[3:7]:  # the mirror holds a step: the next are held, however many
+        box.add(g)
+    assert len(sent) == 1
+    box.took(3)  # the mirror is empty: the four held go at once
+    assert sent[1] == ("groups", groups[3:7])
+    box.took(3)  # one left in the mirror: two more make a step
+    box.add(groups[7])
+    assert len(sent) == 2
+    box.add(ScoredGroup(8, [], [0.0], 1, 0, True))
+    assert [g.index for g in sent[2][1]] == [7, 8]
+    assert [g.index for _, batch in sent for g in batch] == list(range(9))

@@ -27,8 +27,16 @@ trainer publishes its weights: no round trip sits before a step. A
 checkpoint saves the ledger state of the last reply plus the prompts handed
 over since, so it is exact even with the client gone.
 
+Groups go over a step at a time (:class:`GroupOutbox`): a finished group is
+held until the trainer's mirror and the held groups together make a step,
+then every held group goes in one message. A step's groups reach the trainer
+no later (its last group sends them), and the trainer's receiving thread,
+whose every wake takes the GIL from the training step, wakes once per step
+rather than once per group (CPU demo, 2 cores: its CPU time per step 3.9 ->
+2.7 ms).
+
 Messages are pickled over a socket pair made for the two processes; nothing
-from the network reaches them. Client -> trainer: ``("group", ScoredGroup)``,
+from the network reaches them. Client -> trainer: ``("groups", [ScoredGroup])``,
 ``("down", url, reason)``, ``("join", url, assumed_stale)``,
 ``("error", text)``, ``("reply", value)`` / ``("reply_error", text)``,
 ``("alive",)`` every ``HEARTBEAT_S``.
@@ -323,9 +331,9 @@ class RolloutProcess:
                 kind = msg[0]
                 if kind == "alive":
                     continue
-                if kind == "group":
+                if kind == "groups":
                     with self._cond:
-                        self._buffer.append(msg[1])
+                        self._buffer.extend(msg[1])
                         self._cond.notify_all()
                 elif kind in ("reply", "reply_error"):
                     self._replies.put((kind, msg[1]))
@@ -356,6 +364,38 @@ class RolloutProcess:
 
 
 # --------------------------------------------------------------------- client side
+
+
+class GroupOutbox:
+    """The client's finished groups on their way to the trainer's mirror, in
+    buffer order. A group is held while the trainer does not need it yet (its
+    mirror already holds a step, or the mirror and the held groups make less
+    than one); once they make a step, every held group goes in one message.
+    Any thread (the producer's loop adds, the message loop reports takes)."""
+
+    def __init__(self, send: Callable[[tuple], None], per_step: int):
+        self._send = send
+        self.per_step = per_step
+        self._held: list[ScoredGroup] = []
+        self._mirrored = 0
+        """Groups sent and not yet taken: the trainer's mirror, as far as the client knows."""
+        self._lock = threading.Lock()
+
+    def add(self, group: ScoredGroup) -> None:
+        with self._lock:
+            self._held.append(group)
+            self._flush()
+
+    def took(self, n: int) -> None:
+        with self._lock:
+            self._mirrored -= n
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._held and self._mirrored < self.per_step <= self._mirrored + len(self._held):
+            groups, self._held = self._held, []
+            self._mirrored += len(groups)
+            self._send(("groups", groups))  # under the lock: batches leave in buffer order
 
 
 def _client_main(fd: int) -> int:
@@ -396,18 +436,24 @@ def _client_main(fd: int) -> int:
                 return stale
             pool.on_join = on_join
             pool.on_down = lambda url, reason: send(("down", url, reason))
-        producer = build_producer(spec, loop, pool, on_group=lambda g: send(("group", g)),
+        outbox = GroupOutbox(send, spec.prompts_per_step)
+        producer = build_producer(spec, loop, pool, on_group=outbox.add,
                                   on_error=lambda e: send(("error", f"{type(e).__name__}: {e}")))
     except Exception as e:  # noqa: BLE001  (the trainer reports it)
         send(("reply_error", f"{type(e).__name__}: {e}"))
         loop.close()
         return 1
+
+    def took(n: int, wait_s: float) -> tuple[dict[str, float], dict]:
+        outbox.took(n)
+        return producer.take(n, wait_s)[1], producer.state_dict()
+
     handlers: dict[str, Callable[..., Any]] = {
         "ready": producer.state_dict,
         "start_pool": lambda: loop.run(pool.start()),
         "pushing": lambda: stale_joins.__setitem__(0, True),
         "start": producer.start,
-        "took": lambda n, wait_s: (producer.take(n, wait_s)[1], producer.state_dict()),
+        "took": took,
         "published": producer.published,
         "events": lambda: list(pool.events),
         "mark_down": pool.mark_down,
