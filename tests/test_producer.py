@@ -215,7 +215,10 @@ def test_ledger_resume_skips_handed_prompts_and_regenerates_in_flight():
 
     b = PromptLedger(PromptIterator(data, 4, seed=3))
     b.load_state_dict(state)
+    # checkpointed again before (and while) the handed ones are drawn again: none is lost
+    assert b.state_dict() == state
     again = [b.draw() for _ in range(6)]
+    assert b.state_dict()["handed"][:6] == [0, 1, 3, 5, 6, 9]
     expected = [(i, r) for i, r in drawn if i not in handed]
     assert again[:4] == expected  # 2, 4, 7, 8: in flight at the checkpoint, generated again
     # then the stream goes on where it would have: indices 10, 11 with the same rows

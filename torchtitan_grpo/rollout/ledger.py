@@ -81,10 +81,13 @@ class PromptLedger:
 
     def state_dict(self) -> dict:
         with self._lock:
+            # Indices handed before a resume and not drawn again yet (``_skip``) are
+            # still handed: a checkpoint taken this early must not lose them.
             start = max((s for s in self._batches if s <= self._oldest), default=None)
             if start is None:  # nothing drawn past the oldest index: resume from the source as it is
-                return {"source": self.source.state_dict(), "first_index": self._next_index, "handed": []}
-            handed = sorted(i for i in self._handed | set(range(start, self._oldest)) if i >= start)
+                return {"source": self.source.state_dict(), "first_index": self._next_index,
+                        "handed": sorted(self._skip)}
+            handed = sorted(i for i in self._handed | self._skip | set(range(start, self._oldest)) if i >= start)
             return {"source": self._batches[start][0], "first_index": start, "handed": handed}
 
     def load_state_dict(self, state: dict) -> None:
