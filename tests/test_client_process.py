@@ -133,6 +133,49 @@ def test_a_killed_client_stops_the_next_batch_with_its_reason(model_dir, server)
         client.close()
 
 
+def test_a_killed_client_is_restarted_and_no_prompt_is_handed_twice(model_dir, server):
+    """SIGKILL with a batch taken whose hand-over the client never
+    answered: a new client starts from the ledger's state, its pool is told
+    what the old one was (a retired replica stays retired), batches go on,
+    no prompt index is handed twice, and the checkpoint's state counts every
+    batch. Past max_restarts the next loss stops the run."""
+    dead = "http://127.0.0.1:9"
+    client = RolloutProcess(spec(model_dir), [server, dead], PoolConfig(), pushing=False, max_restarts=1)
+    try:
+        client.pool.start()
+        client.pool.retire(dead, "gone before the restart")
+        client.start(0)
+        handed: list[int] = []
+        for step in range(1, 3):
+            handed += client.next_batch().indices
+            client.published(step)
+        wait_until(lambda: len(client._buffer) >= PPS, "the next step's groups mirrored in the trainer")
+        first = client._proc.pid
+        os.kill(first, signal.SIGSTOP)
+        handed += client.next_batch().indices  # taken from the mirror: its "took" is never answered
+        os.kill(first, signal.SIGKILL)
+        client.published(3)  # never raises
+        for step in range(4, 7):
+            batch = client.next_batch()
+            assert batch is not None and len(batch.indices) == PPS
+            handed += batch.indices
+            client.published(step)
+        assert client.restarts == 1 and client._proc.pid != first
+        assert len(handed) == len(set(handed)), f"a prompt handed twice across the restart: {handed}"
+        state = client.state_dict()
+        assert set(handed) <= set(state["handed"]) | set(range(int(state["first_index"])))
+        events = client.pool.events  # the restarted client's pool
+        assert any(kind == "retired" and url == dead for _, url, kind, _ in events), events
+        os.kill(client._proc.pid, signal.SIGKILL)
+        with pytest.raises(ProducerStopped, match="SIGKILL"):
+            for step in range(7, 11):  # groups already mirrored may still make a batch or two
+                client.next_batch()
+                client.published(step)
+        assert client.restarts == 1
+    finally:
+        client.close()
+
+
 def test_a_checkpoint_is_exact_when_the_client_stops_answering(model_dir, server):
     """A batch taken from the mirror while the client is stopped (SIGSTOP):
     its hand-over never gets the client's reply, yet the checkpoint's ledger
@@ -182,6 +225,32 @@ def test_a_stopped_client_is_found_out_while_the_trainer_waits(model_dir, server
         client.close()
 
 
+def test_a_stopped_client_is_replaced_while_the_trainer_waits(model_dir, server):
+    """SIGSTOP, and the mirror emptied: silent past silent_timeout_s, the
+    client is killed and a new one started; the wait ends with a batch of
+    prompts never handed before."""
+    client = RolloutProcess(spec(model_dir), [server], PoolConfig(), pushing=False, silent_timeout_s=10,
+                            max_restarts=1)
+    try:
+        client.pool.start()
+        client.start(0)
+        handed = client.next_batch().indices
+        client.published(1)
+        stopped = client._proc
+        os.kill(stopped.pid, signal.SIGSTOP)
+        with client._cond:
+            client._buffer.clear()  # the wait must be for groups the stopped client owes
+        stop = threading.Event()
+        threading.Timer(HANG_S, stop.set).start()
+        batch = client.next_batch(stop)
+        stop.set()
+        assert batch is not None, "hang guard: no batch after the restart"
+        assert client.restarts == 1 and stopped.returncode == -signal.SIGKILL
+        assert not set(batch.indices) & set(handed)
+    finally:
+        client.close()
+
+
 def test_a_client_that_cannot_start_names_the_reason(model_dir, tmp_path):
     missing = str(tmp_path / "no-such-prompts.jsonl")
     with pytest.raises(ProducerStopped, match="could not start.*no-such-prompts"):
@@ -197,26 +266,26 @@ def test_a_client_spawned_ahead_and_never_used_exits_cleanly():
     assert spawned.proc.returncode == 0
 
 
-def test_the_outbox_sends_a_step_at_a_time_in_buffer_order():
-    """Groups are held until the trainer's mirror and the held ones make a
-    step; then all held go in one message, in the order they finished, and a
-    take lets the next ones go."""
+def test_the_outbox_holds_groups_while_the_trainer_trains_and_keeps_their_order():
+    """Waiting for groups, the trainer gets each as soon as it is finished;
+    training (a hand-over to its publish), it gets none until the publish,
+    then all held in one message; every group once, in buffer order."""
     sent: list[tuple] = []
-    box = GroupOutbox(sent.append, per_step=3)
-    groups = [ScoredGroup(i, [], [0.0], 1, 0, True) for i in range(8)]
+    box = GroupOutbox(sent.append)
+    groups = [ScoredGroup(i, [], [0.0], 1, 0, True) for i in range(7)]
     box.add(groups[0])
     box.add(groups[1])
-    assert sent == []  # two of three: the trainer could not take a step yet
-    box.add(groups[2])
-    assert sent == [("groups", groups[0:3])]
-    for g in groups[3:7]:  # the mirror holds a step: the next are held, however many
+    assert sent == [("groups", groups[0:1]), ("groups", groups[1:2])]
+    box.took()
+    for g in groups[2:5]:
         box.add(g)
-    assert len(sent) == 1
-    box.took(3)  # the mirror is empty: the four held go at once
-    assert sent[1] == ("groups", groups[3:7])
-    box.took(3)  # one left in the mirror: two more make a step
-    box.add(groups[7])
-    assert len(sent) == 2
-    box.add(ScoredGroup(8, [], [0.0], 1, 0, True))
-    assert [g.index for g in sent[2][1]] == [7, 8]
-    assert [g.index for _, batch in sent for g in batch] == list(range(9))
+    assert len(sent) == 2  # nothing while the step trains
+    box.published()
+    assert sent[2] == ("groups", groups[2:5])
+    box.published()  # nothing held: nothing sent
+    box.add(groups[5])
+    assert sent[3] == ("groups", groups[5:6])
+    box.took()
+    box.add(groups[6])
+    box.published()
+    assert [g.index for _, batch in sent for g in batch] == list(range(7))

@@ -191,6 +191,9 @@ def test_client_process():
     assert client_process(cfg("--rollout.client_process", "on"))
     with pytest.raises(ConfigError, match=r"rollout\.client_process = 'on': can be \"on\" only with rollout\.source"):
         cfg("--rollout.client_process", "on", "--rollout.source", "atropos")
+    assert cfg().rollout.client_max_restarts == 2
+    with pytest.raises(ConfigError, match=r"rollout\.client_max_restarts = -1: must be >= 0"):
+        cfg("--rollout.client_max_restarts", "-1")
 
 
 def test_api_key_from_the_environment(monkeypatch):

@@ -165,6 +165,14 @@ class Rollout:
     rollout.source = "builtin" only (Atropos environments are their own
     processes already)."""
 
+    client_max_restarts: int = 2
+    """How many times a rollout client process that is lost (it exits or
+    stops answering) is started again before the run stops. A restarted
+    client resumes from the prompt ledger's state, as a resumed run would:
+    no prompt handed to the trainer is drawn again, and the groups it had
+    in flight or had finished but not handed over are generated again.
+    0: the run stops at the step boundary (with its checkpoint)."""
+
     use_chat_template: bool = True
     """Wrap dataset prompts (task = "jsonl") as one user message with the
     tokenizer's chat template and the generation prompt, when it has one."""
@@ -402,6 +410,7 @@ def validate(cfg) -> None:
     _check(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", "must be -1 (off) or >= 1", r.top_k)
     _check(r.client_process != "on" or r.source == "builtin", "rollout.client_process",
            'can be "on" only with rollout.source = "builtin"', r.client_process)
+    _check(r.client_max_restarts >= 0, "rollout.client_max_restarts", "must be >= 0", r.client_max_restarts)
     _check(r.pipeline_depth >= -1, "rollout.pipeline_depth", "must be -1 (auto), 0 (serial) or >= 1", r.pipeline_depth)
     _check(r.pipeline_depth <= 0 or w.mode != "sync", "rollout.pipeline_depth",
            'must be 0 or -1 with weight_sync.mode = "sync" (exactly on-policy); pipelining needs "async" or "off"',

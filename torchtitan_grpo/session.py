@@ -175,7 +175,8 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
         if spawned is not None:
             # The producer and its pool live in the client process; `pool` is their control surface here.
             client = RolloutProcess(producer_spec(cfg, hf_dir, tok, resume), urls, pool_config,
-                                    pushing=w.mode != "off", startup_timeout_s=i.startup_timeout_s, spawned=spawned)
+                                    pushing=w.mode != "off", startup_timeout_s=i.startup_timeout_s,
+                                    max_restarts=r.client_max_restarts, spawned=spawned)
             stack.callback(client.close)
             pool = client.pool
         else:

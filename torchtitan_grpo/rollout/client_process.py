@@ -27,13 +27,10 @@ trainer publishes its weights: no round trip sits before a step. A
 checkpoint saves the ledger state of the last reply plus the prompts handed
 over since, so it is exact even with the client gone.
 
-Groups go over a step at a time (:class:`GroupOutbox`): a finished group is
-held until the trainer's mirror and the held groups together make a step,
-then every held group goes in one message. A step's groups reach the trainer
-no later (its last group sends them), and the trainer's receiving thread,
-whose every wake takes the GIL from the training step, wakes once per step
-rather than once per group (CPU demo, 2 cores: its CPU time per step 3.9 ->
-2.7 ms).
+Groups finished while the trainer trains are held and go in one message
+when it publishes (:class:`GroupOutbox`); while it waits, each goes as soon
+as it is finished. The trainer's receiving thread takes the GIL each time it
+wakes, and a wake during the training step takes it from the step's Python.
 
 Messages are pickled over a socket pair made for the two processes; nothing
 from the network reaches them. Client -> trainer: ``("groups", [ScoredGroup])``,
@@ -54,6 +51,7 @@ the socket close and exits.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import os
@@ -93,27 +91,37 @@ class RemotePool:
         """Called with each replica that joins through the replica file; True:
         it holds stale weights (route to it only after ``readmit``)."""
         self._events: list[tuple[float, str, str, str]] = []
+        # What a restarted client's pool is told again (RolloutProcess._restart).
+        self.started = False
+        self.pushing_on = False
+        self.retired: dict[str, str] = {}
+        self.ejected: set[str] = set()
 
     def start(self) -> None:
         """Start the client's pool (its health checks, the replica file)."""
         self._client._request(("start_pool",))
+        self.started = True
 
     def pushing(self) -> None:
         """From now on a joining replica holds stale weights until the pusher
         readmits it (call before the pusher connects)."""
         self._client._send(("pushing",))
+        self.pushing_on = True
 
     def mark_down(self, url: str, reason: str) -> None:
         self._client._send(("mark_down", url, reason))
 
     def retire(self, url: str, reason: str) -> None:
         self._client._send(("retire", url, reason))
+        self.retired[url] = reason
 
     def eject(self, url: str) -> None:
         self._client._send(("eject", url))
+        self.ejected.add(url)
 
     def readmit(self, url: str) -> None:
         self._client._send(("readmit", url))
+        self.ejected.discard(url)
 
     @property
     def events(self) -> list[tuple[float, str, str, str]]:
@@ -167,7 +175,7 @@ class RolloutProcess:
 
     def __init__(self, spec: ProducerSpec, urls: list[str], pool_config: PoolConfig, *, pushing: bool,
                  startup_timeout_s: float = 300.0, reply_timeout_s: float = 300.0,
-                 silent_timeout_s: float = 120.0, spawned: SpawnedClient | None = None):
+                 silent_timeout_s: float = 120.0, max_restarts: int = 0, spawned: SpawnedClient | None = None):
         """Starts the client (or takes over ``spawned``) and waits until it has
         built its side (tokenizer, prompts, reward); raises ProducerStopped
         with its error if it cannot. ``pushing``: weights are pushed, so
@@ -175,18 +183,27 @@ class RolloutProcess:
         ``pool.on_join``. A client is alive while it sends something (it
         says so every ``HEARTBEAT_S`` when it has nothing else to send);
         silent for ``silent_timeout_s`` (a stopped or wedged process) while
-        the trainer waits for groups, it stops the run."""
+        the trainer waits for groups, or without a reply for
+        ``reply_timeout_s``, it is lost, as it is when it exits. A lost
+        client is started again from the prompt ledger's state up to
+        ``max_restarts`` times (see ``_restart``); then the run stops."""
         self.prompts_per_step = spec.prompts_per_step
         self.reply_timeout_s = reply_timeout_s
         self.silent_timeout_s = silent_timeout_s
-        self._last_heard = time.monotonic()
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        self._spec, self._urls, self._pool_config, self._pushing = spec, urls, pool_config, pushing
+        self._startup_timeout_s = startup_timeout_s
+        self._version: int | None = None
+        """The version of the last ``start`` / ``published``: a restarted client starts from it."""
         self.pool = RemotePool(self)
         self.closed = False
         self._closing = False
         self._cond = threading.Condition()
         self._buffer: deque[ScoredGroup] = deque()
         self._error: str | None = None
-        self._replies: queue.SimpleQueue = queue.SimpleQueue()
+        self._lost = False
+        """The error is the client's process lost (exited, silent, no reply), not a generation failure."""
         self._send_lock = threading.Lock()
         self._request_lock = threading.Lock()
         self._taken: dict[str, float] | None = None
@@ -194,26 +211,43 @@ class RolloutProcess:
         self._ledger_state: dict = {}
         self._handed_since: list[int] = []
         """Prompt indices handed over since ``_ledger_state`` was sent."""
-        self._spawned = spawned or SpawnedClient.spawn()
-        self._proc, self._conn = self._spawned.proc, self._spawned.conn
-        self._send((spec, urls, pool_config, pushing))
-        self._receiver = threading.Thread(target=self._receive, name="grpo-rollout-client", daemon=True)
-        self._receiver.start()
         try:
-            self._ledger_state = self._request(("ready",), timeout_s=startup_timeout_s)
+            self._launch(spawned or SpawnedClient.spawn(), spec)
         except ProducerStopped as e:
             self.close()
             raise ProducerStopped(f"rollout client process could not start: {e}") from None
 
+    def _launch(self, spawned: SpawnedClient, spec: ProducerSpec) -> None:
+        """Hand ``spawned`` its work and wait until it is ready."""
+        self._spawned = spawned
+        self._proc, self._conn = spawned.proc, spawned.conn
+        self._replies: queue.SimpleQueue = queue.SimpleQueue()
+        self._last_heard = time.monotonic()
+        self._send((spec, self._urls, self._pool_config, self._pushing))
+        self._receiver = threading.Thread(target=self._receive, args=(self._conn, self._proc, self._replies),
+                                          name="grpo-rollout-client", daemon=True)
+        self._receiver.start()
+        self._ledger_state = self._request(("ready",), timeout_s=self._startup_timeout_s)
+
     # ---------------------------------------------------------------- trainer side
 
     def start(self, version: int) -> None:
+        self._version = version
         self._send(("start", version))
 
     def next_batch(self, stop: threading.Event | None = None) -> RolloutBatch | None:
         """The first ``prompts_per_step`` finished groups; None once ``stop`` is set."""
-        n = self.prompts_per_step
         t0 = time.monotonic()
+        while True:
+            try:
+                return self._next_batch(stop, t0)
+            except ProducerStopped:
+                if not (self._lost and self.restarts < self.max_restarts and not self.closed):
+                    raise
+            self._restart()
+
+    def _next_batch(self, stop: threading.Event | None, t0: float) -> RolloutBatch | None:
+        n = self.prompts_per_step
         with self._cond:
             while len(self._buffer) < n and self._error is None and not self.closed:
                 if stop is not None and stop.is_set():
@@ -221,7 +255,8 @@ class RolloutProcess:
                 self._cond.wait(timeout=0.2)
                 silent = time.monotonic() - self._last_heard
                 if silent > self.silent_timeout_s:
-                    self._set_error(f"rollout client process silent for {silent:.0f} s (stopped or wedged)")
+                    self._set_error(f"rollout client process silent for {silent:.0f} s (stopped or wedged)",
+                                    lost=True)
             if self._error is not None:
                 raise ProducerStopped(self._error)
             if self.closed:
@@ -234,7 +269,7 @@ class RolloutProcess:
         # trip before the step; published() adds them to the batch's metrics.
         metrics = {"time/wait_s": wait_s}
         with self._request_lock:
-            self._finish_take()
+            self._finish_take()  # a lost client raises here: these groups were not handed over
             self._send(("took", n, wait_s))
             self._taken = metrics
             self._handed_since += indices
@@ -243,12 +278,52 @@ class RolloutProcess:
     def published(self, version: int) -> None:
         """Also completes the last batch's ``metrics`` (read them after this).
         Never raises: a client that died is reported by the next ``next_batch``."""
+        self._version = version
         with self._request_lock:
             try:
                 self._finish_take()
             except ProducerStopped as e:
                 logger.warning("rollout metrics of the last step lost: %s", e)
         self._send(("published", version))
+
+    def _restart(self) -> None:
+        """Start a new client from the ledger's state (the one a checkpoint
+        would save now): the prompts handed over stay handed; the groups
+        in flight and the mirrored groups not yet taken are generated again.
+        Its pool is told what this one's was (started, pushing, replicas
+        retired or ejected) and it starts from the last published version.
+        The old client's requests still running on the servers finish
+        unread."""
+        self.restarts += 1
+        if self._proc.poll() is None:
+            self._proc.kill()  # stopped or wedged: it must not come back beside the new one
+        self._proc.wait()
+        self._receiver.join(timeout=10)
+        state = self.state_dict()  # the reply to a pending hand-over is not coming: last state + taken since
+        self._conn.close()
+        with self._cond:
+            dropped = len(self._buffer)
+            self._buffer.clear()
+            self._error, self._lost = None, False
+        self._taken, self._handed_since = None, []
+        # (why it was lost was logged when it was found out)
+        logger.warning("restarting the rollout client process (%d of %d) from the prompt ledger's state: its "
+                       "groups in flight and the %d finished here but not yet trained are generated again",
+                       self.restarts, self.max_restarts, dropped)
+        try:
+            self._launch(SpawnedClient.spawn(), dataclasses.replace(self._spec, resume_prompts=state))
+            if self.pool.started:
+                self.pool.start()
+            if self.pool.pushing_on:
+                self.pool.pushing()
+            for url, why in list(self.pool.retired.items()):  # the pusher's thread may add some meanwhile
+                self._send(("retire", url, why))
+            for url in list(self.pool.ejected):
+                self._send(("eject", url))
+            if self._version is not None:
+                self.start(self._version)
+        except (ProducerStopped, OSError) as e:
+            self._set_error(f"rollout client process could not be restarted: {e}")
 
     def state_dict(self) -> dict:
         """The ledger's state as of the last hand-over: the client's copy from
@@ -316,17 +391,21 @@ class RolloutProcess:
                     raise ProducerStopped(self._error) from None
                 if time.monotonic() > deadline:
                     # A late reply would answer the wrong request: this client is done.
-                    self._set_error(f"rollout client process did not answer {what!r} within {timeout_s:.0f} s")
+                    self._set_error(f"rollout client process did not answer {what!r} within {timeout_s:.0f} s",
+                                    lost=True)
                     raise ProducerStopped(self._error) from None
         if kind == "reply_error":
             raise ProducerStopped(f"{value} (rollout client process, {what!r})")
         return value
 
-    def _receive(self) -> None:
-        """The receiving thread: the client's groups, pool events and replies."""
+    def _receive(self, conn: Connection, proc: subprocess.Popen, replies: queue.SimpleQueue) -> None:
+        """The receiving thread of one client process: its groups, pool
+        events and replies."""
         try:
             while True:
-                msg = self._conn.recv()
+                msg = conn.recv()
+                if conn is not self._conn:  # a client given up for a restarted one
+                    return
                 self._last_heard = time.monotonic()
                 kind = msg[0]
                 if kind == "alive":
@@ -336,30 +415,37 @@ class RolloutProcess:
                         self._buffer.extend(msg[1])
                         self._cond.notify_all()
                 elif kind in ("reply", "reply_error"):
-                    self._replies.put((kind, msg[1]))
+                    replies.put((kind, msg[1]))
                 elif kind == "down":
                     if self.pool.on_down is not None:
                         self.pool.on_down(msg[1], msg[2])
                 elif kind == "join":
                     url, assumed = msg[1], msg[2]
                     stale = bool(self.pool.on_join(url)) if self.pool.on_join is not None else False
+                    # A restarted client's pool meets the replica file's replicas again: one the
+                    # pusher has ejected (catching up) stays out until it readmits it.
+                    stale = stale or url in self.pool.ejected
                     if stale != assumed:  # the pusher connected while the client decided
                         self._send(("eject" if stale else "readmit", url))
                 elif kind == "error":
                     self._set_error(f"rollout generation failed: {msg[1]}")
         except (EOFError, OSError):
-            if not self._closing:
-                code = self._proc.wait()
-                self._set_error(f"rollout client process exited ({describe_exit(code)}); its log is above")
-                self._replies.put(("reply_error", "the process exited"))
+            if not self._closing and conn is self._conn:
+                code = proc.wait()
+                self._set_error(f"rollout client process exited ({describe_exit(code)}); its log is above",
+                                lost=True)
+                replies.put(("reply_error", "the process exited"))
         except Exception as e:  # noqa: BLE001  (a hook that raised: reported, not lost on this thread)
             self._set_error(f"rollout client messages: {type(e).__name__}: {e}")
 
-    def _set_error(self, text: str) -> None:
+    def _set_error(self, text: str, lost: bool = False) -> None:
         with self._cond:
             if self._error is None:
-                self._error = text
-                logger.error("%s", text)
+                self._error, self._lost = text, lost
+                if lost and self.restarts < self.max_restarts:
+                    logger.warning("%s", text)  # restarted by the trainer's next take
+                else:
+                    logger.error("%s", text)
             self._cond.notify_all()
 
 
@@ -368,33 +454,35 @@ class RolloutProcess:
 
 class GroupOutbox:
     """The client's finished groups on their way to the trainer's mirror, in
-    buffer order. A group is held while the trainer does not need it yet (its
-    mirror already holds a step, or the mirror and the held groups make less
-    than one); once they make a step, every held group goes in one message.
-    Any thread (the producer's loop adds, the message loop reports takes)."""
+    buffer order. While the trainer trains (from a hand-over to its
+    publish) they are held, and go in one message at the publish; while it
+    waits for groups each goes as soon as it is finished. Any thread (the
+    producer's loop adds, the message loop reports takes and publishes)."""
 
-    def __init__(self, send: Callable[[tuple], None], per_step: int):
+    def __init__(self, send: Callable[[tuple], None]):
         self._send = send
-        self.per_step = per_step
         self._held: list[ScoredGroup] = []
-        self._mirrored = 0
-        """Groups sent and not yet taken: the trainer's mirror, as far as the client knows."""
+        self._training = False
         self._lock = threading.Lock()
 
     def add(self, group: ScoredGroup) -> None:
         with self._lock:
             self._held.append(group)
-            self._flush()
+            if not self._training:
+                self._flush()
 
-    def took(self, n: int) -> None:
+    def took(self) -> None:
         with self._lock:
-            self._mirrored -= n
+            self._training = True
+
+    def published(self) -> None:
+        with self._lock:
+            self._training = False
             self._flush()
 
     def _flush(self) -> None:
-        if self._held and self._mirrored < self.per_step <= self._mirrored + len(self._held):
+        if self._held:
             groups, self._held = self._held, []
-            self._mirrored += len(groups)
             self._send(("groups", groups))  # under the lock: batches leave in buffer order
 
 
@@ -436,7 +524,7 @@ def _client_main(fd: int) -> int:
                 return stale
             pool.on_join = on_join
             pool.on_down = lambda url, reason: send(("down", url, reason))
-        outbox = GroupOutbox(send, spec.prompts_per_step)
+        outbox = GroupOutbox(send)
         producer = build_producer(spec, loop, pool, on_group=outbox.add,
                                   on_error=lambda e: send(("error", f"{type(e).__name__}: {e}")))
     except Exception as e:  # noqa: BLE001  (the trainer reports it)
@@ -445,8 +533,12 @@ def _client_main(fd: int) -> int:
         return 1
 
     def took(n: int, wait_s: float) -> tuple[dict[str, float], dict]:
-        outbox.took(n)
+        outbox.took()
         return producer.take(n, wait_s)[1], producer.state_dict()
+
+    def published(version: int) -> None:
+        outbox.published()  # first: the next step's groups the trainer is about to wait for
+        producer.published(version)
 
     handlers: dict[str, Callable[..., Any]] = {
         "ready": producer.state_dict,
@@ -454,7 +546,7 @@ def _client_main(fd: int) -> int:
         "pushing": lambda: stale_joins.__setitem__(0, True),
         "start": producer.start,
         "took": took,
-        "published": producer.published,
+        "published": published,
         "events": lambda: list(pool.events),
         "mark_down": pool.mark_down,
         "retire": pool.retire,
