@@ -16,7 +16,8 @@
 # device machine's cores (16+: the cores no longer cap the overlap). ARGS:
 # more bench flags (e.g. "--slow-factor 0").
 #
-# Logs go to $OUT; the table ends the bench's output.
+# Logs go to $OUT (each run's metrics.jsonl, train.log and server logs in
+# $OUT/runs.tgz); the table ends the bench's output.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-$PWD/outputs/device_pipeline}
@@ -40,5 +41,8 @@ for line in open(sys.argv[1]):
 PY
   [ -f "$d/train.log" ] && grep -E "INFO step|rollouts:|stopped|Error" "$d/train.log" | tail -12
 done
+# The device tool brings back only a few files: every run's metrics and logs
+# go in one archive (the servers' checkpoints and TensorBoard folders left out).
 find "$OUT/runs" -name "*.safetensors" -delete 2>/dev/null
+tar czf "$OUT/runs.tgz" --exclude=tb -C "$OUT" runs && rm -rf "$OUT/runs"
 exit $rc
