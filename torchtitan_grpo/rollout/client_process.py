@@ -426,7 +426,7 @@ class RolloutProcess:
                     # pusher has ejected (catching up) stays out until it readmits it.
                     stale = stale or url in self.pool.ejected
                     if stale != assumed:  # the pusher connected while the client decided
-                        self._send(("eject" if stale else "readmit", url))
+                        (self.pool.eject if stale else self.pool.readmit)(url)  # recorded for a restart
                 elif kind == "error":
                     self._set_error(f"rollout generation failed: {msg[1]}")
         except (EOFError, OSError):
