@@ -150,7 +150,10 @@ class Rollout:
     loop's samples/s (0.95 of the ideal overlap; 2 x H100, a 28-layer model;
     docs/PERFORMANCE.md). In pipelined mode a
     push installs its version between decode steps (weight_sync.pause_mode
-    "none" becomes "in_place"), so generation does not drain for it."""
+    "none" becomes "in_place"), so generation does not drain for it. Off
+    policy wants a gentler learning rate than on policy: pipelined, the CPU
+    demo's 3e-3 collapses its entropy after ~300 steps, 1e-3 does not
+    (docs/bench-runs/2026-11-26-pipeline_loop-cpu-long-runs.md)."""
 
     client_process: Literal["auto", "on", "off"] = "auto"
     """Where the rollout client runs (prompt encoding, the requests to the
