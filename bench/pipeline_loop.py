@@ -285,8 +285,8 @@ def print_table(runs: dict[str, Run], gpu: str = "") -> dict[str, tuple[float, f
     shares = {}
     ncores = cores()
     print()
-    print(f"| run | steps | samples/s | step s | wait s | train+push s | push stall ms | lag | ideal x | x serial | of ideal | "
-          f"cpu s/step trainer + servers | GPU busy | box bound x | of bound | reward first 10 | last 10 | loop s |")
+    print("| run | steps | samples/s | step s | wait s | train+push s | push stall ms | lag | ideal x | x serial | of ideal | "
+          "cpu s/step trainer + servers | GPU busy | box bound x | of bound | reward first 10 | last 10 | loop s |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, r in runs.items():
         serial = runs.get(name.replace("pipelined", "serial").replace("-real-order", "").replace("-in-process", "").replace("-sync", "")

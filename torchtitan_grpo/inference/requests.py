@@ -15,8 +15,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import torch
-
 PAUSE_MODES = ("abort", "retract", "in_place")
 DEFAULT_WEIGHT_VERSION = "default"
 _GREEDY_EPS = 1e-6  # temperatures below this mean argmax, as in SGLang

@@ -16,7 +16,6 @@ The built-in server takes more (pipelined requests, ``?ack=posted``):
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Any
 
