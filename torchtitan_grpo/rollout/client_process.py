@@ -43,10 +43,11 @@ Trainer -> client: ``("start_pool",)``, ``("pushing",)``,
 ``("eject" | "readmit", url)``, ``("close",)``; those with a reply are
 answered in order.
 
-If the client process dies, the next ``next_batch`` raises
-:class:`ProducerStopped` naming its exit code (the run stops at a step
-boundary and keeps its checkpoint); if the trainer dies, the client sees
-the socket close and exits.
+If the client process dies or stops answering, the next ``next_batch``
+starts a new one from the ledger's state (``max_restarts`` times; then it
+raises :class:`ProducerStopped` naming the exit, and the run stops at a
+step boundary and keeps its checkpoint); if the trainer dies, the client
+sees the socket close and exits.
 """
 
 from __future__ import annotations
