@@ -243,9 +243,13 @@ class RolloutProcess:
             try:
                 return self._next_batch(stop, t0)
             except ProducerStopped:
-                if not (self._lost and self.restarts < self.max_restarts and not self.closed):
+                if not (self._restartable(self._lost) and not self.closed):
                     raise
             self._restart()
+
+    def _restartable(self, lost: bool) -> bool:
+        """Whether an error (``lost``: the process, not the generation) gets a new client."""
+        return lost and self.restarts < self.max_restarts
 
     def _next_batch(self, stop: threading.Event | None, t0: float) -> RolloutBatch | None:
         n = self.prompts_per_step
@@ -318,9 +322,9 @@ class RolloutProcess:
             if self.pool.pushing_on:
                 self.pool.pushing()
             for url, why in list(self.pool.retired.items()):  # the pusher's thread may add some meanwhile
-                self._send(("retire", url, why))
+                self.pool.retire(url, why)
             for url in list(self.pool.ejected):
-                self._send(("eject", url))
+                self.pool.eject(url)
             if self._version is not None:
                 self.start(self._version)
         except (ProducerStopped, OSError) as e:
@@ -443,7 +447,7 @@ class RolloutProcess:
         with self._cond:
             if self._error is None:
                 self._error, self._lost = text, lost
-                if lost and self.restarts < self.max_restarts:
+                if self._restartable(lost):
                     logger.warning("%s", text)  # restarted by the trainer's next take
                 else:
                     logger.error("%s", text)
