@@ -41,6 +41,14 @@ def wait_until(cond, what: str) -> None:
         time.sleep(0.05)
 
 
+def stop_with_an_empty_mirror(client: RolloutProcess) -> None:
+    """SIGSTOP the client and drop what it had mirrored: the trainer's next
+    wait is for groups the stopped client owes."""
+    os.kill(client._proc.pid, signal.SIGSTOP)
+    with client._cond:
+        client._buffer.clear()
+
+
 def test_groups_metrics_and_ledger_cross_the_process_boundary(model_dir, server):
     client = RolloutProcess(spec(model_dir), [server], PoolConfig(), pushing=False)
     try:
@@ -215,9 +223,7 @@ def test_a_stopped_client_is_found_out_while_the_trainer_waits(model_dir, server
         client.start(0)
         client.next_batch()
         client.published(1)
-        os.kill(client._proc.pid, signal.SIGSTOP)
-        with client._cond:
-            client._buffer.clear()  # whatever was mirrored: the wait must be for groups the stopped client owes
+        stop_with_an_empty_mirror(client)
         with pytest.raises(ProducerStopped, match="silent for"):
             client.next_batch()
     finally:
@@ -237,9 +243,7 @@ def test_a_stopped_client_is_replaced_while_the_trainer_waits(model_dir, server)
         handed = client.next_batch().indices
         client.published(1)
         stopped = client._proc
-        os.kill(stopped.pid, signal.SIGSTOP)
-        with client._cond:
-            client._buffer.clear()  # the wait must be for groups the stopped client owes
+        stop_with_an_empty_mirror(client)
         stop = threading.Event()
         threading.Timer(HANG_S, stop.set).start()
         batch = client.next_batch(stop)
