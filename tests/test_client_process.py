@@ -43,8 +43,15 @@ def wait_until(cond, what: str) -> None:
 
 def stop_with_an_empty_mirror(client: RolloutProcess) -> None:
     """SIGSTOP the client and drop what it had mirrored: the trainer's next
-    wait is for groups the stopped client owes."""
+    wait is for groups the stopped client owes. Groups it sent just before
+    the stop (the outbox flushes at a publish) may still be on their way
+    through the socket: the mirror is emptied once nothing has arrived for
+    3 s, so none lands after it."""
     os.kill(client._proc.pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 120  # hang guard: a stopped process sends nothing for long
+    while time.monotonic() - client._last_heard < 3:
+        assert time.monotonic() < deadline, "the stopped client kept sending"
+        time.sleep(0.2)
     with client._cond:
         client._buffer.clear()
 
