@@ -262,11 +262,14 @@ def test_a_stopped_client_is_replaced_while_the_trainer_waits(model_dir, server)
         client.close()
 
 
-def test_a_client_that_cannot_start_names_the_reason(model_dir, tmp_path):
+def test_a_client_that_cannot_start_names_the_reason(model_dir, tmp_path, caplog):
+    """... at once: the client has exited, so closing it does not wait for a
+    reply to its close (that wait ran to its 30 s timeout)."""
     missing = str(tmp_path / "no-such-prompts.jsonl")
     with pytest.raises(ProducerStopped, match="could not start.*no-such-prompts"):
         RolloutProcess(spec(model_dir, task="jsonl", dataset_path=missing, reward_fn=""),
                        ["http://127.0.0.1:9"], PoolConfig(), pushing=False)
+    assert "did not answer" not in caplog.text
 
 
 def test_a_client_spawned_ahead_and_never_used_exits_cleanly():

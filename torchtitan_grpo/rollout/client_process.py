@@ -435,10 +435,13 @@ class RolloutProcess:
                 elif kind == "error":
                     self._set_error(f"rollout generation failed: {msg[1]}")
         except (EOFError, OSError):
-            if not self._closing and conn is self._conn:
+            if conn is self._conn:
                 code = proc.wait()
-                self._set_error(f"rollout client process exited ({describe_exit(code)}); its log is above",
-                                lost=True)
+                if not self._closing:
+                    self._set_error(f"rollout client process exited ({describe_exit(code)}); its log is above",
+                                    lost=True)
+                # Also while closing: a client that exited on its own (one that could not start)
+                # will not answer the close, and that wait must not run to its timeout.
                 replies.put(("reply_error", "the process exited"))
         except Exception as e:  # noqa: BLE001  (a hook that raised: reported, not lost on this thread)
             self._set_error(f"rollout client messages: {type(e).__name__}: {e}")
