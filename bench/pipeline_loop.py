@@ -20,6 +20,10 @@ of generation and training is the only difference. Per run, after
   target is >= 0.9;
 * push stall: what the snapshot cost the trainer's thread per step; lag: how
   many versions the first server was behind when the step was logged;
+* per run (its summary line): the train step's wall time, its training
+  thread's CPU time (wall minus it: the thread off the CPU, waiting for the
+  GIL, a core or the GPU) and the CPU time of the trainer process's other
+  threads meanwhile (the push's, the rollouts');
 * CPU seconds per step of the trainer's processes and of the servers, the
   GPU's busy fraction on a GPU (bench/step_usage.py), and the box bound: the
   ideal capped by what shared hardware allows, serial step x cores / serial
@@ -163,7 +167,9 @@ def train(args, name: str, depth: int, delays: list[float], extra: tuple[str, ..
         rows = [json.loads(line) for line in f]
     run = Run(name, rows, min(args.warmup, len(rows) - 1), wall, usage)
     print(f"# {name}: {len(rows)} steps in {wall:.1f} s, {run.samples_per_s:.1f} samples/s, "
-          f"wait {run.wait_s:.3f} s, rest {run.rest_s:.3f} s", flush=True)
+          f"wait {run.wait_s:.3f} s, rest {run.rest_s:.3f} s; per train step (ms): wall {run.mean('time/train_s') * 1e3:.1f}, "
+          f"training thread on CPU {run.mean('cpu/train_thread_s') * 1e3:.1f}, the process's other threads "
+          f"{run.mean('cpu/other_threads_s') * 1e3:.1f}", flush=True)
     return run
 
 

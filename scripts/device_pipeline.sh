@@ -30,14 +30,15 @@ rc=$?
 cat "$OUT/pipeline_loop.log"
 for d in "$OUT"/runs/*/ "$OUT"/runs/repeat*/*/; do
   [ -f "$d/metrics.jsonl" ] || continue
-  echo "== $d (per step: wait s, generate span s, mean group latency s, train s, version lag)"
+  echo "== $d (per step: wait s, generate span s, mean group latency s, train s (its thread's CPU s, the trainer's other threads' CPU s), version lag)"
   python3 - "$d/metrics.jsonl" <<'PY'
 import json, sys
 for line in open(sys.argv[1]):
     m = json.loads(line)
     print(f"step {m['step']:>2}  wait {m.get('time/wait_s', float('nan')):.3f}  "
           f"span {m.get('time/generate_s', float('nan')):.3f}  group {m.get('rollout/group_latency_s', float('nan')):.3f}  "
-          f"train {m.get('time/train_s', float('nan')):.3f}  lag {m.get('push/replica0_version_lag', float('nan')):.0f}")
+          f"train {m.get('time/train_s', float('nan')):.3f} (on CPU {m.get('cpu/train_thread_s', float('nan')):.3f}, "
+          f"other threads {m.get('cpu/other_threads_s', float('nan')):.3f})  lag {m.get('push/replica0_version_lag', float('nan')):.0f}")
 PY
   [ -f "$d/train.log" ] && grep -E "INFO step|rollouts:|stopped|Error" "$d/train.log" | tail -12
 done

@@ -5,6 +5,8 @@ chat template of dataset prompts."""
 
 import math
 
+import time
+
 import pytest
 import torch
 
@@ -205,6 +207,38 @@ def test_kl_reference_is_frozen_initial_policy(policy_for, monkeypatch):
     for k, v in hf_model.hf_state_dict(ref, policy.adapter).items():
         assert torch.equal(v, initial[k]), k
     assert any(not torch.equal(v, initial[k]) for k, v in hf_model.hf_state_dict(policy.model, policy.adapter).items())
+
+
+def test_train_step_reports_its_threads_cpu_and_the_rest_of_the_process(policy_for):
+    """cpu/train_thread_s: the training thread's CPU over the step (never more
+    than its wall time); cpu/other_threads_s: what the process's other
+    threads used meanwhile (here a thread that spins until the step ends)."""
+    import threading
+
+    from torchtitan_grpo.trainer import train_step
+
+    cfg, policy, d = policy_for()
+    batch = _batch()
+    ntok = sum(len(s.completion_ids) for s in batch)
+    quiet = train_step(policy, batch, cfg.grpo, 1.0, 8, len(batch), ntok, 0, d)
+    assert 0 < quiet["cpu/train_thread_s"] <= quiet["time/train_s"] + 0.01
+    done, spun = threading.Event(), []
+
+    def spin():
+        t0 = time.thread_time()
+        while not done.is_set():
+            sum(range(1000))
+        spun.append(time.thread_time() - t0)  # it did run
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    try:
+        busy = train_step(policy, batch, cfg.grpo, 1.0, 8, len(batch), ntok, 0, d)
+    finally:
+        done.set()
+        spinner.join()
+    assert busy["cpu/other_threads_s"] > 0 and spun[0] > 0
+    assert 0 < busy["cpu/train_thread_s"] <= busy["time/train_s"] + 0.01
 
 
 def test_no_reference_without_kl(policy_for):

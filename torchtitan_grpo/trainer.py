@@ -264,6 +264,11 @@ def train_step(policy: Policy, local: list[Sample], grpo_cfg, temperature: float
     runs on the last stage (:func:`_pipeline_forward_backward`); the returned
     metrics are the same on every rank."""
     t0 = time.perf_counter()
+    # CPU time of this thread and of the whole process over the step: what
+    # the rest of the process (the push's and the rollouts' threads, torch's
+    # intra-op workers) used meanwhile, and how long this thread was off the
+    # CPU (waiting for the GIL or a core, or for a GPU sync).
+    cpu0, proc0 = time.thread_time(), time.process_time()
     ctx = _LossContext(grpo_cfg, temperature, max_new_tokens, global_num_samples, global_num_tokens)
     sums = {"loss": 0.0, "clip_fraction": 0.0, "lp_diff_max": 0.0, "entropy": 0.0, "tokens": 0.0}
     off_stats = offpolicy.OffPolicyStats(grpo_cfg.is_correction, policy.reference is not None)
@@ -297,6 +302,8 @@ def train_step(policy: Policy, local: list[Sample], grpo_cfg, temperature: float
         "lr": policy.lr_schedulers.schedulers[0].get_last_lr()[0],
         "trainer_vs_rollout_logprob_max_abs_diff": float(lp_max.item()),
         "time/train_s": time.perf_counter() - t0,
+        "cpu/train_thread_s": (cpu := time.thread_time() - cpu0),
+        "cpu/other_threads_s": max(time.process_time() - proc0 - cpu, 0.0),
     } | off_metrics
 
 
