@@ -22,8 +22,9 @@ of generation and training is the only difference. Per run, after
   many versions the first server was behind when the step was logged;
 * per run (its summary line): the train step's wall time, its training
   thread's CPU time (wall minus it: the thread off the CPU, waiting for the
-  GIL, a core or the GPU) and the CPU time of the trainer process's other
-  threads meanwhile (the push's, the rollouts');
+  GIL or a core; on a GPU also a sync that blocks rather than spins) and the
+  CPU time of the trainer process's other threads meanwhile (the push's, the
+  rollouts');
 * CPU seconds per step of the trainer's processes and of the servers, the
   GPU's busy fraction on a GPU (bench/step_usage.py), and the box bound: the
   ideal capped by what shared hardware allows, serial step x cores / serial

@@ -267,7 +267,7 @@ def train_step(policy: Policy, local: list[Sample], grpo_cfg, temperature: float
     # CPU time of this thread and of the whole process over the step: what
     # the rest of the process (the push's and the rollouts' threads, torch's
     # intra-op workers) used meanwhile, and how long this thread was off the
-    # CPU (waiting for the GIL or a core, or for a GPU sync).
+    # CPU, waiting for the GIL or a core (on a GPU a sync may spin: on-CPU).
     cpu0, proc0 = time.thread_time(), time.process_time()
     ctx = _LossContext(grpo_cfg, temperature, max_new_tokens, global_num_samples, global_num_tokens)
     sums = {"loss": 0.0, "clip_fraction": 0.0, "lp_diff_max": 0.0, "entropy": 0.0, "tokens": 0.0}
