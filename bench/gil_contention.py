@@ -19,9 +19,10 @@ work once per step:
 
 Rows: none (the baseline, measured in the same run), each kind alone, both,
 and both with ``sys.setswitchinterval`` at 0.5 ms instead of 5 ms; they take
-turns in rounds, so drift of the machine's speed hits every row alike. Columns: the step's median wall time, the background threads' CPU
-time per step (``time.thread_time`` in each), the step's growth over the
-baseline, and that growth as a share of the background CPU: ~1 means the
+turns in rounds, so drift of the machine's speed hits every row alike.
+Columns: the step's median wall time, the background threads' CPU time per
+step (``time.thread_time`` in each), the step's growth over the baseline,
+and that growth as a share of the background CPU: ~1 means the
 training thread loses what the others run and no more (the GIL hands over
 without waiting out switch intervals); well above 1 would mean contention
 costs more than the work itself. Run it on an otherwise idle machine with

@@ -168,8 +168,8 @@ def train(args, name: str, depth: int, delays: list[float], extra: tuple[str, ..
         rows = [json.loads(line) for line in f]
     run = Run(name, rows, min(args.warmup, len(rows) - 1), wall, usage)
     print(f"# {name}: {len(rows)} steps in {wall:.1f} s, {run.samples_per_s:.1f} samples/s, "
-          f"wait {run.wait_s:.3f} s, rest {run.rest_s:.3f} s; per train step (ms): wall {run.mean('time/train_s') * 1e3:.1f}, "
-          f"training thread on CPU {run.mean('cpu/train_thread_s') * 1e3:.1f}, the process's other threads "
+          f"wait {run.wait_s:.3f} s, rest {run.rest_s:.3f} s; "
+          f"per train step (ms): wall {run.mean('time/train_s') * 1e3:.1f}, training thread on CPU {run.mean('cpu/train_thread_s') * 1e3:.1f}, the process's other threads "
           f"{run.mean('cpu/other_threads_s') * 1e3:.1f}", flush=True)
     return run
 
