@@ -83,6 +83,16 @@ def test_step_time_cpu(tiny_model_dir, tmp_path):
     assert "readmitted" in kill[-1] and "== latest" in kill[-1]
 
 
+def test_gil_contention_cpu():
+    """Every row runs and prints its background threads' CPU (figures: not checked)."""
+    r, out = _run([sys.executable, "bench/gil_contention.py", "--steps", "6", "--rounds", "2"])
+    assert r.returncode == 0, out[-4000:]
+    rows = [line.split("|") for line in r.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert [row[1].strip() for row in rows] == ["none", "http", "unpickle", "http + unpickle",
+                                                "http + unpickle, switch 0.5 ms"], out[-4000:]
+    assert float(rows[0][3]) == 0 and all(float(row[3]) > 0 for row in rows[1:]), out[-4000:]
+
+
 def test_gather_step_cpu():
     r, out = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                    "bench/gather_step.py", "--cpu", "--steps", "2", "--rounds", "1"])
