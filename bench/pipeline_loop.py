@@ -47,6 +47,10 @@ the order a real SGLang gets it (``weight_sync.pipeline_requests`` and
 (``rollout.client_process off``); pipelined rows otherwise run it in a
 process of its own (the default when pipelined).
 
+"serial-N-push-off" and "pipelined-N-push-off" (only when ``--only`` names
+them) run with ``weight_sync.mode off``; the pipelined one is compared with
+the serial one without the push.
+
 The slow-replica rows (``--slow-factor``, default 10) start the second of two
 servers with ``--debug-decode-delay-s`` set so that its groups take about
 slow-factor times as long (from the 2-fast-server run's measured group
@@ -246,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     # The rollout client in the trainer's process (pipelined, its default is a process of its own).
     plan += [(f"pipelined-{k}-in-process", 1, [0.0] * k, ("--rollout.client_process", "off")) for k in replicas]
     if args.only:
+        # No weight push at all, each pipelined row against the serial one without it: what the
+        # push costs the overlap (only when named).
+        plan += [(f"{loop}-{k}-push-off", depth, [0.0] * k, ("--weight_sync.mode", "off"))
+                 for k in replicas for depth, loop in ((0, "serial"), (1, "pipelined"))]
         plan = [p for p in plan if p[0] in args.only.split(",")]
     shares = []  # per repeat: pipelined row -> (x serial, of ideal, of bound)
     for rep in range(args.repeats):

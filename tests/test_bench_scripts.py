@@ -194,6 +194,11 @@ def test_pipeline_loop_two_gpu_bound_is_the_ideal_and_both_gpus_are_shown(capsys
     out = capsys.readouterr().out
     # (one GPU's bound, 1 / 0.8 = 1.25 x, would cap the share at 1.9 / 1.25)
     assert "| 92% / 50% |" in out and "| 80% / 45% |" in out
+    # A row without the push is compared with the serial row without it.
+    runs |= {"serial-1-push-off": Run("serial-1-push-off", rows(0.5, 1.0), 1, 10.0, {}),
+             "pipelined-1-push-off": Run("pipelined-1-push-off", rows(0.0, 1.0), 1, 10.0, {})}
+    shares = print_table(runs, "two")
+    assert shares["pipelined-1-push-off"] == pytest.approx((1.5, 1.0, 1.0))
 
 
 def test_atropos_source_summary_shares_of_the_step():
