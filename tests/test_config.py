@@ -26,6 +26,16 @@ def test_demo_config_parses_with_cli_override():
     assert cfg.inference.backend == "builtin"
 
 
+def test_a_model_path_to_be_written_is_not_warned_about(tmp_path, monkeypatch, caplog):
+    # The demo writes its tiny model on the first run; TorchTitan's parser
+    # would open that run with "HF assets path ... does not exist!".
+    monkeypatch.chdir(tmp_path)  # no ./outputs/tiny-qwen3 here yet
+    with caplog.at_level("WARNING"):
+        cfg = parse_config(["--job.config_file", DEMO])
+    assert cfg.grpo.tiny_model_if_missing and not os.path.exists(cfg.model.hf_assets_path)
+    assert not [r for r in caplog.records if "does not exist" in r.getMessage()]
+
+
 def test_unknown_toml_key_is_named(tmp_path):
     path = _write(tmp_path, "[grpo]\ngroup_sise = 4\n")
     with pytest.raises(ConfigError, match=r"grpo\.group_sise"):

@@ -9,6 +9,7 @@ argument so users never pass it. Every key has a default and a docstring, and
 
 
 
+import logging
 import os
 import re
 import sys
@@ -561,9 +562,24 @@ def parse_config(argv: list[str]):
     if not any(a.split("=")[0] in ("--job.custom_config_module", "--job.custom-config-module") for a in argv):
         argv += ["--job.custom_config_module", CONFIG_MODULE]
     _check_toml_keys(argv)
-    cfg = ConfigManager().parse_args(argv)
+    quiet = _NoMissingAssetsWarning()
+    logging.getLogger().addFilter(quiet)  # TorchTitan logs on the root logger
+    try:
+        cfg = ConfigManager().parse_args(argv)
+    finally:
+        logging.getLogger().removeFilter(quiet)
     validate(cfg)
     return cfg
+
+
+class _NoMissingAssetsWarning(logging.Filter):
+    """TorchTitan warns "HF assets path X does not exist!" while parsing. Here
+    such a path is either written just after (``grpo.tiny_model_if_missing``:
+    the demo's first run would open with that warning) or refused by
+    :func:`validate` with the key named, so the warning only misleads."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.getMessage().startswith("HF assets path ") and "does not exist" in record.getMessage())
 
 
 def _check_toml_keys(argv: list[str]) -> None:
