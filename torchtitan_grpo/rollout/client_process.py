@@ -296,8 +296,9 @@ class RolloutProcess:
         in flight and the mirrored groups not yet taken are generated again.
         Its pool is told what this one's was (started, pushing, replicas
         retired or ejected) and it starts from the last published version.
-        The old client's requests still running on the servers finish
-        unread."""
+        The old client is killed first: its requests still running on the
+        servers end as its connections close (the built-in server aborts a
+        request whose client is gone, as SGLang and vLLM do)."""
         self.restarts += 1
         if self._proc.poll() is None:
             self._proc.kill()  # stopped or wedged: it must not come back beside the new one
