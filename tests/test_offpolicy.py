@@ -209,6 +209,26 @@ def test_kl_reference_is_frozen_initial_policy(policy_for, monkeypatch):
     assert any(not torch.equal(v, initial[k]) for k, v in hf_model.hf_state_dict(policy.model, policy.adapter).items())
 
 
+def test_the_training_forward_runs_in_the_policys_autocast(policy_for):
+    """One GPU or DDP: ``Policy.amp`` is autocast to training.mixed_precision_param
+    (parallel.mixed_precision); the forward must run inside it. CPU autocast
+    stands in for CUDA's here."""
+    from torchtitan_grpo.trainer import train_step
+
+    cfg, policy, d = policy_for()
+    seen = []
+    policy.model.output.register_forward_hook(lambda m, args, out: seen.append(out.dtype))
+    batch = _batch()
+    ntok = sum(len(s.completion_ids) for s in batch)
+    train_step(policy, batch, cfg.grpo, 1.0, 8, len(batch), ntok, 0, d)
+    assert set(seen) == {torch.float32}  # CPU: no autocast
+    policy.amp = torch.autocast("cpu", dtype=torch.bfloat16)
+    seen.clear()
+    m = train_step(policy, batch, cfg.grpo, 1.0, 8, len(batch), ntok, 0, d)
+    assert set(seen) == {torch.bfloat16} and math.isfinite(m["loss"])
+    assert all(p.dtype == torch.float32 for p in policy.model.parameters())  # master weights stay fp32
+
+
 def test_train_step_reports_its_threads_cpu_and_the_rest_of_the_process(policy_for):
     """cpu/train_thread_s: the training thread's CPU over the step (never more
     than its wall time); cpu/other_threads_s: what the process's other

@@ -695,6 +695,31 @@ def test_build_parallel_dims_checks_pipeline_settings():
         build_parallel_dims(cfg, 2, "cpu")
 
 
+def test_one_gpu_trains_in_the_configured_precision():
+    """TorchTitan's rule: autocast to training.mixed_precision_param on one
+    device or DDP on a GPU; FSDP does its own; TP / PP without FSDP, CPU and
+    "float32" stay float32 (no autocast)."""
+    from types import SimpleNamespace
+
+    from torchtitan_grpo.parallel import build_parallel_dims, mixed_precision
+
+    cfg = job_config("qwen3", (1, 1, 1))
+    one = build_parallel_dims(cfg, 1, "cpu")
+    assert not one.fsdp_enabled and not one.tp_enabled and not one.pp_enabled
+    amp = mixed_precision(cfg, one, "cuda:0")
+    assert isinstance(amp, torch.autocast) and amp.device == "cuda", amp
+    assert amp.fast_dtype == torch.bfloat16 and cfg.training.mixed_precision_param == "bfloat16"
+    ddp = SimpleNamespace(fsdp_enabled=False, tp_enabled=False, pp_enabled=False)
+    assert isinstance(mixed_precision(cfg, ddp, "cuda:0"), torch.autocast)
+    for dims in (SimpleNamespace(fsdp_enabled=True, tp_enabled=False, pp_enabled=False),
+                 SimpleNamespace(fsdp_enabled=False, tp_enabled=True, pp_enabled=False),
+                 SimpleNamespace(fsdp_enabled=False, tp_enabled=False, pp_enabled=True)):
+        assert not isinstance(mixed_precision(cfg, dims, "cuda:0"), torch.autocast), dims
+    assert not isinstance(mixed_precision(cfg, one, "cpu"), torch.autocast)
+    cfg.training.mixed_precision_param = "float32"
+    assert not isinstance(mixed_precision(cfg, one, "cuda:0"), torch.autocast)
+
+
 def test_parallelize_refuses_pipeline_layouts():
     from torchtitan_grpo.parallel import parallelize
 

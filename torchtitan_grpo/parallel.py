@@ -490,6 +490,22 @@ def _job_config_for(job_config, parallel_dims, device: torch.device):
     return cfg
 
 
+def mixed_precision(job_config, parallel_dims, device: torch.device | str) -> contextlib.AbstractContextManager:
+    """The context a training forward runs in, by TorchTitan's rule
+    (``maybe_enable_amp``): FSDP / HSDP compute in
+    ``training.mixed_precision_param`` through their mixed-precision policy
+    (nothing to add here); one device or DDP on a GPU through autocast to
+    that dtype; TP or PP without FSDP, CPU, and ``"float32"`` in float32.
+    Weights, gradients and optimizer state stay float32 in every case. (Until
+    2026-11-27 one GPU trained in float32 whatever the key said.)"""
+    device = torch.device(device)
+    if device.type == "cpu" or job_config.training.mixed_precision_param == "float32":
+        return contextlib.nullcontext()
+    from torchtitan.distributed.utils import maybe_enable_amp
+
+    return maybe_enable_amp(parallel_dims, job_config.training.mixed_precision_param, device.type)
+
+
 def parallelize(model: nn.Module, job_config, world_size: int, device: torch.device | str):
     """Apply the ``[parallelism]`` layout to ``model`` in place.
 

@@ -7,6 +7,7 @@ the algorithm and each piece can be tested on its own.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -98,6 +99,9 @@ class Policy:
     them: ``[model]`` (one stage per PP rank)."""
     pipeline: pipeline_parallel.StagePipeline | None = None
     """This rank's stage and schedules under PP (pipeline_parallel_degree > 1)."""
+    amp: contextlib.AbstractContextManager = field(default_factory=contextlib.nullcontext)
+    """The forward's autocast (one GPU or DDP: ``training.mixed_precision_param``),
+    see :func:`torchtitan_grpo.parallel.mixed_precision`."""
 
     def __post_init__(self):
         if not self.model_parts:
@@ -117,7 +121,7 @@ def build_policy(job_config, hf_dir: str, d: Dist) -> Policy:
     if pipelined:  # PP settings fail here, before any weight is loaded
         parallel_dims = parallel.build_parallel_dims(job_config, d.world_size, d.device)
         pipeline_parallel.stage_module_names(job_config, model_args.n_layers)
-    dtype = torch.float32  # master weights; bf16 compute comes from FSDP mixed precision on GPUs
+    dtype = torch.float32  # master weights; bf16 compute on GPUs: FSDP's mixed precision, else autocast (amp)
     adapter = hf_model.state_dict_adapter(name, model_args, hf_dir)
 
     # [parallelism] layout (FSDP / HSDP / DDP / TP / PP); gradients are summed
@@ -149,8 +153,9 @@ def build_policy(job_config, hf_dir: str, d: Dist) -> Policy:
     optimizers = build_optimizers([model], job_config.optimizer, parallel_dims)
     lr_schedulers = build_lr_schedulers(optimizers, job_config.lr_scheduler, job_config.training.steps)
     reference = offpolicy.build_reference(job_config, hf_dir, d) if job_config.grpo.kl_coef > 0 else None
+    amp = parallel.mixed_precision(job_config, parallel_dims, d.device) if pipe is None else contextlib.nullcontext()
     return Policy(model, model_args, adapter, optimizers, lr_schedulers, parallel_dims,
-                  float(job_config.training.max_norm), reference, [model], pipe)
+                  float(job_config.training.max_norm), reference, [model], pipe, amp)
 
 
 def hf_weights(policy: Policy) -> dict[str, torch.Tensor]:
@@ -330,10 +335,11 @@ def _forward_backward(policy: Policy, local: list[Sample], ctx: _LossContext, pa
         # sequence parallelism splits T evenly over TP ranks
         tokens, mask, old = parallel.pad_to_multiple(
             tokens, mask, old, parallel.seq_len_multiple(policy.parallel_dims), pad_id)
-        logits = model(tokens)[:, :-1].float()
-        ref = None
-        if policy.reference is not None:
-            ref = offpolicy.reference_logprobs(policy.reference, tokens, ctx.temperature)
+        with policy.amp:
+            logits = model(tokens)[:, :-1].float()
+            ref = None
+            if policy.reference is not None:
+                ref = offpolicy.reference_logprobs(policy.reference, tokens, ctx.temperature)
         loss, record = _micro_batch_loss(logits, tokens[:, 1:], mask, old, adv, ctx, ref)
         loss.backward()
         _add_record(sums, off_stats, record)
