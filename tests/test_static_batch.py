@@ -240,7 +240,7 @@ def test_config_keys_reach_the_launched_servers(capsys):
     assert (off.cuda_graphs, off.overlap_schedule) == (False, False)
 
 
-def test_auto_pipeline_depth_is_serial_when_servers_share_the_trainer_gpu(monkeypatch):
+def test_auto_pipeline_depth_is_serial_when_servers_share_a_float32_trainers_gpu(monkeypatch):
     import os
 
     from torchtitan_grpo.config import parse_config, pipeline_depth
@@ -249,7 +249,9 @@ def test_auto_pipeline_depth_is_serial_when_servers_share_the_trainer_gpu(monkey
     demo = os.path.join(os.path.dirname(os.path.dirname(__file__)), "train_configs", "demo_cpu.toml")
     base = ["--job.config_file", demo, "--weight_sync.mode", "async", "--weight_sync.transport", "gloo"]
     assert pipeline_depth(parse_config(base)) == 1  # CPU servers, CPU trainer: as before
-    assert pipeline_depth(parse_config(base + ["--inference.server_device", "cuda:0"])) == 0
+    assert pipeline_depth(parse_config(base + ["--inference.server_device", "cuda:0"])) == 0  # the demo: float32
+    assert pipeline_depth(parse_config(base + ["--inference.server_device", "cuda:0",
+                                               "--training.mixed_precision_param", "bfloat16"])) == 1
     assert pipeline_depth(parse_config(base + ["--inference.server_device", "cuda:1"])) == 1
     assert pipeline_depth(parse_config(base + ["--inference.server_device", "cuda:0",
                                                "--rollout.pipeline_depth", "1"])) == 1

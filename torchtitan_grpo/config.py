@@ -144,12 +144,13 @@ class Rollout:
     off-policy), and so on; a step takes the first groups that finish, so a
     slow replica never holds it. Capped by grpo.max_staleness. -1 (auto): 1
     with weight_sync.mode "async" or "off", 0 with "sync", and 0 when the
-    started servers share a trainer's GPU (one GPU for both: the two
-    processes' kernels take turns, and the serial step already keeps an H100
-    busy 89 % of the time, so overlap can give at most 1.13 x; measured 0.98
-    x serial). With the servers on their own GPU, 1 gave 1.88 x the serial
-    loop's samples/s (0.95 of the ideal overlap; 2 x H100, a 28-layer model;
-    docs/PERFORMANCE.md). In pipelined mode a
+    started servers share a trainer's GPU and it trains in float32
+    (training.mixed_precision_param): the two processes' kernels take turns
+    on one GPU, and a float32 serial step already keeps an H100 busy 86-89 %
+    of the time (pipelined: 0.98 x serial). Training in bfloat16 (the
+    default) that falls to 62-66 %, and pipelined gave 1.41-1.43 x the serial
+    loop's samples/s on one H100 (a 28-layer model); with the servers on
+    their own GPU 1.89-2.02 x (2 x H100; docs/PERFORMANCE.md). In pipelined mode a
     push installs its version between decode steps (weight_sync.pause_mode
     "none" becomes "in_place"), so generation does not drain for it. Off
     policy wants a gentler learning rate than on policy: pipelined, the CPU
@@ -531,7 +532,8 @@ def pipeline_depth(cfg) -> int:
     """rollout.pipeline_depth resolved (auto -> 0 or 1) and capped by grpo.max_staleness."""
     depth = cfg.rollout.pipeline_depth
     if depth == -1:
-        depth = 0 if cfg.weight_sync.mode == "sync" or servers_share_trainer_gpu(cfg) else 1
+        shared_fp32 = servers_share_trainer_gpu(cfg) and cfg.training.mixed_precision_param == "float32"
+        depth = 0 if cfg.weight_sync.mode == "sync" or shared_fp32 else 1
     if cfg.grpo.max_staleness >= 0:
         depth = min(depth, cfg.grpo.max_staleness)
     return depth
