@@ -8,8 +8,8 @@
 #
 #   OUT=... BUDGET=420 bash scripts/device_demo_precision.sh
 #
-# Logs: $OUT/<mode>-<dtype>.log (each run's step lines) and its metrics in
-# $OUT/<mode>-<dtype>/metrics.jsonl.
+# Logs: $OUT/<mode>-<dtype>.log (each run's step lines); each run's folder
+# (metrics.jsonl, server log) in $OUT/runs.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-$PWD/outputs/device_demo_precision}
@@ -27,5 +27,9 @@ for mode in sync async; do
     grep -E "INFO step +(1|10|50|100|150) \|" "$OUT/$name.log"
   done
 done
+# The device tool brings back only a few files: the runs' folders go in one
+# archive (their TensorBoard folders left out).
+tar czf "$OUT/runs.tgz" --exclude=tb -C "$OUT" sync-float32 sync-bfloat16 async-float32 async-bfloat16 2>/dev/null \
+  && rm -rf "$OUT"/{sync,async}-{float32,bfloat16}/
 echo "device_demo_precision: exit $rc after $((SECONDS - T0)) s"
 exit $rc
