@@ -17,9 +17,11 @@ BUDGET=${BUDGET:-420}
 mkdir -p "$OUT"
 source scripts/device_env.sh
 rc=0
+names=()
 for mode in sync async; do
   for dtype in float32 bfloat16; do
     name=$mode-$dtype
+    names+=("$name")
     budgeted "$name.log" python3 -m torch.distributed.run --standalone --nproc_per_node=1 grpo_train.py \
       --job.config_file train_configs/demo_cpu.toml --training.mixed_precision_param "$dtype" \
       --weight_sync.mode "$mode" --job.dump_folder "$OUT/$name" || rc=1
@@ -29,7 +31,6 @@ for mode in sync async; do
 done
 # The device tool brings back only a few files: the runs' folders go in one
 # archive (their TensorBoard folders left out).
-tar czf "$OUT/runs.tgz" --exclude=tb -C "$OUT" sync-float32 sync-bfloat16 async-float32 async-bfloat16 2>/dev/null \
-  && rm -rf "$OUT"/{sync,async}-{float32,bfloat16}/
+tar czf "$OUT/runs.tgz" --exclude=tb -C "$OUT" "${names[@]}" 2>/dev/null && (cd "$OUT" && rm -rf "${names[@]}")
 echo "device_demo_precision: exit $rc after $((SECONDS - T0)) s"
 exit $rc
