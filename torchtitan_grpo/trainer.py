@@ -153,9 +153,9 @@ def build_policy(job_config, hf_dir: str, d: Dist) -> Policy:
     optimizers = build_optimizers([model], job_config.optimizer, parallel_dims)
     lr_schedulers = build_lr_schedulers(optimizers, job_config.lr_scheduler, job_config.training.steps)
     reference = offpolicy.build_reference(job_config, hf_dir, d) if job_config.grpo.kl_coef > 0 else None
-    amp = parallel.mixed_precision(job_config, parallel_dims, d.device) if pipe is None else contextlib.nullcontext()
     return Policy(model, model_args, adapter, optimizers, lr_schedulers, parallel_dims,
-                  float(job_config.training.max_norm), reference, [model], pipe, amp)
+                  float(job_config.training.max_norm), reference, [model], pipe,
+                  parallel.mixed_precision(job_config, parallel_dims, d.device))
 
 
 def hf_weights(policy: Policy) -> dict[str, torch.Tensor]:
