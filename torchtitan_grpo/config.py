@@ -490,6 +490,9 @@ def _check_model_dir(cfg) -> None:
     from torchtitan_grpo.demo_assets import DEMO_MODEL_DIR, is_demo_model_dir
 
     path = cfg.model.hf_assets_path
+    if path.lower().endswith(".gguf"):  # dequantised into the dump folder at start-up (convert.py)
+        _check(os.path.isfile(path), "model.hf_assets_path", "names a .gguf file that does not exist", path)
+        return
     if os.path.isfile(os.path.join(path, "config.json")):
         return
     what = "does not exist" if not os.path.exists(path) else "has no config.json"
