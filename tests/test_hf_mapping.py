@@ -371,7 +371,6 @@ def test_qwen3_rope_scaling_rejected():
         ),
         ("qwen3", {"model_type": "qwen3", "attention_bias": True}, "attention_bias=True"),
         ("qwen3", {"model_type": "qwen3", "use_sliding_window": True}, "use_sliding_window"),
-        ("llama3", {"model_type": "llama", "tie_word_embeddings": True}, "tie_word_embeddings"),
         ("llama3", {"model_type": "llama", "head_dim": 32}, "head_dim=32"),
         ("llama3", {"model_type": "llama", "mlp_bias": True}, "mlp_bias=True"),
     ],

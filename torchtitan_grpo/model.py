@@ -8,7 +8,8 @@ train spec's own state-dict adapter, so the name/permutation logic stays
 TorchTitan's and we only add the checks that make a mismatch loud.
 
 Supported train specs: ``qwen3`` (dense ``Qwen3ForCausalLM``) and ``llama3``
-(``LlamaForCausalLM``). Anything the TorchTitan model cannot express (biases,
+(``LlamaForCausalLM``; with ``tie_word_embeddings`` the model and adapter of
+:mod:`torchtitan_grpo.llama3_tied`). Anything the TorchTitan model cannot express (biases,
 sliding windows, other RoPE types, ...) raises instead of silently producing a
 different network.
 """
@@ -28,6 +29,11 @@ import torchtitan_grpo  # noqa: F401  (installs the triton shim before torchtita
 from torchtitan.models.llama3.model.args import RoPEScalingArgs, TransformerModelArgs
 from torchtitan.models.llama3.model.model import FeedForward as Llama3FeedForward
 from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
+from torchtitan_grpo.llama3_tied import (
+    TiedLlama3ModelArgs,
+    TiedLlama3StateDictAdapter,
+    TiedLlama3Transformer,
+)
 from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
 from torchtitan.protocols.train_spec import get_train_spec
 
@@ -296,13 +302,6 @@ def _llama3_ffn_args(dim: int, intermediate_size: int) -> tuple[int, float | Non
 def _llama3_args(hf_config: dict, max_seq_len: int) -> TransformerModelArgs:
     _common_checks(hf_config)
     _require(hf_config, "mlp_bias", False, False, "TorchTitan's FFN has no biases")
-    _require(
-        hf_config,
-        "tie_word_embeddings",
-        False,
-        False,
-        "TorchTitan's llama3 has a separate output projection",
-    )
     dim, n_heads = hf_config["hidden_size"], hf_config["num_attention_heads"]
     head_dim = hf_config.get("head_dim") or dim // n_heads
     if head_dim * n_heads != dim:
@@ -313,7 +312,11 @@ def _llama3_args(hf_config: dict, max_seq_len: int) -> TransformerModelArgs:
     scaling, theta = _llama3_rope_scaling(hf_config)
     multiple_of, multiplier = _llama3_ffn_args(dim, hf_config["intermediate_size"])
     defaults = TransformerModelArgs()
-    return TransformerModelArgs(
+    # transformers' LlamaConfig default is untied; tied checkpoints (SmolLM2,
+    # Llama 3.2 1B/3B) get the tied variant of TorchTitan's llama3
+    tied = bool(hf_config.get("tie_word_embeddings", False))
+    args_cls = TiedLlama3ModelArgs if tied else TransformerModelArgs
+    return args_cls(
         dim=dim,
         n_layers=hf_config["num_hidden_layers"],
         n_heads=n_heads,
@@ -359,6 +362,15 @@ def model_args_from_hf(
 # --------------------------------------------------------------------------- #
 
 
+def _classes(model_name: str, model_args: Any) -> tuple[type, type | None]:
+    """(model class, state-dict adapter class) for ``model_args``: the train
+    spec's, except tied llama3 args, whose classes TorchTitan lacks."""
+    spec = get_train_spec(model_name)
+    if model_name == "llama3" and isinstance(model_args, TiedLlama3ModelArgs):
+        return TiedLlama3Transformer, TiedLlama3StateDictAdapter
+    return spec.model_cls, spec.state_dict_adapter
+
+
 def build_model(
     model_name: str,
     model_args: Qwen3ModelArgs | TransformerModelArgs,
@@ -372,10 +384,10 @@ def build_model(
     non-persistent RoPE buffer on ``device``. Only parameters are cast to
     ``dtype``: llama3's RoPE buffer is complex64 and must stay so.
     """
-    spec = get_train_spec(model_name)
+    model_cls = _classes(model_name, model_args)[0]
     device = torch.device(device)
     with torch.device("meta"):
-        model = spec.model_cls(model_args)
+        model = model_cls(model_args)
     if dtype != torch.float32:
         # Assigning .data keeps Parameter identity, so tied weights stay tied.
         for param in model.parameters():
@@ -404,10 +416,10 @@ def state_dict_adapter(
     hf_dir: str | None,
 ) -> BaseStateDictAdapter:
     """Return the train spec's HF state-dict adapter for ``model_args``."""
-    spec = get_train_spec(model_name)
-    if spec.state_dict_adapter is None:
+    adapter_cls = _classes(model_name, model_args)[1]
+    if adapter_cls is None:
         raise ValueError(f"train spec {model_name!r} has no state_dict_adapter")
-    return spec.state_dict_adapter(model_args, hf_dir)
+    return adapter_cls(model_args, hf_dir)
 
 
 # --------------------------------------------------------------------------- #

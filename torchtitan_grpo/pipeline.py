@@ -30,7 +30,7 @@ batch (its batches are always ``training.seq_len`` long). Here, instead:
   function runs on the last stage once per micro-batch, with
   ``scale_grads=False`` (the GRPO loss is already normalised by the global
   sample/token counts, so micro-batch losses are summed, never averaged).
-* **Tied embeddings** (qwen3 with ``tie_word_embeddings``): the first stage
+* **Tied embeddings** (qwen3 or llama3 with ``tie_word_embeddings``): the first stage
   holds ``tok_embeddings.weight`` and the last ``output.weight``, two copies
   of one parameter. After backward their gradients are exchanged and summed
   (:meth:`StagePipeline.sync_tied_gradients`), so both copies get the
