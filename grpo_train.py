@@ -88,6 +88,9 @@ def main(argv: list[str]) -> dict:
             # Generation starts now, on the weights the servers hold. With
             # rollout.pipeline_depth > 0 it runs ahead of the trainer from here on.
             side.rollouts.start(version)
+            # [eval]: held-out prompts on the same servers, before the first step, every
+            # eval.interval steps and at the end; the serial loop waits for it, pipelined does not.
+            side.evaluate(start, version, "start")
         t_prev = time.perf_counter()
         step = start
         for step in range(start + 1, cfg.training.steps + 1):
@@ -136,6 +139,7 @@ def main(argv: list[str]) -> dict:
                             "perf/tokens_per_s": num_tokens / (now - t_prev)}
                 t_prev = now
                 side.log.log(step, metrics)
+                side.evaluate(step, version)
             ckpt.save(step, version, side.rollouts if side else None, last_step=step == cfg.training.steps)
 
         if stopped is not None:
@@ -143,10 +147,13 @@ def main(argv: list[str]) -> dict:
             saved = step > start and ckpt.save(step, version, side.rollouts if side else None, force=True)
             where = f"; checkpoint of step {step} in {ckpt.folder}" if saved else ""
             logger.error("stopped after step %d of %d: %s%s", step, cfg.training.steps, stopped.reason, where)
-        elif pushing and cfg.weight_sync.mode == "async":
-            # The servers end on the final weights, whatever async mode skipped
-            # (a busy buffer, or a last step whose samples were all too stale).
-            push.snapshot(version, wait=True)
+        else:
+            if pushing and cfg.weight_sync.mode == "async":
+                # The servers end on the final weights, whatever async mode skipped
+                # (a busy buffer, or a last step whose samples were all too stale).
+                push.snapshot(version, wait=True)
+            if side:
+                side.evaluate(step, version, "end")
         summary = side.summary() if side else {}
     if stopped is not None:
         close_distributed()

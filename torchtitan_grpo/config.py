@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from torchtitan_grpo import _titan  # noqa: F401  (before torchtitan)
+from torchtitan_grpo.eval_config import Eval, validate_eval
 
 CONFIG_MODULE = "torchtitan_grpo.config"
 
@@ -363,6 +364,7 @@ class JobConfig:
     inference: Inference = field(default_factory=Inference)
     weight_sync: WeightSync = field(default_factory=WeightSync)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    eval: Eval = field(default_factory=Eval)
 
 
 class ConfigError(ValueError):
@@ -480,6 +482,7 @@ def validate(cfg) -> None:
                "needs checkpoint.last_save_model_only = true (safetensors hold only the model)", c.last_save_in_hf)
     if c.hf_export:
         _check(bool(c.hf_export_folder), "checkpoint.hf_export_folder", "must not be empty", c.hf_export_folder)
+    validate_eval(cfg, _check)
 
 
 def _check_model_dir(cfg) -> None:

@@ -41,11 +41,22 @@ class MetricLogger:
         logger.info(format_line(step, m))
         self.jsonl.write(json.dumps({"step": step, **m}) + "\n")
         self.jsonl.flush()
+        self._tensorboard(step, m)
+
+    def _tensorboard(self, step: int, m: dict[str, float]) -> None:
         if self.writer is not None:
             from tensorboard.compat.proto.summary_pb2 import Summary
 
             values = [Summary.Value(tag=k, simple_value=float(v)) for k, v in m.items() if isinstance(v, (int, float))]
             self.writer.add_summary(Summary(value=values), step)
+
+    def log_eval(self, step: int, m: dict[str, float]) -> None:
+        """An evaluation's metrics at the step whose weights it evaluated: a
+        metrics.jsonl row and TensorBoard scalars (``eval/...``), kept out of
+        ``history`` (the training steps' record)."""
+        self.jsonl.write(json.dumps({"step": step, **m}) + "\n")
+        self.jsonl.flush()
+        self._tensorboard(step, m)
 
     def close(self) -> None:
         self.jsonl.close()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
@@ -19,6 +19,7 @@ from torchtitan_grpo.inference.types import SamplingParams
 from torchtitan_grpo.metrics import MetricLogger, window_mean
 from torchtitan_grpo.config import api_key, client_process, pipeline_depth
 from torchtitan_grpo.rollout.client_process import RolloutProcess, SpawnedClient
+from torchtitan_grpo.rollout.evaluation import EvalResult, Evaluator, format_eval_line
 from torchtitan_grpo.rollout.producer import ProducerSpec, RolloutProducer, build_producer
 from torchtitan_grpo.trainer import Dist
 from torchtitan_grpo.weight_sync.gather import push_dtype
@@ -26,6 +27,7 @@ from torchtitan_grpo.weight_sync.pusher import NoPush, Pusher, PushConfig, Weigh
 
 if TYPE_CHECKING:
     from torchtitan_grpo.checkpoint import Resumed
+    from torchtitan_grpo.eval_config import Eval
     from torchtitan_grpo.rollout.atropos import AtroposSource
 
 logger = logging.getLogger("torchtitan_grpo")
@@ -57,6 +59,30 @@ class RolloutSide:
     pad_id: int
     supervisor: Supervisor | None = None
     """Watches the servers the trainer started (None for external ones)."""
+    evaluator: Evaluator | None = None
+    """``[eval]``: held-out prompts on the same servers (None: no evaluation)."""
+    eval_config: Eval | None = None
+    eval_blocking: bool = False
+    """Serial loop: the trainer waits for each evaluation (exact weights)."""
+    eval_results: list[EvalResult] = field(default_factory=list)
+
+    def evaluate(self, step: int, version: int, point: str = "step") -> None:
+        """Evaluate the weights of ``step`` where ``[eval]`` says so (``point``:
+        "start" before the first step, "step" after one, "end" once the
+        servers hold the final weights), and log every evaluation that has
+        finished. "end" waits for all of them."""
+        ev = self.evaluator
+        if ev is None:
+            return
+        cfg = self.eval_config
+        due = {"start": cfg.at_start, "end": cfg.at_end,
+               "step": cfg.interval > 0 and step % cfg.interval == 0}[point]
+        if due:
+            ev.submit(step, version)
+        for result in ev.wait() if self.eval_blocking or point == "end" else ev.poll():
+            logger.info(format_eval_line(result.step, result.metrics))
+            self.log.log_eval(result.step, result.metrics)
+            self.eval_results.append(result)
 
     def summary(self) -> dict:
         h = self.log.history
@@ -64,6 +90,11 @@ class RolloutSide:
         n = min(10, len(h))
         logger.info("mean reward: first %d steps %.3f, last %d steps %.3f", n, first, n, last)
         out = {"reward_first10": first, "reward_last10": last, "steps": len(h)}
+        if self.eval_results:
+            a, b = self.eval_results[0], self.eval_results[-1]
+            logger.info("eval pass@1: step %d %.3f, step %d %.3f", a.step, a.metrics["eval/pass@1"], b.step,
+                        b.metrics["eval/pass@1"])
+            out |= {"eval": [(r.step, r.metrics) for r in self.eval_results]}
         events = [ReplicaEvent(*e) for e in self.rollouts.pool.events]
         if self.supervisor is not None:
             events += self.supervisor.events
@@ -111,15 +142,46 @@ def _atropos_source(cfg, hf_dir: str, pool: InferencePool, resume: Resumed | Non
 def producer_spec(cfg, hf_dir: str, tok, resume: Resumed | None) -> ProducerSpec:
     """The built-in source's producer, from the config (``tok``: its stop token)."""
     r, g = cfg.rollout, cfg.grpo
-    eos = (tok.eos_token_id,) if tok.eos_token_id is not None else ()
     return ProducerSpec(
         hf_dir=hf_dir, task=r.task, dataset_path=r.dataset_path, prompt_key=r.prompt_key, reward_fn=r.reward_fn,
         prompts_per_step=g.prompts_per_step, group_size=g.group_size, seed=g.seed, depth=pipeline_depth(cfg),
         sampling=SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                                top_k=r.top_k, stop_token_ids=eos),
+                                top_k=r.top_k, stop_token_ids=_stop_ids(tok)),
         scale_rewards=g.scale_rewards, filter_constant_groups=g.filter_constant_groups,
         reward_timeout_s=r.reward_timeout_s, use_chat_template=r.use_chat_template,
         resume_prompts=resume.prompts if resume is not None else None)
+
+
+def _stop_ids(tok) -> tuple[int, ...]:
+    return (tok.eos_token_id,) if tok.eos_token_id is not None else ()
+
+
+def _evaluator(cfg, tok, loop: LoopThread, pool: InferencePool | None, urls: list[str], pool_config: PoolConfig,
+               pusher: WeightPusher, stack: contextlib.ExitStack) -> Evaluator:
+    """``[eval]``'s evaluator on rank 0's event loop. ``pool`` None: the
+    rollouts' pool lives in the client process, and the evaluation gets one
+    of its own here (a few requests every eval.interval steps)."""
+    from torchtitan_grpo.rollout import tasks
+    from torchtitan_grpo.rollout.evaluation import eval_rows
+    from torchtitan_grpo.rollout.groups import GroupScorer, make_reward_fn
+
+    e, r, w = cfg.eval, cfg.rollout, cfg.weight_sync
+    if pool is None:
+        pool = InferencePool(urls, pool_config)
+        loop.run(pool.start())
+        stack.callback(lambda: loop.run(pool.close(), timeout=10))
+    reward = make_reward_fn(r.reward_fn, tasks.digits_reward if r.task == "digits" else None)
+    scorer = GroupScorer(tok, reward, group_size=e.samples_per_prompt, prompt_key=r.prompt_key, scale_rewards=False,
+                         reward_timeout_s=r.reward_timeout_s, use_chat_template=r.use_chat_template and r.task == "jsonl")
+    greedy = e.temperature == 0
+    sampling = SamplingParams(max_new_tokens=e.max_new_tokens or r.max_new_tokens, temperature=e.temperature,
+                              top_p=1.0 if greedy else r.top_p, top_k=-1 if greedy else r.top_k,
+                              stop_token_ids=_stop_ids(tok))
+    # A replica that misses its deadline is ejected and no longer waited for:
+    # a few deadlines bound the wait for the version to evaluate.
+    wait = None if w.mode == "off" else (lambda v: pusher.wait_for(v, timeout_s=4 * w.replica_deadline_s))
+    return Evaluator(loop, pool, scorer, eval_rows(e, r), sampling=sampling, pass_threshold=e.pass_threshold,
+                     max_concurrent=e.max_concurrent, wait_version=wait)
 
 
 def server_engine_args(i) -> tuple[str, ...]:
@@ -223,4 +285,7 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
                            resume_step=None if resume is None else resume.step)
         stack.callback(log.close)
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-        yield RolloutSide(rollouts, pusher, log, pad_id, supervisor)
+        evaluator = None
+        if cfg.eval.enable:
+            evaluator = _evaluator(cfg, tok, loop, pool if client is None else None, urls, pool_config, pusher, stack)
+        yield RolloutSide(rollouts, pusher, log, pad_id, supervisor, evaluator, cfg.eval, eval_blocking=depth == 0)
