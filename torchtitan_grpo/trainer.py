@@ -21,6 +21,7 @@ from torchtitan_grpo import loss as grpo_losses
 from torchtitan_grpo import model as hf_model
 from torchtitan_grpo import parallel
 from torchtitan_grpo import pipeline as pipeline_parallel
+from torchtitan_grpo import token_logprobs
 from torchtitan_grpo.rollout import offpolicy
 from torchtitan_grpo.rollout.sample import Sample
 
@@ -228,12 +229,30 @@ class _LossContext:
     """Completion tokens of the whole step, all ranks: the loss normaliser."""
 
 
+def _logits_terms(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
+                  temperature: float) -> tuple[torch.Tensor, torch.Tensor | float]:
+    """The full-logits path: ``[B, T - 1]`` log-probs from ``[B, T - 1, V]`` float
+    logits, and the masked mean entropy (0 when the mask is empty)."""
+    logprobs = grpo_losses.token_logprobs(logits, targets, temperature)
+    entropy = 0.0
+    if mask.any():
+        entropy = grpo_losses.entropy_from_logits(logits, mask, temperature=temperature)
+    return logprobs, entropy
+
+
 def _micro_batch_loss(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, old: torch.Tensor,
                       adv: torch.Tensor, ctx: _LossContext, ref: torch.Tensor | None = None):
     """GRPO loss of one micro-batch from its ``[B, T - 1, V]`` float logits, and
     a record of what the step's metrics need from it (see :func:`_add_record`)."""
+    logprobs, entropy = _logits_terms(logits, targets, mask, ctx.temperature)
+    return _logprob_loss(logprobs, entropy, mask, old, adv, ctx, ref)
+
+
+def _logprob_loss(logprobs: torch.Tensor, entropy: torch.Tensor | float, mask: torch.Tensor, old: torch.Tensor,
+                  adv: torch.Tensor, ctx: _LossContext, ref: torch.Tensor | None = None):
+    """:func:`_micro_batch_loss` from the ``[B, T - 1]`` float32 log-probs (with
+    gradient) and the masked mean entropy (a metric)."""
     g = ctx.grpo_cfg
-    logprobs = grpo_losses.token_logprobs(logits, targets, ctx.temperature)
     # "old" of the ratio and the IS weights: see grpo.is_correction
     ratio_old, is_w, is_m = offpolicy.importance_weights(logprobs, old, mask, g.is_correction, g.is_cap)
     loss, m = grpo_losses.grpo_loss(
@@ -247,8 +266,46 @@ def _micro_batch_loss(logits: torch.Tensor, targets: torch.Tensor, mask: torch.T
                   "lp_diff_max": 0.0, "entropy": 0.0, "mask": mask, "is_metrics": is_m, "loss_metrics": m}
         if ntok:
             record["lp_diff_max"] = float(((logprobs - old).abs() * mask).max())
-            record["entropy"] = float(grpo_losses.entropy_from_logits(logits, mask, temperature=ctx.temperature)) * ntok
+            record["entropy"] = float(entropy) * ntok
     return loss, record
+
+
+def _logprob_chunk_tokens(policy: Policy, grpo_cfg) -> int:
+    """Tokens per chunk of the chunked log-prob head (:mod:`torchtitan_grpo.token_logprobs`),
+    0 for the full-logits path. The head needs the whole output weight on each
+    rank (one device, FSDP / HSDP, DDP): TP's output projection is vocab-sharded
+    (its logits are all-gathered, no loss parallel) and PP runs the loss on the
+    last stage's output inside the schedule, so both keep the full-logits path."""
+    chunk = int(getattr(grpo_cfg, "logprob_chunk_tokens", 0))
+    if policy.pipeline is not None or getattr(policy.parallel_dims, "tp_enabled", False):
+        return 0
+    return chunk
+
+
+def _forward_terms(model: torch.nn.Module, tokens: torch.Tensor, mask: torch.Tensor, temperature: float,
+                   chunk_tokens: int, amp: contextlib.AbstractContextManager):
+    """``(logprobs, masked mean entropy)`` of ``tokens[:, 1:]`` under ``model``:
+    through the chunked head when ``chunk_tokens`` (the model's forward stops
+    at log-probs, never ``[B, T, V]`` logits), else from full float logits."""
+    if not chunk_tokens:
+        with amp:
+            logits = model(tokens)[:, :-1].float()
+        return _logits_terms(logits, tokens[:, 1:], mask, temperature)
+    with amp, token_logprobs.logprob_head(model.output, tokens[:, 1:], temperature, chunk_tokens,
+                                          with_entropy=True) as head:
+        logprobs = model(tokens)
+    return logprobs, (head.entropy * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+@torch.no_grad()
+def _reference_logprobs(reference: torch.nn.Module, tokens: torch.Tensor, temperature: float,
+                        chunk_tokens: int, amp: contextlib.AbstractContextManager) -> torch.Tensor:
+    """``[B, T - 1]`` log-probs of ``tokens[:, 1:]`` under the frozen reference (KL penalty)."""
+    with amp:
+        if not chunk_tokens:
+            return offpolicy.reference_logprobs(reference, tokens, temperature)
+        with token_logprobs.logprob_head(reference.output, tokens[:, 1:], temperature, chunk_tokens):
+            return reference(tokens)
 
 
 def _add_record(sums: dict[str, float], off_stats: offpolicy.OffPolicyStats, record: dict) -> None:
@@ -317,6 +374,7 @@ def _forward_backward(policy: Policy, local: list[Sample], ctx: _LossContext, pa
     """Micro-batched forward/backward through the whole model (no PP)."""
     model = policy.model
     mbs = ctx.grpo_cfg.micro_batch_size
+    chunk_tokens = _logprob_chunk_tokens(policy, ctx.grpo_cfg)
     # Ranks with fewer local samples still run the same number of forward/backward
     # passes (on an empty micro-batch), or FSDP's collectives would deadlock.
     n_micro = max(1, -(-len(local) // mbs))
@@ -335,15 +393,14 @@ def _forward_backward(policy: Policy, local: list[Sample], ctx: _LossContext, pa
         # sequence parallelism splits T evenly over TP ranks
         tokens, mask, old = parallel.pad_to_multiple(
             tokens, mask, old, parallel.seq_len_multiple(policy.parallel_dims), pad_id)
-        with policy.amp:
-            logits = model(tokens)[:, :-1].float()
-            ref = None
-            if policy.reference is not None:
-                ref = offpolicy.reference_logprobs(policy.reference, tokens, ctx.temperature)
-        loss, record = _micro_batch_loss(logits, tokens[:, 1:], mask, old, adv, ctx, ref)
+        logprobs, entropy = _forward_terms(model, tokens, mask, ctx.temperature, chunk_tokens, policy.amp)
+        ref = None
+        if policy.reference is not None:
+            ref = _reference_logprobs(policy.reference, tokens, ctx.temperature, chunk_tokens, policy.amp)
+        loss, record = _logprob_loss(logprobs, entropy, mask, old, adv, ctx, ref)
         loss.backward()
         _add_record(sums, off_stats, record)
-        del logits, loss, ref
+        del logprobs, loss, ref
 
 
 # ------------------------------------------------------------ pipeline step
@@ -384,6 +441,7 @@ class _PipelineLoss:
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         next_tokens, mask, old, adv = _unpack_target(target)
+        # full logits: the chunked head does not run inside the pipeline schedule
         loss, record = _micro_batch_loss(output[:, :-1].float(), next_tokens, mask, old, adv, self.ctx)
         self.records.append(record)
         return loss
