@@ -203,7 +203,7 @@ def test_completions_follow_the_vllm_schema(server, model_dir):
     assert out["usage"]["prompt_tokens"] == 3  # char tokenizer
 
     # errors in vLLM's shape, naming the field
-    assert_error(http(server, vllm.COMPLETIONS, {"prompt": PROMPT, "stream": True}), 400, "stream")
+    assert_error(http(server, vllm.COMPLETIONS, {"prompt": PROMPT, "echo": True}), 400, "echo")
     assert_error(http(server, vllm.COMPLETIONS, {"prompt": PROMPT, "n": "2"}, valid=False), 400, "n")
     assert_error(http(server, vllm.COMPLETIONS, {"prompt": [PROMPT, []]}), 400, "prompt")
     assert_error(http(server, vllm.COMPLETIONS, {"prompt": [10**6]}), 400, "vocabulary")
@@ -522,7 +522,6 @@ def test_chat_completions_follow_vllm(chat_server, model_dir):
     ({"logprobs": 1}, 400, "logprobs"),
     ({"top_logprobs": 2}, 400, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
-    ({"stream": True}, 400, "stream"),
     ({"echo": True}, 400, "echo"),
     ({"stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),

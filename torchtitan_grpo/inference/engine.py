@@ -50,7 +50,6 @@ from torchtitan_grpo.inference.requests import (
     PAUSE_MODES,
     FinishReason,
     RequestError,
-    SampleResult,
     SamplingParams,
     _Request,
     _sample_generator,
@@ -175,24 +174,17 @@ class Engine:
 
     # ---- public generation API ------------------------------------------ #
 
-    def submit(
-        self,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        rid: str | None = None,
-        top_logprobs_num: int = 0,
-    ) -> concurrent.futures.Future:
-        """Queue one prompt; the future resolves to ``params.n`` :class:`SampleResult`s.
-
-        While generation is paused the request waits in the queue.
-        """
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, rid: str | None = None,
+               top_logprobs_num: int = 0, on_token: Callable[[_Sequence], None] | None = None,
+               ) -> concurrent.futures.Future:
+        """Queue one prompt; the future resolves to ``params.n`` ``SampleResult``s.
+        While generation is paused the request waits in the queue. ``on_token``:
+        see ``_Request.on_token`` (streaming routes)."""
         self.check_request(prompt_ids, params)
         prompt = [int(t) for t in prompt_ids]
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        req = _Request(rid or uuid.uuid4().hex, prompt, params, int(top_logprobs_num), fut)
-        req.seqs = [
-            _Sequence(req, j, _sample_generator(params.seed, j)) for j in range(params.n)
-        ]
+        req = _Request(rid or uuid.uuid4().hex, prompt, params, int(top_logprobs_num), fut, on_token=on_token)
+        req.seqs = [_Sequence(req, j, _sample_generator(params.seed, j)) for j in range(params.n)]
         req.remaining = params.n
         with self._cv:
             if self._stopping:
@@ -316,6 +308,12 @@ class Engine:
                 with self._cv:
                     self._set_version_locked(weight_version)
 
+    def prompt_logits(self, ids: Sequence[int]) -> torch.Tensor:
+        """[len(ids), vocab] logits of one forward over ``ids`` with the live
+        weights (prompt logprobs); any thread, beside the worker's steps."""
+        with torch.inference_mode(), self._param_lock:
+            return self.model(input_ids=torch.tensor([list(ids)], device=self.device), use_cache=False).logits[0]
+
     def get_weights(self, name: str, truncate_size: int = 100) -> list:
         """A parameter as nested float lists, its first ``truncate_size`` rows."""
         t = self._tensors.get(name)
@@ -429,12 +427,9 @@ class Engine:
         req.remaining -= 1
         if req.remaining == 0 and not req.future.done():
             try:
-                req.future.set_result([self._result(x) for x in req.seqs])
+                req.future.set_result([sample_result(x, self._weight_version, self.tokenizer) for x in req.seqs])
             except Exception as e:  # never let bookkeeping kill the worker
                 req.future.set_exception(e)
-
-    def _result(self, s: _Sequence) -> SampleResult:
-        return sample_result(s, self._weight_version, self.tokenizer)
 
     def token_text(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else decode_ids(self.tokenizer, [token_id], skip_special=False)
@@ -575,6 +570,8 @@ class Engine:
                 s.logprobs.append(picked.logprobs[i])
                 if i in picked.top:
                     s.top = (s.top or []) + [picked.top[i]]
+                if s.req.on_token is not None:
+                    s.req.on_token(s)
                 self._check_stop(s)
 
     def _check_stop(self, s: _Sequence) -> None:

@@ -170,6 +170,10 @@ class _Request:
     created: float = field(default_factory=time.monotonic)
     seqs: list["_Sequence"] = field(default_factory=list)
     remaining: int = 0
+    on_token: Any = None
+    """Called as ``on_token(seq)`` on the engine's worker (under its lock) each
+    time a sample records a token, before its stop check; a streaming route
+    copies the token out and returns at once."""
 
 
 @dataclass(eq=False)

@@ -5,9 +5,15 @@
 (request names, defaults, reply shapes, status codes). Generation is the
 :class:`Engine`'s; this module only parses and answers.
 
+``"stream": true`` answers server-sent events (``sglang_stream``); prompt
+logprobs (``return_logprob`` with ``logprob_start_len`` >= 0) come from one
+forward over the prompt (``prompt_logprobs``). An explicit
+``max_new_tokens`` that does not fit the context beside the prompt is a 400
+with SGLang's message (its tokenizer manager's total-token check); without
+one, generation stops at the context.
+
 Deliberate differences from SGLang, each a 400 naming the field rather than
-silently ignored: ``stream``, prompt logprobs (``logprob_start_len`` >= 0)
-and structured output (``json_schema``, ``regex``, ``ebnf``,
+silently ignored: structured output (``json_schema``, ``regex``, ``ebnf``,
 ``structural_tag``, ``stop_regex``). The server has no cross-request prefix
 cache, so ``flush_cache`` has nothing to drop. A text prompt is refused by
 its length before it is tokenised.
@@ -23,6 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
+from torchtitan_grpo.inference import prompt_logprobs
 from torchtitan_grpo.inference.engine import Engine
 from torchtitan_grpo.inference.httputil import (
     BadRequest,
@@ -109,6 +116,19 @@ def _per_prompt(body: dict, key: str, kind: str, default: Any, n: int) -> list:
     return [_get(body, key, kind, default)] * n
 
 
+def check_total_tokens(prompt_tokens: int, max_new_tokens: int, context: int) -> None:
+    """SGLang's total-token check (its tokenizer manager's, on by default):
+    an explicit ``max_new_tokens`` that does not fit the context beside the
+    prompt is refused, in SGLang's words."""
+    total = prompt_tokens + max_new_tokens
+    if total > context:
+        raise RequestError(
+            f"Requested token count exceeds the model's maximum context length of {context} tokens. You "
+            f"requested a total of {total} tokens: {prompt_tokens} tokens from the input messages and "
+            f"{max_new_tokens} tokens for the completion. Please reduce the number of tokens in the input "
+            "messages or the completion to fit within the limit.")
+
+
 def _finish_json(r: SampleResult) -> dict | None:
     f = r.finish_reason
     if f is None:
@@ -132,6 +152,9 @@ class _GenerateCall:
     text_in_logprobs: bool
     single: bool
     """Answer with one object rather than a list."""
+    logprob_starts: list[int]
+    """Per prompt: first position of ``input_token_logprobs`` (-1: none)."""
+    stream: bool = False
 
 
 class SGLangGenerateRoutes:
@@ -159,6 +182,10 @@ class SGLangGenerateRoutes:
     async def generate_body(self, request: web.Request, raw: bytes, body: dict) -> web.Response:
         """/generate, its body read (``raw``, at most ``limits.generate``) and parsed (``body``)."""
         call = await off_loop_if_large(len(raw), self._parse_generate, body)  # it tokenises text prompts
+        if call.stream:
+            from torchtitan_grpo.inference.sglang_stream import stream_generate
+
+            return await stream_generate(self, request, call)
         futures = [
             self.engine.submit(prompt, p, rid=rid, top_logprobs_num=k if lp else 0)
             for prompt, p, rid, lp, k in zip(call.prompts, call.params, call.rids, call.want_logprobs, call.top_logprobs)
@@ -172,12 +199,26 @@ class SGLangGenerateRoutes:
                 if f.cancelled() or not f.done():
                     self.engine.abort(rid, "client disconnected", wait=False)
             raise
+        inputs = await self.input_logprobs(call)
         out = [
-            self._sample_json(r, call.want_logprobs[i], call.text_in_logprobs)
+            self.sample_json(r, call.want_logprobs[i], call.text_in_logprobs, inputs[i])
             for i, samples in enumerate(results)
             for r in samples
         ]
         return web.json_response(out[0] if call.single else out)
+
+    async def input_logprobs(self, call: "_GenerateCall") -> list[dict]:
+        """Per prompt, the ``meta_info`` fields of its prompt logprobs ({} when
+        not asked for: ``return_logprob`` with ``logprob_start_len`` >= 0)."""
+        out: list[dict] = []
+        for i, prompt in enumerate(call.prompts):
+            start, k = call.logprob_starts[i], call.top_logprobs[i]
+            if not call.want_logprobs[i] or start < 0:
+                out.append({})
+                continue
+            (pl,) = await prompt_logprobs.compute_all(self.engine, [prompt], [k])
+            out.append(prompt_logprobs.sglang_meta(self.engine, pl, start, k, call.text_in_logprobs))
+        return out
 
     def _parse_generate(self, body: dict) -> "_GenerateCall":
         """Check a whole /generate body (every prompt) before anything is
@@ -194,20 +235,24 @@ class SGLangGenerateRoutes:
         top_n = _per_prompt(body, "top_logprobs_num", "int", 0, n)
         if any(k < 0 for k in top_n):
             raise BadRequest("field 'top_logprobs_num' must be a non-negative integer (or one per prompt)")
-        if any(start != -1 for start in _per_prompt(body, "logprob_start_len", "int", -1, n)):
-            raise BadRequest(
-                "field 'logprob_start_len' >= 0 asks for prompt logprobs, which the built-in server "
-                "does not compute; use -1 (output tokens only)"
-            )
+        starts = _per_prompt(body, "logprob_start_len", "int", -1, n)
+        if any(start < -1 for start in starts):
+            raise BadRequest("field 'logprob_start_len' must be -1 (output tokens only) or a prompt position >= 0")
         want_logprobs = _per_prompt(body, "return_logprob", "bool", False, n)
         rids = _per_prompt(body, "rid", "str", None, n)
         text_in_logprobs = _get(body, "return_text_in_logprobs", "bool", False)
-        if _get(body, "stream", "bool", False):
-            raise BadRequest("field 'stream': streaming is not supported by the built-in server")
+        stream = _get(body, "stream", "bool", False)
         prompts = self._tokenize(inputs)
+        raw_params = sp_raw if isinstance(sp_raw, list) else [sp_raw or {}] * n
+        explicit = [d.get("max_new_tokens") for d in raw_params]  # (each checked to be an object above)
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
                 self.engine.check_request(prompt, p)
+                if explicit[i] is not None:
+                    check_total_tokens(len(prompt), p.max_new_tokens, self.engine.max_context)
+                if starts[i] >= len(prompt):
+                    raise RequestError(f"field 'logprob_start_len' is {starts[i]}, past the prompt's last "
+                                       f"position ({len(prompt) - 1})")
             except RequestError as e:
                 raise BadRequest(f"prompt {i}: {e}" if n > 1 else str(e)) from None
         return _GenerateCall(
@@ -218,6 +263,8 @@ class SGLangGenerateRoutes:
             want_logprobs=want_logprobs,
             top_logprobs=top_n,
             text_in_logprobs=text_in_logprobs,
+            logprob_starts=starts,
+            stream=stream,
             # One object for one prompt and one sample; a prompt-major array otherwise.
             single=n == 1 and params[0].n == 1 and self._single_prompt_input(body),
         )
@@ -268,7 +315,7 @@ class SGLangGenerateRoutes:
             return [self.engine.tokenizer.encode(t) for t in inputs]
         return inputs
 
-    def _sample_json(self, r: SampleResult, with_logprobs: bool, with_text: bool) -> dict:
+    def sample_json(self, r: SampleResult, with_logprobs: bool, with_text: bool, extra: dict | None = None) -> dict:
         meta: dict[str, Any] = {
             "id": r.rid,
             "finish_reason": _finish_json(r),
@@ -287,6 +334,7 @@ class SGLangGenerateRoutes:
             meta["output_token_logprobs"] = [[lp, t, tt(t)] for lp, t in zip(r.output_logprobs, r.output_ids)]
             if r.top_logprobs is not None:
                 meta["output_top_logprobs"] = [[[lp, t, tt(t)] for lp, t in step] for step in r.top_logprobs]
+        meta.update(extra or {})
         return {"text": r.text if r.text is not None else "", "output_ids": r.output_ids, "meta_info": meta}
 
     # ---- inspection -------------------------------------------------------- #

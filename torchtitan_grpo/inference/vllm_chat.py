@@ -1,7 +1,8 @@
-"""vLLM 0.33's ``/v1/chat/completions`` on the built-in server (non-streaming):
+"""vLLM 0.33's ``/v1/chat/completions`` on the built-in server:
 ``messages`` rendered with the model's chat template (``chat_template``),
 then generated exactly as ``/v1/completions`` does, answered in the shape of
-vLLM's ``ChatCompletionResponse``.
+vLLM's ``ChatCompletionResponse`` (or, with ``"stream": true``, as
+``chat.completion.chunk`` events: ``vllm_stream``).
 
 Request fields, as vLLM names them: ``messages``, ``model``, ``n``,
 ``max_completion_tokens`` (before ``max_tokens``; neither: up to the
@@ -27,8 +28,9 @@ As in vLLM, each position's ``top_logprobs`` are the first ``top_logprobs``
 entries of its logprob dict, which holds the sampled token first.
 
 A field of the wrong type is a 400 naming it; a vLLM field this server does
-not implement (streaming, echo, beam search, structured output, prompt
-logprobs, tool-call parsing) is a 400 naming it unless it has its default;
+not implement (echo, beam search, structured output, tool-call parsing) is
+a 400 naming it unless it has its default; an explicit ``max_tokens`` /
+``max_completion_tokens`` that does not fit beside the prompt is vLLM's 400;
 an unknown field is ignored and logged, as vLLM ignores it.
 """
 
@@ -42,6 +44,7 @@ from typing import Any
 
 from aiohttp import web
 
+from torchtitan_grpo.inference import prompt_logprobs as plp
 from torchtitan_grpo.inference import vllm as proto
 from torchtitan_grpo.inference.chat_template import ChatRenderer, ChatTemplateError
 from torchtitan_grpo.inference.engine import Engine
@@ -57,12 +60,13 @@ from torchtitan_grpo.inference.vllm_http import (
     vllm_api,
 )
 from torchtitan_grpo.inference.vllm_openai import (
-    check_stream_options,
+    check_output_room,
     gather_samples,
     refuse_unsupported,
     sampling_params,
     stop_reason,
     token_str,
+    stream_fields,
     top_entries,
     version_spans,
     vllm_names,
@@ -73,12 +77,12 @@ logger = logging.getLogger("torchtitan_grpo.inference.server")
 # vLLM's ChatCompletionRequest fields this server does not implement: a value
 # other than the default is a 400 naming the field.
 _UNSUPPORTED = {
-    "stream": False, "echo": False, "prompt_logprobs": None, "use_beam_search": False, "response_format": None,
+    "echo": False, "use_beam_search": False, "response_format": None,
     "structured_outputs": None, "logprob_token_ids": None, "allowed_token_ids": None, "bad_words": None,
     "truncate_prompt_tokens": None,
 }
 KNOWN_FIELDS = frozenset({
-    *_UNSUPPORTED, "messages", "model", "n", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+    *_UNSUPPORTED, "stream", "prompt_logprobs", "messages", "model", "n", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
     "min_p", "stop", "stop_token_ids", "seed", "ignore_eos", "min_tokens", "repetition_penalty",
     "frequency_penalty", "presence_penalty", "logit_bias", "skip_special_tokens", "include_stop_str_in_output",
     "logprobs", "top_logprobs", "stream_options", "add_generation_prompt", "continue_final_message",
@@ -101,6 +105,10 @@ class _ChatCall:
     tokens_as_ids: bool
     return_prompt_text: bool
     return_weight_versions: bool
+    prompt_logprobs: int | None = None
+    stream: bool = False
+    include_usage: bool = False
+    continuous_usage: bool = False
 
 
 class ChatRoutes:
@@ -120,13 +128,21 @@ class ChatRoutes:
     def register(self, app: web.Application) -> None:
         app.router.add_post(proto.CHAT_COMPLETIONS, vllm_api(self.chat_completions))
 
-    async def chat_completions(self, request: web.Request) -> web.Response:
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         self.gate.check()
         raw, body = await read_json(request, self.limits.generate)
         call = await off_loop_if_large(len(raw), self._parse, body)  # it renders and tokenises
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        if call.stream:
+            from torchtitan_grpo.inference.vllm_stream import stream_chat
+
+            return await stream_chat(self, request, body, call, rid)
         (samples,) = await gather_samples(self.engine, self.gate, [call.prompt], call.params, [rid],
                                           call.top_logprobs if call.logprobs else 0)
+        prompt_lps = None
+        if call.prompt_logprobs is not None:
+            (pl,) = await plp.compute_all(self.engine, [call.prompt], [call.prompt_logprobs])
+            prompt_lps = plp.vllm_prompt_logprobs(self.engine, pl)
         n_out = sum(len(r.output_ids) for r in samples)
         return web.json_response({
             "id": rid, "object": "chat.completion", "created": int(time.time()),
@@ -135,7 +151,7 @@ class ChatRoutes:
             "service_tier": None, "system_fingerprint": None,
             "usage": {"prompt_tokens": len(call.prompt), "total_tokens": len(call.prompt) + n_out,
                       "completion_tokens": n_out, "prompt_tokens_details": None},
-            "prompt_logprobs": None,
+            "prompt_logprobs": prompt_lps,
             "prompt_token_ids": call.prompt if call.return_token_ids else None,
             "prompt_text": call.prompt_text if call.return_prompt_text else None,
             "kv_transfer_params": None,
@@ -146,7 +162,7 @@ class ChatRoutes:
     def _parse(self, body: dict) -> _ChatCall:
         """Check every field, then render and tokenise the chat."""
         check_model(body, self.served_names)
-        check_stream_options(body)
+        stream, include_usage, continuous_usage, prompt_lps = stream_fields(body)
         refuse_unsupported(body, _UNSUPPORTED)
         self._log_ignored(body)
         if "messages" not in body:
@@ -175,7 +191,10 @@ class ChatRoutes:
             msg = vllm_names(str(e)).replace("max_tokens", max_key)
             first = msg.split(" ", 1)[0]  # the engine's messages start with the field they refuse, if any
             raise bad(msg, first if first in KNOWN_FIELDS else "messages") from None
+        if max_new is not None:
+            check_output_room(len(prompt), max_new, self.engine.max_context, max_key)
         return _ChatCall(
+            prompt_logprobs=prompt_lps, stream=stream, include_usage=include_usage, continuous_usage=continuous_usage,
             prompt=prompt, prompt_text=text, params=params, logprobs=logprobs, top_logprobs=top,
             return_token_ids=field(body, "return_token_ids", "bool", False),
             tokens_as_ids=field(body, "return_tokens_as_token_ids", "bool", False),

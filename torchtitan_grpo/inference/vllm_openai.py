@@ -1,10 +1,13 @@
 """vLLM 0.33's OpenAI routes on the built-in server: ``/v1/completions``
-(non-streaming) and ``/v1/models``. Errors use vLLM's shape
-(``vllm_http``); generation is the :class:`Engine`'s, exactly as for the
-SGLang routes, so both protocols serve the same model and the same version.
+and ``/v1/models``. Errors use vLLM's shape (``vllm_http``); generation is
+the :class:`Engine`'s, exactly as for the SGLang routes, so both protocols
+serve the same model and the same version. ``"stream": true`` answers
+server-sent events (``vllm_stream``); ``prompt_logprobs`` come from one
+forward over the prompt (``prompt_logprobs``); ``max_tokens`` that does not
+fit the context beside the prompt is vLLM's 400 (:func:`check_output_room`).
 
-Deliberate differences from vLLM, each a 400 naming the field: streaming,
-echo, suffix, prompt logprobs, beam search, structured output. Logprobs are
+Deliberate differences from vLLM, each a 400 naming the field: echo,
+suffix, beam search, structured output. Logprobs are
 ``log_softmax(logits / T)`` (the SGLang routes' quantity), not vLLM's default
 raw logprobs. Unknown top-level fields are ignored, as vLLM ignores them.
 """
@@ -19,6 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
+from torchtitan_grpo.inference import prompt_logprobs as plp
 from torchtitan_grpo.inference import vllm as proto
 from torchtitan_grpo.inference.engine import Engine
 from torchtitan_grpo.inference.httputil import BodyLimits, is_int as _is_int, off_loop_if_large, read_json
@@ -35,7 +39,7 @@ from torchtitan_grpo.inference.vllm_http import (
 
 # Valid in vLLM but not implemented here: a value other than the default is a 400.
 _UNSUPPORTED = {
-    "stream": False, "echo": False, "suffix": None, "prompt_logprobs": None, "use_beam_search": False,
+    "echo": False, "suffix": None, "use_beam_search": False,
     "response_format": None, "structured_outputs": None, "prompt_embeds": None, "logprob_token_ids": None,
     "allowed_token_ids": None, "bad_words": None, "truncate_prompt_tokens": None,
 }
@@ -53,6 +57,10 @@ class _CompletionCall:
     return_token_ids: bool
     tokens_as_ids: bool
     return_weight_versions: bool
+    prompt_logprobs: int | None = None
+    stream: bool = False
+    include_usage: bool = False
+    continuous_usage: bool = False
 
 
 def sampling_params(body: dict, max_new_tokens: int) -> SamplingParams:
@@ -95,8 +103,7 @@ def sampling_params(body: dict, max_new_tokens: int) -> SamplingParams:
 
 def check_stream_options(body: dict) -> None:
     """vLLM refuses ``stream_options`` unless ``stream`` is true (its
-    CompletionRequest validator), rather than ignoring it; so does this
-    server (which then refuses ``stream`` itself, naming that field)."""
+    CompletionRequest validator), rather than ignoring it; so does this server."""
     options = body.get("stream_options")
     if options is None:
         return
@@ -105,6 +112,37 @@ def check_stream_options(body: dict) -> None:
     if options and body.get("stream") is not True:
         raise _bad("'stream_options' is only valid with 'stream': true (this request is not streamed); "
                    "drop it or stream", "stream_options")
+
+
+def check_output_room(prompt_tokens: int, max_tokens: int, context: int, key: str = "max_tokens") -> None:
+    """vLLM's context check of a request's explicit ``max_tokens`` (its
+    renderer's ``TokenizeParams``): more than the context is refused naming
+    ``key``, more than fits beside the prompt naming ``input_tokens``."""
+    if max_tokens > context:
+        raise _bad(f"{key}={max_tokens} cannot be greater than max_model_len={context}. Please request fewer "
+                   f"output tokens. (parameter={key}, value={max_tokens})", key)
+    if prompt_tokens + max_tokens > context:
+        raise _bad(f"This model's maximum context length is {context} tokens. However, you requested {max_tokens} "
+                   f"output tokens and your prompt contains {prompt_tokens} input tokens, for a total of "
+                   f"{prompt_tokens + max_tokens} tokens. Please reduce the length of the input prompt or the number "
+                   f"of requested output tokens. (parameter=input_tokens, value={prompt_tokens})", "input_tokens")
+
+
+def stream_fields(body: dict) -> tuple[bool, bool, bool, int | None]:
+    """(stream, include_usage, continuous_usage_stats, prompt_logprobs) of a
+    completions or chat body, with vLLM's checks: ``stream_options`` only
+    when streaming, ``prompt_logprobs`` in [0, 20] and not > 0 when streaming."""
+    check_stream_options(body)
+    stream = bool(_field(body, "stream", "bool", False))
+    options = body.get("stream_options") or {}
+    include = bool(_field(options, "include_usage", "bool", False, where="stream_options."))
+    continuous = include and bool(_field(options, "continuous_usage_stats", "bool", False, where="stream_options."))
+    k = _field(body, "prompt_logprobs", "int", None)
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise _bad(f"'prompt_logprobs' must be in [0, {MAX_LOGPROBS}], got {k}", "prompt_logprobs")
+    if stream and k:
+        raise _bad("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+    return stream, include, continuous, k
 
 
 _ENGINE_TO_VLLM = {"sampling_params.max_new_tokens": "max_tokens", "sampling_params.min_new_tokens": "min_tokens",
@@ -198,17 +236,26 @@ class OpenAIRoutes:
         r.add_post(proto.COMPLETIONS, vllm_api(self.completions))
         r.add_get(proto.MODELS, vllm_api(self.models))
 
-    async def completions(self, request: web.Request) -> web.Response:
+    async def completions(self, request: web.Request) -> web.StreamResponse:
         self.gate.check()
         raw, body = await read_json(request, self.limits.generate)
         call = await off_loop_if_large(len(raw), self._parse_completions, body)  # it tokenises text prompts
         rids = [f"cmpl-{uuid.uuid4().hex}" for _ in call.prompts]
+        if call.stream:
+            from torchtitan_grpo.inference.vllm_stream import stream_completions
+
+            return await stream_completions(self, request, body, call, rids)
         results = await gather_samples(self.engine, self.gate, call.prompts, call.params, rids,
                                        max(call.logprobs or 0, 0))
+        prompt_lps = None
+        if call.prompt_logprobs is not None:
+            prompt_lps = await plp.compute_all(self.engine, call.prompts, [call.prompt_logprobs] * len(call.prompts))
         choices: list[dict] = []
-        for samples in results:  # prompt-major: index = prompt * n + sample
+        for i, samples in enumerate(results):  # prompt-major: index = prompt * n + sample
             for r in samples:
                 choices.append(self._choice(len(choices), r, call))
+                if prompt_lps is not None:
+                    choices[-1]["prompt_logprobs"] = plp.vllm_prompt_logprobs(self.engine, prompt_lps[i])
         n_prompt = sum(len(p) for p in call.prompts)
         n_out = sum(len(r.output_ids) for samples in results for r in samples)
         return web.json_response({
@@ -221,11 +268,11 @@ class OpenAIRoutes:
         """Check a whole body (every prompt) before anything is queued; every
         field before any prompt is tokenised."""
         check_model(body, self.served_names)
-        check_stream_options(body)
+        stream, include_usage, continuous_usage, prompt_lps = stream_fields(body)
         refuse_unsupported(body, _UNSUPPORTED)
         # An explicit null means "up to the context": the engine stops there anyway.
-        max_tokens = self.engine.max_context if "max_tokens" in body and body["max_tokens"] is None else \
-            _field(body, "max_tokens", "int", 16)
+        explicit = not ("max_tokens" in body and body["max_tokens"] is None)
+        max_tokens = _field(body, "max_tokens", "int", 16) if explicit else self.engine.max_context
         params = sampling_params(body, max_tokens)
         logprobs = _field(body, "logprobs", "int", None)
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
@@ -237,7 +284,10 @@ class OpenAIRoutes:
             except RequestError as e:
                 msg = vllm_names(str(e))
                 raise _bad(f"prompt {i}: {msg}" if len(prompts) > 1 else msg, "prompt") from None
+            if explicit:
+                check_output_room(len(p), max_tokens, self.engine.max_context)
         return _CompletionCall(
+            prompt_logprobs=prompt_lps, stream=stream, include_usage=include_usage, continuous_usage=continuous_usage,
             prompts=prompts, params=params, logprobs=logprobs,
             return_token_ids=bool(_field(body, "return_token_ids", "bool", False)),
             tokens_as_ids=bool(_field(body, "return_tokens_as_token_ids", "bool", False)),
@@ -274,9 +324,10 @@ class OpenAIRoutes:
         if not ids or not all(_is_int(t) for t in ids):
             raise _bad(f"'{name}' must be a non-empty list of token ids", "prompt")
 
-    def _logprobs(self, r: SampleResult, k: int, as_ids: bool) -> dict:
+    def _logprobs(self, r: Any, k: int, as_ids: bool, offset: int = 0) -> dict:
         """OpenAI completions logprobs: per token its string, its logprob and a
-        dict of the sampled token plus the top k (at most k+1 entries)."""
+        dict of the sampled token plus the top k (at most k+1 entries); text
+        offsets count from ``offset`` (a stream's text sent before)."""
         tokens = [token_str(self.engine, t, as_ids) for t in r.output_ids]
         values = [max(lp, -9999.0) for lp in r.output_logprobs]  # -inf is not JSON
         tops = []
@@ -285,7 +336,7 @@ class OpenAIRoutes:
             for t, lp in top_entries(r, step, k):
                 d.setdefault(token_str(self.engine, t, as_ids), lp)
             tops.append(d)
-        offsets, pos = [], 0
+        offsets, pos = [], offset
         for tok in tokens:
             offsets.append(pos)
             pos += len(tok)
