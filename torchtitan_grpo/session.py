@@ -18,6 +18,7 @@ from torchtitan_grpo.inference.pool import InferencePool, PoolConfig
 from torchtitan_grpo.inference.types import SamplingParams
 from torchtitan_grpo.metrics import MetricLogger, window_mean
 from torchtitan_grpo.config import api_key, client_process, pipeline_depth
+from torchtitan_grpo.convert import is_gguf_path, resolve_model_dir
 from torchtitan_grpo.rollout.client_process import RolloutProcess, SpawnedClient
 from torchtitan_grpo.rollout.evaluation import EvalResult, Evaluator, format_eval_line
 from torchtitan_grpo.rollout.producer import ProducerSpec, RolloutProducer, build_producer
@@ -35,9 +36,12 @@ logger = logging.getLogger("torchtitan_grpo")
 
 def prepare_model_dir(cfg, d: Dist) -> str:
     """The HF checkpoint directory; with grpo.tiny_model_if_missing, rank 0
-    writes the tiny demo model first and the others wait for it."""
+    writes the tiny demo model first and the others wait for it. A .gguf
+    file: rank 0 dequantises it into the dump folder (reused on resume)."""
     path = cfg.model.hf_assets_path
-    if cfg.grpo.tiny_model_if_missing and not os.path.isfile(os.path.join(path, "config.json")):
+    if is_gguf_path(path):
+        path = resolve_model_dir(path, cfg.job.dump_folder, convert=d.is_main)
+    elif cfg.grpo.tiny_model_if_missing and not os.path.isfile(os.path.join(path, "config.json")):
         if d.is_main:
             from torchtitan_grpo.demo_assets import TinyQwen3, ensure_tiny_qwen3
 
