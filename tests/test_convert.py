@@ -175,6 +175,11 @@ def test_reused_when_done_and_redone_when_the_source_changes(tied, tmp_path):
     with safe_open(weights, "pt") as f:
         assert f.get_tensor("lm_head.weight").dtype == torch.bfloat16  # the default dtype
     assert sorted(os.listdir(tmp_path)) == ["hf", "src.gguf"]  # no temporary folders left behind
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("a folder that is not a conversion")
+    with pytest.raises(ValueError, match="mine: exists and is not a GGUF conversion"):
+        convert_gguf(src, str(tmp_path / "mine"))
+    assert os.listdir(tmp_path / "mine") == ["notes.txt"]
 
 
 def _one_line_error(src, match: str) -> str:

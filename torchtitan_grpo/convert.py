@@ -109,10 +109,11 @@ def _check_file(path: str):
     if arch not in SUPPORTED:
         raise ValueError(f"{path}: general.architecture = {arch!r} cannot be trained here; supported: "
                          + ", ".join(f"{a!r} ({hf})" for a, (_, hf) in SUPPORTED.items()))
-    # F32/F16 are read as they are; every other type needs the gguf package's dequantiser.
-    ok = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16}
-    ok |= set(getattr(gguf.quants, "_type_traits", {}))
-    bad = sorted({t.tensor_type.name for t in reader.tensors if t.tensor_type not in ok})
+    # F32/F16 are read as they are; every other type needs the gguf package's
+    # dequantiser (its table of types; a gguf without it is left to fail in _write_hf).
+    traits = getattr(gguf.quants, "_type_traits", None)
+    ok = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16} | set(traits or ())
+    bad = sorted({t.tensor_type.name for t in reader.tensors if t.tensor_type not in ok}) if traits else []
     if bad:
         first = next(t.name for t in reader.tensors if t.tensor_type.name == bad[0])
         raise ValueError(f"{path}: tensor type {', '.join(bad)} (e.g. {first}) cannot be dequantised by the "
@@ -138,7 +139,10 @@ def _write_hf(path: str, out: str, dtype: str) -> None:
     # The GGUF loader maps tensor names through a model of this config; meta: no memory, no init.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+    try:
+        tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+    except NotImplementedError as e:  # gguf: "Dequantization for X is not yet implemented"
+        raise ValueError(f"{path}: {e}") from e
     expected = set(model.state_dict()) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
     if set(tensors) != expected:
         missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
@@ -198,6 +202,10 @@ def convert_gguf(gguf_path: str, out_dir: str, dtype: str = "bfloat16") -> str:
         stamp = _source_stamp(gguf_path, dtype)
         if _done(out_dir, stamp):
             return out_dir
+    if os.path.lexists(out_dir) and not os.path.isfile(os.path.join(out_dir, MARKER)) and (
+            not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        raise ValueError(f"{out_dir}: exists and is not a GGUF conversion (no {MARKER}); "
+                         "it is never overwritten: choose another output folder")
     _check_file(gguf_path)
     logger.info("dequantising %s into %s (%s)", gguf_path, out_dir, dtype)
     stamp = _source_stamp(gguf_path, dtype)
@@ -209,7 +217,7 @@ def convert_gguf(gguf_path: str, out_dir: str, dtype: str = "bfloat16") -> str:
         with open(os.path.join(tmp, MARKER), "w") as f:
             json.dump(stamp, f, indent=2)
         _chmod_as_umask(tmp)
-        if os.path.lexists(out_dir):  # an older conversion (or a stale one): moved aside, then dropped
+        if os.path.lexists(out_dir):  # an older conversion (or an empty folder): moved aside, then dropped
             old = tempfile.mkdtemp(prefix=".replaced-", dir=parent)
             os.rename(out_dir, os.path.join(old, "dir"))
             shutil.rmtree(old)
