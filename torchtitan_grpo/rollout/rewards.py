@@ -23,6 +23,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from fractions import Fraction
 
+from torchtitan_grpo.rollout.math_reward import math_reward
 from torchtitan_grpo.rollout.tasks import digits_reward
 
 RewardFn = Callable[[str, str, dict], float]
@@ -332,6 +333,12 @@ def _normalise_text(text: str) -> str:
     return re.sub(r"\s+", "", text).rstrip(".").lower()
 
 
+# math_answer is the dependency-free grader; "math" (math_reward.py, on
+# math-verify) is the one to train with: it also accepts an unmarked final
+# answer and compares expressions symbolically. math_answer stays under its own
+# name because tests (and users' configs) name it and format_reward shares its
+# extractor; it is not a fallback for "math", which needs math-verify (a
+# declared dependency) and says so if it is missing.
 def math_answer(prompt: str, completion: str, row: dict) -> float:
     """1.0 iff the completion's marked final answer equals ``row["answer"]``.
 
@@ -359,6 +366,7 @@ def format_reward(prompt: str, completion: str, row: dict) -> float:
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     "exact_match": exact_match,
+    "math": math_reward,
     "math_answer": math_answer,
     "format_reward": format_reward,
     "digits": digits_reward,
@@ -374,6 +382,7 @@ __all__ = [
     "format_reward",
     "load_reward_fn",
     "math_answer",
+    "math_reward",
     "parse_number",
     "score_all",
 ]
