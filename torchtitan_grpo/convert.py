@@ -241,7 +241,9 @@ def resolve_model_dir(hf_assets_path: str, dump_folder: str, convert: bool = Tru
     if not is_gguf_path(hf_assets_path):
         return hf_assets_path
     out = gguf_out_dir(hf_assets_path, dump_folder)
-    return convert_gguf(hf_assets_path, out) if convert else out
+    # float32: a quantised block dequantises exactly into it (bf16 would round
+    # the starting weights once more); the trainer keeps float32 masters anyway.
+    return convert_gguf(hf_assets_path, out, dtype="float32") if convert else out
 
 
 def main(argv: list[str] | None = None) -> str:
