@@ -7,13 +7,12 @@ import json
 import os
 from types import SimpleNamespace
 
+import gguf
 import numpy as np
 import pytest
 import torch
 
-gguf = pytest.importorskip("gguf", reason="GGUF conversion needs the gguf package (pip install gguf)")
-
-from torchtitan_grpo.convert import MARKER, convert_gguf, gguf_out_dir, main, resolve_model_dir  # noqa: E402
+from torchtitan_grpo.convert import MARKER, convert_gguf, gguf_out_dir, main, resolve_model_dir
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1 (bos), 2 (eos, pad): SmolLM2's
 MERGES = ["h e", "l l", "he ll"]
