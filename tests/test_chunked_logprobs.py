@@ -1,9 +1,14 @@
 """Chunked log-probs (torchtitan_grpo.token_logprobs) against the full-logits
 path: the function, every GRPO loss variant and IS mode built on it, its
-memory bound, and one train_step with the head wired into the model."""
+memory bound, one train_step with the head wired into the model, and one
+2-rank launch (FSDP2 with tied embeddings, DDP) where FSDP's and DDP's hooks
+run around the head."""
 
 import itertools
 import math
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -213,3 +218,84 @@ def test_train_step_chunked_matches_full_logits(tiny_model_dir):
         assert chunked[key] == pytest.approx(full[key], abs=1e-6, rel=1e-5), key
     for name, value in full_w.items():
         torch.testing.assert_close(chunked_w[name], value, atol=1e-6, rtol=1e-5)
+
+
+def test_tp_and_pp_keep_the_full_logits_path():
+    """TP's output projection is vocab-sharded, PP's loss runs inside the schedule."""
+    from torchtitan_grpo.trainer import _logprob_chunk_tokens
+
+    cfg = SimpleNamespace(logprob_chunk_tokens=64)
+    policy = SimpleNamespace(pipeline=None, parallel_dims=SimpleNamespace(tp_enabled=False))
+    assert _logprob_chunk_tokens(policy, cfg) == 64
+    assert _logprob_chunk_tokens(policy, SimpleNamespace()) == 0  # the key's default until config.py has it
+    policy.parallel_dims.tp_enabled = True
+    assert _logprob_chunk_tokens(policy, cfg) == 0
+    policy = SimpleNamespace(pipeline=object(), parallel_dims=SimpleNamespace(tp_enabled=False))
+    assert _logprob_chunk_tokens(policy, cfg) == 0
+
+
+# ------------------------------------------------- FSDP2 / DDP (2 ranks)
+
+# (model, layout) of tests/test_parallel_parity.py: FSDP2 with the tied
+# embedding/norm/output group, and DDP's gradient hooks
+LAUNCH_CASES = (("qwen3_tied", "fsdp"), ("llama3", "ddp"))
+
+
+def _launch_worker(models_root: str, out: str) -> None:
+    """Under torchrun x2: each case's step with full logits, then chunked."""
+    import torch.distributed as dist
+
+    from tests import test_parallel_parity as tpp
+    from torchtitan_grpo import token_logprobs, trainer
+
+    dirs = tpp.write_models(models_root)
+    dist.init_process_group("gloo")
+    heads = []
+    real_head, real_chunk = token_logprobs.logprob_head, trainer._logprob_chunk_tokens
+    trainer.token_logprobs.logprob_head = lambda *a, **k: heads.append(1) or real_head(*a, **k)
+    results = {}
+    try:
+        for model, layout in LAUNCH_CASES:
+            for chunk in (0, 5):
+                def pick(policy, grpo_cfg, chunk=chunk):
+                    grpo_cfg.logprob_chunk_tokens = chunk
+                    return real_chunk(policy, grpo_cfg)
+
+                trainer._logprob_chunk_tokens = pick
+                heads.clear()
+                r = tpp.run_step_case(dirs[model], model, layout, 2)
+                results[(model, layout, chunk)] = {"loss": r["loss"], "grad_norm": r["grad_norm"],
+                                                   "grads": r["grads"], "heads": len(heads)}
+    finally:
+        trainer._logprob_chunk_tokens = real_chunk
+        trainer.token_logprobs.logprob_head = real_head
+    if dist.get_rank() == 0:
+        torch.save(results, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_fsdp_and_ddp_run_the_head_and_match_full_logits(tmp_path):
+    from tests import test_parallel_parity as tpp
+
+    models = tmp_path / "models"
+    tpp.write_models(str(models))  # once, before the ranks read them
+    out = tmp_path / "results.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.abspath(__file__), str(models), str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        p for p in (ROOT, os.environ.get("PYTHONPATH")) if p), TOKENIZERS_PARALLELISM="false")
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    results = torch.load(out, weights_only=False)
+    for model, layout in LAUNCH_CASES:
+        full, chunked = results[(model, layout, 0)], results[(model, layout, 5)]
+        assert full["heads"] == 0 and chunked["heads"] == 2, (model, layout)  # 2 micro-batches
+        assert full["grad_norm"] > 0
+        assert chunked["loss"] == pytest.approx(full["loss"], abs=1e-6), (model, layout)
+        assert chunked["grad_norm"] == pytest.approx(full["grad_norm"], abs=1e-6, rel=1e-5), (model, layout)
+        assert tpp.max_diff(full["grads"], chunked["grads"]) <= 1e-6, (model, layout)
+
+
+if __name__ == "__main__":
+    _launch_worker(sys.argv[1], sys.argv[2])
