@@ -169,7 +169,11 @@ def run_case(model_dir: str, model_name: str, layout: tuple[int, int, int, int],
             "checkpoint": load_file(os.path.join(model_dir, "model.safetensors"))}
 
 
-def _worker(out_dir: str, model_dirs: dict[str, str], layouts: list[str], staging: str = "") -> None:
+def _worker(out_dir: str, model_dirs: dict[str, str], layouts: list[str], staging: str = "",
+            staged_layouts: list[str] = ()) -> None:
+    """Every (layout, model) of ``layouts`` to ``out_dir``; then, in the same
+    launch (one torchrun start less), every ``staged_layouts`` one again
+    through rank 0's Pusher (staging "host") to ``out_dir/staged``."""
     import torch.distributed as dist
 
     # A hang (run 33 met one on 2 GPUs that seven reruns did not) leaves every
@@ -184,13 +188,16 @@ def _worker(out_dir: str, model_dirs: dict[str, str], layouts: list[str], stagin
         dist.init_process_group("nccl", device_id=device)
     else:
         dist.init_process_group("gloo")
+    runs = [(layout, staging, out_dir) for layout in layouts]
+    runs += [(layout, "host", os.path.join(out_dir, "staged")) for layout in staged_layouts]
     try:
-        for layout in layouts:
+        for layout, how, out in runs:
+            os.makedirs(out, exist_ok=True)
             for model_name in MODELS:
                 result = run_case(model_dirs[model_name], model_name, LAYOUTS[layout],
-                                  os.path.join(out_dir, f"dump-{model_name}-{layout}"), staging)
+                                  os.path.join(out, f"dump-{model_name}-{layout}"), how)
                 if result is not None:
-                    torch.save(result, os.path.join(out_dir, f"{model_name}-{layout}.pt"))
+                    torch.save(result, os.path.join(out, f"{model_name}-{layout}.pt"))
         dist.barrier()
     finally:
         faulthandler.cancel_dump_traceback_later()
@@ -204,28 +211,37 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
     return write_models(str(tmp_path_factory.mktemp("gather") / "models"))
 
 
-def _launch(out, dirs: dict[str, str], launches: dict[int, tuple[str, ...]], *extra: str):
+def _launch(out, dirs: dict[str, str], launches: dict[int, tuple[str, ...]],
+            staged: dict[int, tuple[str, ...]] | None = None):
+    """One torchrun per world size in ``launches``; ``staged``: the layouts
+    that launch also runs through rank 0's Pusher (results in ``out/staged``)."""
     out.mkdir()
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, TOKENIZERS_PARALLELISM="false")
     for nproc, layouts in launches.items():
+        also = (staged or {}).get(nproc, ())
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                os.path.abspath(__file__), "--out", str(out), "--layouts", ",".join(layouts),
-               *[f"--model={k}={v}" for k, v in dirs.items()], *extra]
+               *[f"--model={k}={v}" for k, v in dirs.items()], *(["--staged-layouts", ",".join(also)] if also else [])]
         r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, f"torchrun x{nproc} failed:\n{(r.stdout + r.stderr)[-6000:]}"
     return out
 
 
+# fsdp and tp once more through rank 0's Pusher (staging "host": on CPU, its
+# plain host buffers), in the 2-rank launch of ``gathered``
+STAGED = {2: ("fsdp", "tp")}
+
+
 @pytest.fixture(scope="module")
 def gathered(tmp_path_factory, model_dirs):
-    return _launch(tmp_path_factory.mktemp("gathered") / "out", model_dirs, LAUNCHES)
+    return _launch(tmp_path_factory.mktemp("gathered") / "out", model_dirs, LAUNCHES, STAGED)
 
 
 @pytest.fixture(scope="module")
-def staged_by_pusher(tmp_path_factory, model_dirs):
-    """fsdp and tp through rank 0's Pusher (staging "host": on CPU, its plain host buffers)."""
-    return _launch(tmp_path_factory.mktemp("staged") / "out", model_dirs, {2: ("fsdp", "tp")}, "--staging", "host")
+def staged_by_pusher(gathered):
+    """fsdp and tp through rank 0's Pusher, from the same launch as ``gathered``."""
+    return gathered / "staged"
 
 
 @pytest.mark.slow
@@ -260,7 +276,7 @@ def test_gathered_versions_equal_the_trainers_export(gathered, layout, model_nam
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_name", MODELS)
-@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+@pytest.mark.parametrize("layout", STAGED[2])
 def test_what_rank0s_pusher_stages_equals_the_trainers_export(staged_by_pusher, layout, model_name):
     """The gathered tensors as rank 0's Pusher staged them (its bucket layout,
     read back), for the same checks."""
@@ -374,8 +390,11 @@ if __name__ == "__main__":
     ap.add_argument("--check", action="store_true", help="check the results in --out and print PASS/FAIL")
     ap.add_argument("--staging", default="", choices=["", "device", "host"],
                     help="deliver into rank 0's Pusher with this weight_sync.staging and check what it staged")
+    ap.add_argument("--staged-layouts", default="",
+                    help="after --layouts, run these again through rank 0's Pusher (staging host) to OUT/staged")
     a = ap.parse_args()
     sys.path.insert(0, ROOT)
     if a.check:
         sys.exit(_check(a.out))
-    _worker(a.out, dict(m.split("=", 1) for m in a.model), a.layouts.split(","), a.staging)
+    _worker(a.out, dict(m.split("=", 1) for m in a.model), a.layouts.split(","), a.staging,
+            [x for x in a.staged_layouts.split(",") if x])
