@@ -217,7 +217,9 @@ def test_the_training_forward_runs_in_the_policys_autocast(policy_for):
 
     cfg, policy, d = policy_for()
     seen = []
-    policy.model.output.register_forward_hook(lambda m, args, out: seen.append(out.dtype))
+    # A projection inside the model: with grpo.logprob_chunk_tokens the output
+    # layer returns float32 log-probs whatever the autocast.
+    policy.model.layers["0"].feed_forward.w2.register_forward_hook(lambda m, args, out: seen.append(out.dtype))
     batch = _batch()
     ntok = sum(len(s.completion_ids) for s in batch)
     train_step(policy, batch, cfg.grpo, 1.0, 8, len(batch), ntok, 0, d)

@@ -79,6 +79,14 @@ class GRPO:
     filter_constant_groups: bool = False
     """Drop groups whose rewards are all equal (they carry no signal); they are counted either way."""
 
+    logprob_chunk_tokens: int = 2048
+    """Tokens per chunk when the trainer computes log-probs and entropy from
+    the final hidden states: float32 temporaries of chunk x vocabulary
+    instead of [rows, T, vocabulary] (16k tokens x 151,936: 55.7 GB -> 3.0 GB
+    on an H200, the logprob part ~20% slower as backward recomputes each
+    chunk's logits; docs/bench-runs/2026-11-27-chunked_logprobs.md). 0: full
+    logits. Tensor and pipeline parallelism always use full logits."""
+
     tiny_model_if_missing: bool = False
     """If model.hf_assets_path is the demo's own ./outputs/tiny-qwen3 and has
     no config.json, write a tiny random Qwen3 checkpoint and a character
@@ -389,6 +397,8 @@ def validate(cfg) -> None:
     _check(g.is_correction in ("none", "token", "sequence"), "grpo.is_correction",
            'must be "none", "token" or "sequence"', g.is_correction)
     _check(g.is_cap > 0, "grpo.is_cap", "must be > 0", g.is_cap)
+    _check(g.logprob_chunk_tokens >= 0, "grpo.logprob_chunk_tokens", "must be >= 0 (0: full logits)",
+           g.logprob_chunk_tokens)
     _check(r.source in ("builtin", "atropos"), "rollout.source", 'must be "builtin" or "atropos"', r.source)
     if r.source == "atropos":
         _check(r.atropos_url.startswith(("http://", "https://")), "rollout.atropos_url", "must be an http(s) URL",
