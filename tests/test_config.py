@@ -299,11 +299,12 @@ def test_inference_keys_become_flags_the_started_servers_parse(tmp_path, monkeyp
     template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
     monkeypatch.chdir(tmp_path)  # a relative path: the servers get it made absolute
     cfg = parse_config(["--job.config_file", demo, "--inference.kv_cache", "dynamic", "--inference.max_model_len",
-                        "64", "--inference.chat_template", "chat.jinja"])
+                        "64", "--inference.chat_template", "chat.jinja", "--inference.max_batch_size", "96"])
     args = server_engine_args(cfg.inference)
     monkeypatch.chdir("/")
     srv = parse_args(["--model", "m", "--port", "0", *args])
     assert (srv.kv_cache, srv.max_model_len, srv.chat_template) == ("dynamic", 64, template.read_text())
+    assert srv.max_batch_size == 96
     with pytest.raises(ConfigError, match=r"inference\.chat_template"):
         parse_config(["--job.config_file", demo, "--inference.chat_template", "no-such-file.jinja"])
 

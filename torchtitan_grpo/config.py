@@ -234,6 +234,11 @@ class Inference:
     prompt and completion together (their ``--max-model-len``); 0 = the
     model's context, at most 2048. Its memory is taken at start-up."""
 
+    max_batch_size: int = 64
+    """Sequences each started built-in server decodes together (its
+    ``--max-batch-size``); the static cache takes max_batch_size x
+    max_model_len positions at start-up."""
+
     chat_template: str = ""
     """Started built-in servers' ``--chat-template``: a Jinja template (a
     file, or the text itself) that renders ``/v1/chat/completions`` messages
@@ -440,6 +445,7 @@ def validate(cfg) -> None:
     for u in i.urls:
         _check(u.startswith(("http://", "https://")), "inference.urls", f"{u!r} is not an http(s) URL", i.urls)
     _check(i.num_servers >= 1, "inference.num_servers", "must be >= 1", i.num_servers)
+    _check(i.max_batch_size >= 1, "inference.max_batch_size", "must be >= 1", i.max_batch_size)
     _check(re.fullmatch(r"cpu|cuda(:\d+)?", i.server_device) is not None, "inference.server_device",
            'must be "cpu", "cuda" or "cuda:N"', i.server_device)
     _check(i.max_model_len == 0 or i.max_model_len >= 2, "inference.max_model_len",

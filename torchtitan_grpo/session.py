@@ -191,7 +191,7 @@ def _evaluator(cfg, tok, loop: LoopThread, pool: InferencePool | None, urls: lis
 def server_engine_args(i) -> tuple[str, ...]:
     """The ``[inference]`` engine settings (``i``) as the started built-in
     servers' command-line flags."""
-    args = ("--kv-cache", i.kv_cache, "--max-model-len", str(i.max_model_len))
+    args = ("--kv-cache", i.kv_cache, "--max-model-len", str(i.max_model_len), "--max-batch-size", str(i.max_batch_size))
     if i.chat_template:  # a file's path made absolute: the servers may start elsewhere
         template = os.path.abspath(i.chat_template) if os.path.isfile(i.chat_template) else i.chat_template
         args += ("--chat-template", template)
