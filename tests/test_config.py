@@ -170,6 +170,10 @@ def test_reward_fn_that_cannot_be_loaded_is_named_before_anything_starts():
         parse_config(["--job.config_file", DEMO, "--rollout.reward_fn", "tests.reward_fixtures:nope"])
     with pytest.raises(ConfigError, match=r"rollout\.reward_fn.*module 'no_such_pkg\.rewards' not found"):
         parse_config(["--job.config_file", DEMO, "--rollout.reward_fn", "no_such_pkg.rewards:score"])
+    with pytest.raises(ConfigError, match=r"rollout\.reward_fn = 'maths': must look like .* built-in name"):
+        parse_config(["--job.config_file", DEMO, "--rollout.reward_fn", "maths"])
+    # a built-in name needs no module path
+    assert parse_config(["--job.config_file", DEMO, "--rollout.reward_fn", "math"]).rollout.reward_fn == "math"
 
 
 def test_pipeline_depth():

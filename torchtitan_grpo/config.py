@@ -418,9 +418,10 @@ def validate(cfg) -> None:
         _check(os.path.isfile(r.dataset_path), "rollout.dataset_path", "no such file", r.dataset_path)
         _check(bool(r.reward_fn), "rollout.reward_fn", 'is required when rollout.task = "jsonl"', r.reward_fn)
     if r.reward_fn:
-        _check(r.reward_fn.count(":") == 1, "rollout.reward_fn", 'must look like "package.module:function"', r.reward_fn)
-        from torchtitan_grpo.rollout.rewards import load_reward_fn
+        from torchtitan_grpo.rollout.rewards import BUILTIN_REWARDS, load_reward_fn
 
+        _check(r.reward_fn in BUILTIN_REWARDS or r.reward_fn.count(":") == 1, "rollout.reward_fn",
+               f'must look like "package.module:function" or be a built-in name {sorted(BUILTIN_REWARDS)}', r.reward_fn)
         try:  # before any server starts: a typo must not cost a minute of start-up
             load_reward_fn(r.reward_fn)
         except (ImportError, AttributeError, TypeError, ValueError) as e:
