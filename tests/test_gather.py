@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -188,54 +187,45 @@ def _worker(out_dir: str, model_dirs: dict[str, str], layouts: list[str], stagin
         dist.init_process_group("nccl", device_id=device)
     else:
         dist.init_process_group("gloo")
-    runs = [(layout, staging, out_dir) for layout in layouts]
-    runs += [(layout, "host", os.path.join(out_dir, "staged")) for layout in staged_layouts]
     try:
-        for layout, how, out in runs:
-            os.makedirs(out, exist_ok=True)
-            for model_name in MODELS:
-                result = run_case(model_dirs[model_name], model_name, LAYOUTS[layout],
-                                  os.path.join(out, f"dump-{model_name}-{layout}"), how)
-                if result is not None:
-                    torch.save(result, os.path.join(out, f"{model_name}-{layout}.pt"))
+        run_layouts(out_dir, model_dirs, layouts, staging, staged_layouts)
         dist.barrier()
     finally:
         faulthandler.cancel_dump_traceback_later()
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory) -> dict[str, str]:
-    from tests.test_parallel_parity import write_models
-
-    return write_models(str(tmp_path_factory.mktemp("gather") / "models"))
-
-
-def _launch(out, dirs: dict[str, str], launches: dict[int, tuple[str, ...]],
-            staged: dict[int, tuple[str, ...]] | None = None):
-    """One torchrun per world size in ``launches``; ``staged``: the layouts
-    that launch also runs through rank 0's Pusher (results in ``out/staged``)."""
-    out.mkdir()
-    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, TOKENIZERS_PARALLELISM="false")
-    for nproc, layouts in launches.items():
-        also = (staged or {}).get(nproc, ())
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               os.path.abspath(__file__), "--out", str(out), "--layouts", ",".join(layouts),
-               *[f"--model={k}={v}" for k, v in dirs.items()], *(["--staged-layouts", ",".join(also)] if also else [])]
-        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-        assert r.returncode == 0, f"torchrun x{nproc} failed:\n{(r.stdout + r.stderr)[-6000:]}"
-    return out
+def run_layouts(out_dir: str, model_dirs: dict[str, str], layouts: list[str], staging: str = "",
+                staged_layouts: list[str] = ()) -> None:
+    """:func:`_worker`'s cases in a process group already started (also run
+    by tests/multirank.py, in one launch with test_parallel_parity's cases)."""
+    runs = [(layout, staging, out_dir) for layout in layouts]
+    runs += [(layout, "host", os.path.join(out_dir, "staged")) for layout in staged_layouts]
+    for layout, how, out in runs:
+        os.makedirs(out, exist_ok=True)
+        for model_name in MODELS:
+            result = run_case(model_dirs[model_name], model_name, LAYOUTS[layout],
+                              os.path.join(out, f"dump-{model_name}-{layout}"), how)
+            if result is not None:
+                torch.save(result, os.path.join(out, f"{model_name}-{layout}.pt"))
 
 
 # fsdp and tp once more through rank 0's Pusher (staging "host": on CPU, its
-# plain host buffers), in the 2-rank launch of ``gathered``
+# plain host buffers), in the 2-rank launch
 STAGED = {2: ("fsdp", "tp")}
 
 
 @pytest.fixture(scope="module")
-def gathered(tmp_path_factory, model_dirs):
-    return _launch(tmp_path_factory.mktemp("gathered") / "out", model_dirs, LAUNCHES, STAGED)
+def gathered(tmp_path_factory):
+    """The results of ``LAUNCHES`` and ``STAGED``: run once per session with
+    test_parallel_parity's cases (tests/multirank.py: each rank's start-up
+    is paid once for both files), the same cases that ``_worker`` runs."""
+    from tests.multirank import shared
+
+    launched = shared(tmp_path_factory)
+    for nproc in LAUNCHES:
+        assert nproc not in launched.errors, launched.errors[nproc]
+    return launched.gather
 
 
 @pytest.fixture(scope="module")

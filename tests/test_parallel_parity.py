@@ -583,34 +583,42 @@ def _worker(out_dir: str, model_dirs: dict[str, str], layouts: list[str], dtype:
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=300))
-    world, rank = dist.get_world_size(), dist.get_rank()
     try:
-        for layout in layouts:
-            for model_name in MODELS:
-                t0 = time.perf_counter()
-                if layout in PP_SCHEDULES:  # the trainer's own pipeline step
-                    result = run_step_case(model_dirs[model_name], model_name, layout, world, dtype)
-                else:
-                    result = run_case(model_dirs[model_name], model_name, LAYOUTS[layout], world, dtype)
-                result["seconds"] = time.perf_counter() - t0
-                if rank == 0:
-                    torch.save(result, os.path.join(out_dir, f"{model_name}-{layout}.pt"))
-            if dtype != "float32":
-                continue
-            if layout == EMPTY_RANK_LAYOUT:
-                every = run_empty_rank_step(model_dirs["qwen3"], "qwen3", layout, world)
-                if rank == 0:
-                    torch.save(every, os.path.join(out_dir, f"empty-rank-{layout}.pt"))
-            if layout == CHECKPOINT_LAYOUT:
-                dump = os.path.join(out_dir, f"dump-{layout}")
-                result = run_checkpoint_roundtrip(model_dirs["qwen3_tied"], "qwen3_tied", layout, world, dump)
-                every = [None] * world
-                dist.all_gather_object(every, result)
-                if rank == 0:
-                    torch.save(every, os.path.join(out_dir, f"checkpoint-{layout}.pt"))
+        run_layouts(out_dir, model_dirs, layouts, dtype)
         dist.barrier()  # leave together: a peer gone early can abort this rank at exit
     finally:
         dist.destroy_process_group()
+
+
+def run_layouts(out_dir: str, model_dirs: dict[str, str], layouts: list[str], dtype: str = "float32") -> None:
+    """:func:`_worker`'s cases in a process group already started (also run
+    by tests/multirank.py, in one launch with test_gather's cases)."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for layout in layouts:
+        for model_name in MODELS:
+            t0 = time.perf_counter()
+            if layout in PP_SCHEDULES:  # the trainer's own pipeline step
+                result = run_step_case(model_dirs[model_name], model_name, layout, world, dtype)
+            else:
+                result = run_case(model_dirs[model_name], model_name, LAYOUTS[layout], world, dtype)
+            result["seconds"] = time.perf_counter() - t0
+            if rank == 0:
+                torch.save(result, os.path.join(out_dir, f"{model_name}-{layout}.pt"))
+        if dtype != "float32":
+            continue
+        if layout == EMPTY_RANK_LAYOUT:
+            every = run_empty_rank_step(model_dirs["qwen3"], "qwen3", layout, world)
+            if rank == 0:
+                torch.save(every, os.path.join(out_dir, f"empty-rank-{layout}.pt"))
+        if layout == CHECKPOINT_LAYOUT:
+            dump = os.path.join(out_dir, f"dump-{layout}")
+            result = run_checkpoint_roundtrip(model_dirs["qwen3_tied"], "qwen3_tied", layout, world, dump)
+            every = [None] * world
+            dist.all_gather_object(every, result)
+            if rank == 0:
+                torch.save(every, os.path.join(out_dir, f"checkpoint-{layout}.pt"))
 
 
 def launch(nproc: int, out_dir: str, model_dirs: dict[str, str], timeout: float = 600,
@@ -776,20 +784,17 @@ def test_cpu_sdpa_strategy_is_registered_once():
 
 @pytest.fixture(scope="module")
 def parity(tmp_path_factory):
-    """Single-process references, then both launches (once for the module)."""
-    root = tmp_path_factory.mktemp("parity")
-    model_dirs = write_models(str(root / "models"))
+    """Single-process references, and the results of both launches: those
+    run once per session with test_gather's cases (tests/multirank.py: each
+    rank's start-up is paid once for both files), the same cases that
+    ``launch`` runs."""
+    from tests.multirank import shared
+
+    launched = shared(tmp_path_factory)
+    model_dirs = launched.model_dirs
     refs = {m: run_case(model_dirs[m], m, (1, 1, 1), 1) for m in MODELS}
     ref_steps = {m: run_step_case(model_dirs[m], m, "single", 1) for m in MODELS}
-    out = root / "results"
-    out.mkdir()
-    errors = {}
-    for nproc in LAUNCHES:
-        try:
-            launch(nproc, str(out), model_dirs)
-        except RuntimeError as e:  # reported by the tests of that launch
-            errors[nproc] = str(e)
-    return refs, out, errors, ref_steps
+    return refs, launched.parity, launched.errors, ref_steps
 
 
 def _launched(parity, layout: str, name: str):
