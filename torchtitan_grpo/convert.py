@@ -176,6 +176,9 @@ def _write_hf(path: str, out: str, dtype: str) -> None:
     tc["tokenizer_class"] = "PreTrainedTokenizerFast"
     for k in ("is_local", "local_files_only"):  # load-time state, not tokenizer settings
         tc.pop(k, None)
+    # A byte-level BPE decodes exactly as is; transformers warns about (and
+    # ignores) the WordPiece clean-up its GGUF converter turns on.
+    tc["clean_up_tokenization_spaces"] = False
     if tok.chat_template:
         tc["chat_template"] = tok.chat_template
     with open(tc_path, "w") as f:

@@ -23,6 +23,7 @@ parsed answer before it is evaluated: no real answer has 10,000 digits.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import re
 from typing import Any
@@ -57,6 +58,11 @@ def _mv() -> Any:
         raise ImportError(
             "reward 'math' needs the math-verify package: pip install math-verify"
         ) from e
+    # Its signal-based timeouts are off on purpose (rewards run off the main
+    # thread; score_all bounds each call): its warning that they are off, printed
+    # once per process and per module, would be the run's only noise.
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     latex = math_verify.LatexExtractionConfig(
         # Boxed first (priority 0 beats "final answer is ..." phrases), and the
         # last box wins when a completion boxes several things.
