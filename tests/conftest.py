@@ -30,3 +30,21 @@ def server(model_dir, tmp_path_factory):
     proc, url = start_server(model_dir, log)
     yield url
     stop_server(proc, log)
+
+
+@pytest.fixture(scope="session")
+def generating_server(tiny_model_dir, tmp_path_factory):
+    """One built-in server, started once per session, for the test files that
+    only generate from it (no weight push, no pause): their module's
+    ``server`` is this one instead of one more server start each. It serves
+    its own copy of the tiny model, so tests that look for leftover servers
+    of ``tiny_model_dir`` do not see it; stopped cleanly at the end."""
+    import shutil
+
+    from tests.server_procs import start_server, stop_server
+
+    root = tmp_path_factory.mktemp("generating")
+    model = str(shutil.copytree(tiny_model_dir, root / "tiny-qwen3"))
+    proc, url = start_server(model, root / "server.log")
+    yield url
+    stop_server(proc, root / "server.log")

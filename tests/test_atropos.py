@@ -95,6 +95,12 @@ def api(tmp_path):
     a.stop()
 
 
+@pytest.fixture(scope="module")
+def server(generating_server):
+    """The session's generate-only server (conftest): nothing here pushes weights to it or pauses it."""
+    return generating_server
+
+
 def make_source(url: str, batch_size: int, **kw) -> AtroposSource:
     cfg_kw = {k: kw.pop(k) for k in list(kw) if k in AtroposConfig.__dataclass_fields__}
     cfg = AtroposConfig(url=url, batch_size=batch_size, max_token_len=cfg_kw.pop("max_token_len", 64),

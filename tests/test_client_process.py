@@ -36,6 +36,12 @@ def spec(model_dir: str, **kw) -> ProducerSpec:
         "filter_constant_groups": False, "reward_timeout_s": 10.0, "use_chat_template": False, **kw})
 
 
+@pytest.fixture(scope="module")
+def server(generating_server):
+    """The session's generate-only server (conftest): nothing here pushes weights to it or pauses it."""
+    return generating_server
+
+
 def wait_until(cond, what: str) -> None:
     deadline = time.monotonic() + HANG_S
     while not cond():
