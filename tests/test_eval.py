@@ -179,3 +179,17 @@ def test_demo_pipelined_evaluates_at_start_interval_and_end(tmp_path, tiny_model
         assert m["eval/weight_version_min"] >= m["step"], m
     assert r.stdout.count("eval step") == 4 and "eval pass@1: step 0" in r.stdout
     assert os.listdir(os.path.join(dump, "tb"))
+
+
+def test_the_slower_push_for_a_serial_loop_on_a_shared_gpu_is_warned_about(monkeypatch):
+    """Serial (float32 trainer, auto depth) with the servers on the trainer's
+    GPU: the async push is slower than the sync one there (issue 37)."""
+    from torchtitan_grpo.session import push_mode_hint
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    base = ["--job.config_file", DEMO, "--inference.server_device", "cuda:0", "--weight_sync.transport", "ipc"]
+    cfg = parse_config(base + ["--weight_sync.mode", "async"])  # the demo trains in float32: auto stays serial
+    assert "weight_sync.mode \"sync\" is faster" in push_mode_hint(cfg)
+    assert push_mode_hint(parse_config(base + ["--weight_sync.mode", "sync"])) is None
+    assert push_mode_hint(parse_config(base + ["--weight_sync.mode", "async", "--training.mixed_precision_param",
+                                               "bfloat16"])) is None  # pipelined: async is the right push
