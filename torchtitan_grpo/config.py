@@ -210,6 +210,12 @@ class Inference:
     num_servers: int = 1
     """Built-in servers started by the trainer when urls is empty."""
 
+    server_devices: list[str] = field(default_factory=list)
+    """Devices of the started built-in servers, spread over them in turn
+    (server k on entry k mod the list's length), e.g. ["cuda:2", "cuda:3"];
+    ["auto"]: this node's GPUs that no trainer rank uses (rank k uses
+    cuda:k). Empty: every server on server_device."""
+
     server_device: str = "cpu"
     """Device of started built-in servers: "cpu", "cuda" or "cuda:N". With
     weight_sync.transport "nccl" it must be a GPU no trainer rank of this node
@@ -449,6 +455,14 @@ def validate(cfg) -> None:
     _check(i.max_batch_size >= 1, "inference.max_batch_size", "must be >= 1", i.max_batch_size)
     _check(re.fullmatch(r"cpu|cuda(:\d+)?", i.server_device) is not None, "inference.server_device",
            'must be "cpu", "cuda" or "cuda:N"', i.server_device)
+    for dev in i.server_devices:
+        _check(re.fullmatch(r"cpu|cuda(:\d+)?", dev) is not None or list(i.server_devices) == ["auto"],
+               "inference.server_devices", f'{dev!r}: each must be "cpu", "cuda" or "cuda:N" (or the list ["auto"])',
+               i.server_devices)
+    if not (i.urls or i.replica_file):
+        key, devices = server_devices(cfg)
+        _check(bool(devices), key, f"this node has {_gpu_count()} GPU(s) and its trainer ranks use cuda:0.."
+                                   f"cuda:{_trainer_gpus() - 1}: none is left for the servers", i.server_devices)
     _check(i.max_model_len == 0 or i.max_model_len >= 2, "inference.max_model_len",
            "must be 0 (the model's context, at most 2048) or >= 2", i.max_model_len)
     if i.chat_template:
@@ -474,18 +488,21 @@ def validate(cfg) -> None:
     _check(w.staging in ("device", "host"), "weight_sync.staging", 'must be "device" or "host"', w.staging)
     _check(w.num_staging_buffers >= 1, "weight_sync.num_staging_buffers", "must be >= 1", w.num_staging_buffers)
     _check(w.replica_deadline_s > 0, "weight_sync.replica_deadline_s", "must be > 0", w.replica_deadline_s)
-    _check(w.transport != "nccl" or i.server_device != "cpu" or bool(i.urls), "weight_sync.transport",
-           "nccl needs the built-in servers on a GPU (inference.server_device)", w.transport)
-    if w.transport == "nccl" and not (i.urls or i.replica_file) and i.server_device != "cpu":
+    if w.transport == "nccl" and not (i.urls or i.replica_file):
+        key, devices = server_devices(cfg)
+        _check("cpu" not in devices, "weight_sync.transport", f"nccl needs the built-in servers on a GPU ({key})",
+               w.transport)
         # Trainer rank k of this node runs on cuda:k (trainer.init_distributed). NCCL cannot
         # join two processes on one GPU, and its error only comes at the first push.
-        gpu = int(i.server_device.partition(":")[2] or 0)
-        trainer_gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        _check(gpu >= trainer_gpus, "inference.server_device",
-               f"the built-in servers would share cuda:{gpu} with a trainer rank (this node's trainer ranks "
-               f"use cuda:0..cuda:{trainer_gpus - 1}), and NCCL cannot connect two processes on one GPU: "
-               f"put them on cuda:{trainer_gpus} or later, or set weight_sync.transport = \"ipc\" (one GPU for "
-               f"both: the server copies from the trainer's memory), \"gloo\" or \"disk\"", i.server_device)
+        trainer_gpus = _trainer_gpus()
+        for dev in devices:
+            gpu = int(dev.partition(":")[2] or 0)
+            _check(gpu >= trainer_gpus, key,
+                   f"the built-in servers would share cuda:{gpu} with a trainer rank (this node's trainer ranks "
+                   f"use cuda:0..cuda:{trainer_gpus - 1}), and NCCL cannot connect two processes on one GPU: "
+                   f"put them on cuda:{trainer_gpus} or later, or set weight_sync.transport = \"ipc\" (one GPU for "
+                   f"both: the server copies from the trainer's memory), \"gloo\" or \"disk\"",
+                   i.server_devices or i.server_device)
     _check(cfg.model.name in ("qwen3", "llama3"), "model.name", 'must be "qwen3" or "llama3"', cfg.model.name)
     _check_model_dir(cfg)
     _check(cfg.training.steps >= 1, "training.steps", "must be >= 1", cfg.training.steps)
@@ -542,13 +559,36 @@ def check_reachable(cfg, timeout_s: float = 10.0) -> None:
                               f"server first or fix the URL") from None
 
 
+def _trainer_gpus() -> int:
+    """This node's trainer ranks (rank k uses cuda:k)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def server_devices(cfg) -> tuple[str, list[str]]:
+    """(the key that chose them, the device of each started built-in server)."""
+    i = cfg.inference
+    if not i.server_devices:
+        return "inference.server_device", [i.server_device] * i.num_servers
+    devices = list(i.server_devices)
+    if devices == ["auto"]:
+        devices = [f"cuda:{k}" for k in range(_trainer_gpus(), _gpu_count())]
+    return "inference.server_devices", [devices[k % len(devices)] for k in range(i.num_servers)] if devices else []
+
+
 def servers_share_trainer_gpu(cfg) -> bool:
-    """Whether the started built-in servers run on a GPU a trainer rank of this
+    """Whether a started built-in server runs on a GPU a trainer rank of this
     node uses (rank k uses cuda:k)."""
     i = cfg.inference
-    if i.urls or i.replica_file or not i.server_device.startswith("cuda"):
+    if i.urls or i.replica_file:
         return False
-    return int(i.server_device.partition(":")[2] or 0) < int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return any(d.startswith("cuda") and int(d.partition(":")[2] or 0) < _trainer_gpus()
+               for d in server_devices(cfg)[1])
 
 
 def pipeline_depth(cfg) -> int:
@@ -587,6 +627,7 @@ def parse_config(argv: list[str]):
     if not any(a.split("=")[0] in ("--job.custom_config_module", "--job.custom-config-module") for a in argv):
         argv += ["--job.custom_config_module", CONFIG_MODULE]
     _check_toml_keys(argv)
+    argv = _bool_values_to_flags(argv)
     quiet = _NoMissingAssetsWarning()
     logging.getLogger().addFilter(quiet)  # TorchTitan logs on the root logger
     try:
@@ -595,6 +636,17 @@ def parse_config(argv: list[str]):
         logging.getLogger().removeFilter(quiet)
     validate(cfg)
     return cfg
+
+
+def _bool_values_to_flags(argv: list[str]) -> list[str]:
+    """``--a.b true|false|1|0|yes|no`` (or ``=value``) for a boolean key of
+    TorchTitan's or ours becomes tyro's ``--a.b`` / ``--a.no_b`` (cli_bools.py)."""
+    from torchtitan.config import ConfigManager
+    from torchtitan.config import JobConfig as TitanJobConfig
+
+    from torchtitan_grpo.cli_bools import bool_keys, rewrite_bool_args
+
+    return rewrite_bool_args(argv, bool_keys(ConfigManager._merge_configs(TitanJobConfig, JobConfig)), ConfigError)
 
 
 class _NoMissingAssetsWarning(logging.Filter):

@@ -1,0 +1,40 @@
+"""What a new user sees under the README's own command (issue 37): boolean
+keys given a value, the API key kept off server command lines, one log line
+per failure, the stop line naming its checkpoint, the summary after a
+resume, empty error reasons and the replica state log."""
+
+import os
+
+import pytest
+
+from tests.conftest import ROOT
+
+DEMO = os.path.join(ROOT, "train_configs", "demo_cpu.toml")
+
+
+# 1. --section.key true|false for boolean keys (tyro takes only --key / --no-key)
+
+def test_bool_keys_take_a_value_like_every_other_key():
+    from torchtitan_grpo.config import parse_config
+
+    cfg = parse_config(["--job.config_file", DEMO, "--checkpoint.enable", "true", "--grpo.scale_rewards", "false",
+                        "--metrics.enable-tensorboard=no", "--training.dataloader.pin_memory", "1",
+                        "--eval.at_start=FALSE"])
+    assert cfg.checkpoint.enable is True  # TorchTitan's key
+    assert cfg.grpo.scale_rewards is False  # ours
+    assert cfg.metrics.enable_tensorboard is False  # dashes and "=value"
+    assert cfg.training.dataloader.pin_memory is True  # nested two deep
+    assert cfg.eval.at_start is False  # a module with string annotations
+    # the flag alone is still tyro's form, and a key after it is not taken as its value
+    cfg = parse_config(["--job.config_file", DEMO, "--checkpoint.enable", "--checkpoint.interval", "3",
+                        "--grpo.no-scale-rewards"])
+    assert cfg.checkpoint.enable is True and cfg.checkpoint.interval == 3 and cfg.grpo.scale_rewards is False
+
+
+def test_bool_key_with_a_non_boolean_value_names_the_key():
+    from torchtitan_grpo.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match=r"checkpoint\.enable: 'maybe' is not a boolean"):
+        parse_config(["--job.config_file", DEMO, "--checkpoint.enable", "maybe"])
+    # a non-boolean key's value is left to the parser
+    assert parse_config(["--job.config_file", DEMO, "--rollout.task", "digits"]).rollout.task == "digits"
