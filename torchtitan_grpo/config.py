@@ -18,6 +18,7 @@ from typing import Literal
 
 from torchtitan_grpo import _titan  # noqa: F401  (before torchtitan)
 from torchtitan_grpo.eval_config import Eval, validate_eval
+from torchtitan_grpo.lora_config import LoRA, validate_lora
 
 CONFIG_MODULE = "torchtitan_grpo.config"
 
@@ -384,6 +385,7 @@ class JobConfig:
     weight_sync: WeightSync = field(default_factory=WeightSync)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     eval: Eval = field(default_factory=Eval)
+    lora: LoRA = field(default_factory=LoRA)
 
 
 class ConfigError(ValueError):
@@ -517,6 +519,7 @@ def validate(cfg) -> None:
     if c.hf_export:
         _check(bool(c.hf_export_folder), "checkpoint.hf_export_folder", "must not be empty", c.hf_export_folder)
     validate_eval(cfg, _check)
+    validate_lora(cfg, _check)
 
 
 def _check_model_dir(cfg) -> None:
