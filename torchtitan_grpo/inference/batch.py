@@ -16,6 +16,9 @@ from typing import Any, Protocol
 
 import torch
 
+from torchtitan_grpo.inference import static_batch
+from torchtitan_grpo.inference.to_device import upload  # noqa: F401  (engine.py and sampling.py take it from here)
+
 
 class KVBatch(Protocol):
     """What the engine needs of a batch of sequences sharing forward passes.
@@ -60,16 +63,6 @@ class KVBatch(Protocol):
         ...
 
 
-def upload(values: list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A small host list as a tensor on ``device``, without waiting for the
-    device: ``torch.tensor(values, device="cuda")`` synchronises the stream
-    (it copies from pageable memory), which would stall the host until the
-    step in flight ends; a pinned copy is queued behind it instead."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-
-
 KV_CACHES = ("auto", "static", "dynamic")
 DEFAULT_STATIC_LEN = 2048
 """Positions per slot of the static cache when ``max_model_len`` is not set
@@ -82,8 +75,6 @@ def make_batch(model: Any, cfg: Any, device: torch.device, pad_token_id: int) ->
     ``kv_cache`` "static" (preallocated slots, CUDA-graph decode on a GPU),
     "dynamic" (the HF forward on a growing cache) or "auto" (static on a GPU
     for the model families it supports, else dynamic)."""
-    from torchtitan_grpo.inference import static_batch
-
     if cfg.kv_cache not in KV_CACHES:
         raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHES)}, got {cfg.kv_cache!r}")
     kind = cfg.kv_cache

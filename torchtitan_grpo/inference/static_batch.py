@@ -38,7 +38,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from torchtitan_grpo.inference.batch import upload
+from torchtitan_grpo.inference.to_device import upload
 
 logger = logging.getLogger(__name__)
 

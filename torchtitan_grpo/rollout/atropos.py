@@ -68,7 +68,7 @@ import torch
 
 from torchtitan_grpo.rollout.atropos_groups import MALFORMED_KINDS, ConvertedGroup, Malformed, convert_groups
 from torchtitan_grpo.rollout.producer import ProducerStopped, RolloutBatch
-from torchtitan_grpo.trainer import Sample
+from torchtitan_grpo.rollout.sample import Sample
 
 logger = logging.getLogger("torchtitan_grpo")
 
