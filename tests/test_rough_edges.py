@@ -38,3 +38,34 @@ def test_bool_key_with_a_non_boolean_value_names_the_key():
         parse_config(["--job.config_file", DEMO, "--checkpoint.enable", "maybe"])
     # a non-boolean key's value is left to the parser
     assert parse_config(["--job.config_file", DEMO, "--rollout.task", "digits"]).rollout.task == "digits"
+
+
+# 2. The API key of a started server is not on its command line (ps shows it to everyone)
+
+def test_started_server_gets_its_api_key_from_the_environment_not_argv(tmp_path, monkeypatch):
+    from torchtitan_grpo.inference import launcher, server
+
+    launched = []
+
+    class FakePopen:
+        def __init__(self, cmd, env, **kw):
+            launched.append((cmd, env))
+
+    monkeypatch.setattr(launcher.subprocess, "Popen", FakePopen)
+    monkeypatch.setenv(launcher.API_KEY_ENV, "from-the-users-shell")
+    launcher._spawn(launcher.ServerSpec("/some/model", api_key="s3cret-key"), str(tmp_path / "a.log"), port=1)
+    launcher._spawn(launcher.ServerSpec("/some/model"), str(tmp_path / "b.log"), port=2)
+    (keyed_cmd, keyed_env), (open_cmd, open_env) = launched
+    assert not any("s3cret-key" in a for a in keyed_cmd) and "--api-key" not in keyed_cmd
+    assert "s3cret-key" not in (tmp_path / "a.log").read_text()
+    assert launcher.API_KEY_ENV not in open_env  # no key set: the shell's must not lock the server
+
+    # the server, given exactly that command line and environment, requires the key
+    assert keyed_cmd[1:3] == ["-m", "torchtitan_grpo.inference.server"]
+    monkeypatch.setattr(server.os, "environ", keyed_env)
+    assert server.parse_args(keyed_cmd[3:]).api_key == "s3cret-key"
+    monkeypatch.setattr(server.os, "environ", open_env)
+    assert server.parse_args(open_cmd[3:]).api_key is None
+    # the flag still wins over the environment
+    monkeypatch.setattr(server.os, "environ", keyed_env)
+    assert server.parse_args([*keyed_cmd[3:], "--api-key", "flag"]).api_key == "flag"

@@ -34,6 +34,11 @@ from torchtitan_grpo.net import free_port  # noqa: F401  (shared with the weight
 
 logger = logging.getLogger(__name__)
 
+API_KEY_ENV = "GRPO_API_KEY"
+"""Environment variable that hands a started server its API key: a command
+line is readable by every user of the host (``ps``), a process's environment
+only by its owner."""
+
 
 @dataclass
 class ServerSpec:
@@ -46,7 +51,8 @@ class ServerSpec:
     threads: int = 1
     seed: int = 0
     api_key: str = ""
-    """When set, the server is started with ``--api-key`` and probed with it."""
+    """When set, the server requires it (handed over in ``GRPO_API_KEY``, not
+    on its command line) and is probed with it."""
     extra_args: tuple[str, ...] = ()
     """Appended to the server's command line (e.g. benchmarks' debug knobs); a list works too."""
 
@@ -100,14 +106,17 @@ def _spawn(spec: ServerSpec, log_path: str, port: int | None = None) -> tuple[su
         sys.executable, "-m", "torchtitan_grpo.inference.server",
         "--model", spec.model_dir, "--port", str(port), "--host", spec.host,
         "--device", spec.device, "--dtype", spec.dtype, "--seed", str(spec.seed),
-        *(["--api-key", spec.api_key] if spec.api_key else []), *spec.extra_args,
+        *spec.extra_args,
     ]
     env = dict(os.environ, OMP_NUM_THREADS=str(spec.threads), PYTHONUNBUFFERED="1")
+    env.pop(API_KEY_ENV, None)  # a key of the user's shell must not lock a server the trainer calls without one
+    if spec.api_key:
+        env[API_KEY_ENV] = spec.api_key  # not on the command line: ps shows that to everyone
     # torchrun's rendezvous variables must not leak into the server.
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
               "TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK"):
         env.pop(k, None)
-    shown = ["***" if i and cmd[i - 1] == "--api-key" else a for i, a in enumerate(cmd)]  # no secrets in logs
+    shown = ["***" if i and cmd[i - 1] == "--api-key" else a for i, a in enumerate(cmd)]  # a key in extra_args
     with open(log_path, "ab") as log:
         log.write(f"\n=== {' '.join(shown)}\n".encode())
         log.flush()

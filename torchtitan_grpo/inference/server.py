@@ -41,7 +41,8 @@ prompt is refused by its length before it is tokenised, large bodies are
 parsed off the event loop, and a body or field of the wrong type is a 400
 naming it.
 
-``--api-key KEY``: every route but ``/health`` and ``/health_generate`` needs
+``--api-key KEY`` (or environment variable ``GRPO_API_KEY``, which keeps
+it off the command line; the trainer starts its servers that way): every route but ``/health`` and ``/health_generate`` needs
 ``Authorization: Bearer KEY``, the vLLM routes included (see ``_middlewares``).
 Without a key the server warns at start-up when it listens beyond loopback:
 its weight routes load whatever they are sent.
@@ -61,6 +62,7 @@ from aiohttp import web
 
 from torchtitan_grpo.inference.chat_template import load_chat_template
 from torchtitan_grpo.inference.engine import Engine, EngineConfig
+from torchtitan_grpo.inference.launcher import API_KEY_ENV
 from torchtitan_grpo.inference.httputil import (
     OPEN_PATHS,
     BadRequest,
@@ -188,7 +190,9 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                    help="record each decode step's tokens before launching the next (SGLang's flag; by default "
                         "a GPU engine launches step k+1 while the host records step k)")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health and /health_generate")
+                   help="require 'Authorization: Bearer KEY' on every route but /health and /health_generate; "
+                        f"without this flag the key is read from environment variable {API_KEY_ENV} when it is "
+                        "set (a command line is visible to every user of the host in ps, the environment is not)")
     p.add_argument("--weight-group-timeout", type=float, default=300.0,
                    help="seconds to wait for the trainer to join a weight group / finish a broadcast")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
@@ -221,7 +225,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     return ServerConfig(
         model=a.model, host=a.host, port=a.port, device=a.device, dtype=a.dtype, seed=a.seed,
         max_batch_size=a.max_batch_size, kv_cache=a.kv_cache, max_model_len=a.max_model_len,
-        cuda_graphs=not a.no_cuda_graphs, overlap_schedule=not a.disable_overlap_schedule, api_key=a.api_key,
+        cuda_graphs=not a.no_cuda_graphs, overlap_schedule=not a.disable_overlap_schedule,
+        api_key=a.api_key or os.environ.get(API_KEY_ENV) or None,
         weight_group_timeout_s=a.weight_group_timeout, num_threads=a.num_threads,
         debug_update_delay_s=a.debug_update_delay_s, debug_decode_delay_s=a.debug_decode_delay_s,
         chat_template=chat_template, trust_request_chat_template=a.trust_request_chat_template,
