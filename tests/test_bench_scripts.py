@@ -217,3 +217,22 @@ def test_atropos_source_summary_shares_of_the_step():
     assert s["prefetched"] == pytest.approx(0.5)
     assert s["reward_last"] == 1.0 and s["reward_first"] == pytest.approx(0.1)  # step 1 counts for the reward
     assert "share" not in summarize([{k: v for k, v in r.items() if not k.startswith("atropos")} for r in rows])
+
+
+def test_long_step_tiny_rows_and_paths_agree(capsys):
+    """bench/long_step.py on CPU in its tiny shape: every row runs
+    ``train_step``, and the chunked path's loss and entropy equal the full
+    path's (lr 0: both see the same weights; float32 on CPU)."""
+    sys.path.insert(0, ROOT)
+    from bench.long_step import main
+
+    assert main(["--tiny", "--tokens", "64,128", "--chunk", "32", "--reps", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = lines.index("| tokens | path | step ms | vs full | peak GiB | loss | entropy | status |")
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[header + 2:] if line.startswith("| ")]
+    assert [(r[0], r[1], r[7]) for r in rows] == [("64", "full", "ok"), ("64", "chunk 32", "ok"),
+                                                   ("128", "full", "ok"), ("128", "chunk 32", "ok")], rows
+    assert all(float(r[2]) > 0 for r in rows), rows
+    for full, chunk in (rows[0:2], rows[2:4]):
+        assert float(chunk[5]) == pytest.approx(float(full[5]), abs=1e-5), (full, chunk)
+        assert float(chunk[6]) == pytest.approx(float(full[6]), abs=1e-4), (full, chunk)
