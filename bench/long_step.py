@@ -178,6 +178,10 @@ def run_row(policy, batch: list[Sample], cfg, chunk: int, args, device: torch.de
             times.append(time.perf_counter() - t0)
     except torch.OutOfMemoryError:
         oom = True  # freed below, outside the handler: its traceback holds the step's tensors
+    except RuntimeError as e:  # cuBLAS / cuDNN failing to allocate its workspace is an OOM too
+        if "ALLOC_FAILED" not in str(e) and "out of memory" not in str(e):
+            raise
+        oom = True
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     _free(policy, device, collect=oom)
     if oom:
