@@ -264,13 +264,17 @@ def is_weights(
     if cap <= 0:
         raise ValueError(f"is cap must be > 0, got {cap}")
     with torch.no_grad():
-        mask = mask.float()
+        # The inputs' precision (float32 at least): float64 log-probs keep float64 weights.
+        dtype = torch.promote_types(
+            torch.promote_types(train_old_logprobs.dtype, rollout_logprobs.dtype), torch.float32
+        )
+        mask = mask.to(dtype)
         log_w = torch.where(
-            mask > 0, train_old_logprobs.float() - rollout_logprobs.float(), 0.0
+            mask > 0, train_old_logprobs.to(dtype) - rollout_logprobs.to(dtype), 0.0
         )
         if mode == "sequence":
             log_w = log_w.sum(-1, keepdim=True)  # [B, 1]
-            counted = (mask.sum(-1, keepdim=True) > 0).float()
+            counted = (mask.sum(-1, keepdim=True) > 0).to(dtype)
         else:
             counted = mask
         # Clamp the exponent: a long sequence's log-ratio sum can overflow exp().
@@ -282,7 +286,7 @@ def is_weights(
             "is_weight_max": torch.where(counted > 0, raw, 0.0).max()
             if counted.numel()
             else n.new_zeros(()),
-            "is_capped_fraction": ((raw > cap).float() * counted).sum() / n,
+            "is_capped_fraction": ((raw > cap).to(dtype) * counted).sum() / n,
         }
         weights = torch.where(mask > 0, weights.expand_as(mask), 1.0)
     return weights, metrics
