@@ -312,3 +312,28 @@ def test_inference_keys_become_flags_the_started_servers_parse(tmp_path, monkeyp
     with pytest.raises(ConfigError, match=r"inference\.chat_template"):
         parse_config(["--job.config_file", demo, "--inference.chat_template", "no-such-file.jinja"])
 
+
+
+def test_server_devices_spread_the_started_servers_and_auto_takes_the_gpus_no_trainer_rank_uses(monkeypatch):
+    """inference.server_devices: server k on entry k mod the list; ["auto"]:
+    this node's GPUs from cuda:LOCAL_WORLD_SIZE on; none left is an error
+    naming the key; NCCL onto a trainer's GPU is refused for any entry."""
+    import torchtitan_grpo.config as config
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    cfg = parse_config(["--job.config_file", DEMO, "--inference.num_servers", "3",
+                        "--inference.server_devices", "cuda:2,cuda:3"])
+    assert config.server_devices(cfg) == ("inference.server_devices", ["cuda:2", "cuda:3", "cuda:2"])
+    assert not config.servers_share_trainer_gpu(cfg)
+    assert config.server_devices(parse_config(["--job.config_file", DEMO]))[1] == ["cpu"]
+    monkeypatch.setattr(config, "_gpu_count", lambda: 4)
+    auto = parse_config(["--job.config_file", DEMO, "--inference.num_servers", "2", "--inference.server_devices", "auto"])
+    assert config.server_devices(auto)[1] == ["cuda:2", "cuda:3"]
+    monkeypatch.setattr(config, "_gpu_count", lambda: 2)
+    with pytest.raises(ConfigError, match=r"inference\.server_devices.*none is left for the servers"):
+        parse_config(["--job.config_file", DEMO, "--inference.server_devices", "auto"])
+    with pytest.raises(ConfigError, match=r"inference\.server_devices.*would share cuda:1 with a trainer rank"):
+        parse_config(["--job.config_file", DEMO, "--weight_sync.transport", "nccl", "--inference.num_servers", "2",
+                      "--inference.server_devices", "cuda:2,cuda:1"])
+    with pytest.raises(ConfigError, match=r"inference\.server_devices.*'gpu2'"):
+        parse_config(["--job.config_file", DEMO, "--inference.server_devices", "gpu2"])

@@ -213,7 +213,8 @@ class Inference:
 
     server_devices: list[str] = field(default_factory=list)
     """Devices of the started built-in servers, spread over them in turn
-    (server k on entry k mod the list's length), e.g. ["cuda:2", "cuda:3"];
+    (server k on entry k mod the list's length), e.g. ["cuda:2", "cuda:3"]
+    (on the command line: --inference.server_devices cuda:2,cuda:3);
     ["auto"]: this node's GPUs that no trainer rank uses (rank k uses
     cuda:k). Empty: every server on server_device."""
 

@@ -17,7 +17,7 @@ from torchtitan_grpo.inference.launcher import ReplicaEvent, ServerSpec, Supervi
 from torchtitan_grpo.inference.pool import InferencePool, PoolConfig
 from torchtitan_grpo.inference.types import SamplingParams
 from torchtitan_grpo.metrics import MetricLogger, window_mean
-from torchtitan_grpo.config import api_key, client_process, pipeline_depth, servers_share_trainer_gpu
+from torchtitan_grpo.config import api_key, client_process, pipeline_depth, server_devices, servers_share_trainer_gpu
 from torchtitan_grpo.convert import is_gguf_path, resolve_model_dir
 from torchtitan_grpo.rollout.client_process import RolloutProcess, SpawnedClient
 from torchtitan_grpo.rollout.evaluation import EvalResult, Evaluator, format_eval_line
@@ -233,7 +233,8 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
             urls = list(i.urls)
         else:
             engine_args = server_engine_args(i)
-            specs = [ServerSpec(hf_dir, device=i.server_device, dtype=i.server_dtype, host=i.host,
+            devices = server_devices(cfg)[1]  # inference.server_devices spread over the servers, or server_device
+            specs = [ServerSpec(hf_dir, device=devices[k], dtype=i.server_dtype, host=i.host,
                                 threads=i.server_threads, seed=cfg.grpo.seed + k, api_key=key,
                                 extra_args=engine_args)
                      for k in range(i.num_servers)]
