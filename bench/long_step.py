@@ -204,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
+        if device.index is None:  # "cuda": the current device, with its index (set_device needs one)
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     config = hf_config(args)
     with tempfile.TemporaryDirectory() as model_dir:
