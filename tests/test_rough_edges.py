@@ -3,6 +3,7 @@ keys given a value, the API key kept off server command lines, one log line
 per failure, the stop line naming its checkpoint, the summary after a
 resume, empty error reasons and the replica state log."""
 
+import asyncio
 import os
 
 import pytest
@@ -69,3 +70,48 @@ def test_started_server_gets_its_api_key_from_the_environment_not_argv(tmp_path,
     # the flag still wins over the environment
     monkeypatch.setattr(server.os, "environ", keyed_env)
     assert server.parse_args([*keyed_cmd[3:], "--api-key", "flag"]).api_key == "flag"
+
+
+# 3. The fleet gone: one log line per distinct failure, not one per group in flight
+
+def test_groups_failing_alike_are_logged_once(caplog):
+    from tests.test_producer import make, until
+    from torchtitan_grpo.inference.pool import NoHealthyReplica
+    from torchtitan_grpo.rollout.producer import ProducerStopped
+
+    class GonePool:
+        """Holds every group until the test opens the gate, then fails them all."""
+
+        def __init__(self):
+            self.calls = 0
+            self.gate = None
+
+        async def generate(self, ids, n, params):
+            self.calls += 1
+            call = self.calls
+            self.gate = self.gate or asyncio.Event()
+            await self.gate.wait()
+            if call == 1:
+                raise RuntimeError("another failure")  # distinct: logged too
+            raise NoHealthyReplica("every inference replica is gone for good: http://x down")
+
+        def metrics(self):
+            return {}
+
+    pool = GonePool()
+    loop, prod = make(pool, depth=3, pps=4)  # 16 groups in flight at once
+    with caplog.at_level("ERROR", logger="torchtitan_grpo"):
+        prod.start(0)
+        until(lambda: pool.calls == 16, "16 groups in flight")
+
+        async def open_gate():
+            pool.gate.set()
+        loop.run(open_gate())
+        with pytest.raises(ProducerStopped, match="another failure"):  # the first error is the one raised
+            prod.next_batch()
+        prod.close()
+        loop.close()
+    lines = [r.getMessage() for r in caplog.records if "rollout producer stopped" in r.getMessage()]
+    assert lines == ["rollout producer stopped: RuntimeError: another failure",
+                     "rollout producer stopped: NoHealthyReplica: every inference replica is gone for good: "
+                     "http://x down"], lines

@@ -85,6 +85,7 @@ class RolloutProducer:
         self._training = False  # the trainer took a batch and has not published its weights
         self._version = 0  # trainer version last published
         self._error: BaseException | None = None
+        self._logged: set[tuple[str, str]] = set()  # failures logged (type, message)
         self._closed = False
         self._wake: asyncio.Event | None = None
         self._task = None
@@ -211,12 +212,18 @@ class RolloutProducer:
             self.on_group(group)
 
     def _fail(self, e: BaseException) -> None:
-        logger.error("rollout producer stopped: %s: %s", type(e).__name__, e)
+        # Every group in flight fails alike when the fleet is gone (one
+        # NoHealthyReplica each): one line per distinct failure, not per group.
+        what = (type(e).__name__, str(e))
         with self._cond:
             first = self._error is None
             if first:
                 self._error = e
+            new = what not in self._logged
+            self._logged.add(what)
             self._cond.notify_all()
+        if new:
+            logger.error("rollout producer stopped: %s: %s", *what)
         if first and self.on_error is not None:
             self.on_error(e)
 
