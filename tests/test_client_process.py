@@ -50,6 +50,14 @@ def wait_until(cond, what: str) -> None:
         time.sleep(0.05)
 
 
+def hang_guard(seconds: float, stop: threading.Event) -> None:
+    """Set ``stop`` after ``seconds`` on a daemon timer: one left pending when
+    its test ends must not hold the interpreter's exit (up to HANG_S)."""
+    timer = threading.Timer(seconds, stop.set)
+    timer.daemon = True
+    timer.start()
+
+
 def stop_with_an_empty_mirror(client: RolloutProcess) -> None:
     """SIGSTOP the client and drop what it had mirrored: the trainer's next
     wait is for groups the stopped client owes. Groups it sent just before
@@ -143,7 +151,7 @@ def test_a_killed_client_stops_the_next_batch_with_its_reason(model_dir, server)
         client.published(1)
         os.kill(client._proc.pid, signal.SIGKILL)
         stop = threading.Event()
-        threading.Timer(HANG_S, stop.set).start()
+        hang_guard(HANG_S, stop)
         with pytest.raises(ProducerStopped, match="SIGKILL"):
             for _ in range(4):  # groups already mirrored here may still make a batch or two
                 batch = client.next_batch(stop)
@@ -230,7 +238,7 @@ def test_a_stopped_client_is_found_out_while_the_trainer_waits(model_dir, server
     try:
         client.pool.start()
         stop = threading.Event()
-        threading.Timer(15, stop.set).start()
+        hang_guard(15, stop)
         # not started: no group comes for 15 s, only heartbeats, and they keep the client alive
         assert client.next_batch(stop) is None
         client.start(0)
@@ -258,7 +266,7 @@ def test_a_stopped_client_is_replaced_while_the_trainer_waits(model_dir, server)
         stopped = client._proc
         stop_with_an_empty_mirror(client)
         stop = threading.Event()
-        threading.Timer(HANG_S, stop.set).start()
+        hang_guard(HANG_S, stop)
         batch = client.next_batch(stop)
         stop.set()
         assert batch is not None, "hang guard: no batch after the restart"
