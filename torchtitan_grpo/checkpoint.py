@@ -298,8 +298,15 @@ def export_hf(policy: Policy, hf_dir: str, out_dir: str, d: Dist, dtype: str = "
     Tied embeddings are written once, as HF expects (no ``lm_head.weight``).
     The folder is written next to ``out_dir`` and renamed into place, so a
     reader never sees half an export.
+
+    With LoRA (``lora.enable``) the weights are the merged ones (base + scaled
+    ``B A``), and ``out_dir/lora_adapter/`` holds the adapters in peft's format
+    for the base checkpoint ``hf_dir`` (:mod:`torchtitan_grpo.lora_peft`).
     """
     from safetensors.torch import save_file
+
+    from torchtitan_grpo.lora import has_lora
+    from torchtitan_grpo.lora_peft import ADAPTER_FOLDER, export_peft_adapter
 
     tensors = hf_weights(policy) if policy.pipeline is None else _pipeline_hf_weights(policy, d)
     if d.is_main:
@@ -341,6 +348,8 @@ def export_hf(policy: Policy, hf_dir: str, out_dir: str, d: Dist, dtype: str = "
                     config[key] = dtype
             with open(config_path, "w") as f:
                 json.dump(config, f, indent=2)
+        if has_lora(policy.model):  # the merged weights above; the adapters alone, for peft on the base
+            export_peft_adapter(policy.model, policy.adapter, os.path.join(tmp, ADAPTER_FOLDER), hf_dir, torch_dtype)
         shutil.rmtree(out_dir, ignore_errors=True)
         os.replace(tmp, out_dir)
         logger.info("exported the policy as an HF checkpoint (%s, %d file(s)) to %s", dtype, n, out_dir)

@@ -41,7 +41,8 @@ class LoRA:
 
     target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
     """Projections that get an adapter, by TorchTitan name: any of wq, wk, wv,
-    wo (attention) and w1, w2, w3 (SwiGLU feed-forward), in every layer."""
+    wo (attention) and w1, w2, w3 (SwiGLU feed-forward), in every layer. A
+    TOML list, or comma-separated on the command line (``--lora.target_modules wq,wv``)."""
 
 
 def validate_lora(cfg, check) -> None:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_grpo import _titan  # noqa: F401
+from torchtitan_grpo import lora
 from torchtitan_grpo import loss as grpo_losses
 from torchtitan_grpo import model as hf_model
 from torchtitan_grpo import parallel
@@ -119,6 +120,9 @@ def build_policy(job_config, hf_dir: str, d: Dist) -> Policy:
     hf_config = hf_model.load_hf_config(hf_dir)
     model_args = hf_model.model_args_from_hf(name, hf_config, max_seq_len=job_config.training.seq_len)
     pipelined = job_config.parallelism.pipeline_parallel_degree > 1
+    lora_cfg = getattr(job_config, "lora", None)
+    if lora_cfg is not None and lora_cfg.enable:
+        lora.check_layout(d.world_size, pipelined)
     if pipelined:  # PP settings fail here, before any weight is loaded
         parallel_dims = parallel.build_parallel_dims(job_config, d.world_size, d.device)
         pipeline_parallel.stage_module_names(job_config, model_args.n_layers)
@@ -149,6 +153,9 @@ def build_policy(job_config, hf_dir: str, d: Dist) -> Policy:
         model, parallel_dims = parallel.parallelize(model, job_config, d.world_size, d.device)
         parallel.materialize(model, d.device)
         hf_model.load_hf_weights(model, adapter, hf_dir)
+    if lora_cfg is not None and lora_cfg.enable:
+        # on the loaded base, before the optimizer: it takes only the adapters (the base is frozen)
+        lora.apply_lora(model, lora_cfg)
     model.train()
 
     optimizers = build_optimizers([model], job_config.optimizer, parallel_dims)
@@ -161,7 +168,9 @@ def build_policy(job_config, hf_dir: str, d: Dist) -> Policy:
 
 def hf_weights(policy: Policy) -> dict[str, torch.Tensor]:
     """Full HF-named tensors of the current weights (a collective under FSDP/TP:
-    every rank must call it)."""
+    every rank must call it). With LoRA: the merged weights (base + scaled B A)."""
+    if lora.has_lora(policy.model):
+        return lora.merged_hf_state(policy.model, policy.adapter)
     return hf_model.hf_state_dict(policy.model, policy.adapter)
 
 

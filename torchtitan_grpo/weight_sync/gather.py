@@ -448,14 +448,17 @@ class DirectPush:
     def tensors(self) -> dict[str, torch.Tensor]:
         """The HF-named weights, aliasing the live parameters where the
         adapter only renames (looked up once, on the first call)."""
+        from torchtitan_grpo.lora import has_lora, merged_hf_state
         from torchtitan_grpo.model import hf_aliases, hf_state_dict
 
-        if self._aliases is None:
-            self._aliases = [hf_aliases(part, self.adapter) for part in self.model_parts]
+        if self._aliases is None:  # with LoRA no name aliases a parameter: the merged weights are new tensors
+            self._aliases = [None if has_lora(part) else hf_aliases(part, self.adapter) for part in self.model_parts]
         out: dict[str, torch.Tensor] = {}
         for part, aliases in zip(self.model_parts, self._aliases):
-            out |= (hf_state_dict(part, self.adapter) if aliases is None
-                    else {name: p.detach() for name, p in aliases})
+            if aliases is not None:
+                out |= {name: p.detach() for name, p in aliases}
+            else:
+                out |= merged_hf_state(part, self.adapter) if has_lora(part) else hf_state_dict(part, self.adapter)
         return out
 
     def snapshot(self, version: int, wait: bool | None = None) -> dict[str, float]:
@@ -515,6 +518,10 @@ def trainer_push(model_parts: list[nn.Module], adapter, parallel_dims, device: t
     sync = weight_sync.mode == "sync"
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return DirectPush(model_parts, adapter, pusher, sync, optimizers)
+    from torchtitan_grpo.lora import has_lora
+
+    if any(has_lora(part) for part in model_parts):  # build_policy refuses it first; the gather does not merge
+        raise ValueError("lora.enable: the weight push from several trainer ranks is not supported yet")
     deliver = None if pusher is None else pusher.push
     return ShardGatherer(model_parts, adapter, parallel_dims, device, deliver, push_dtype(weight_sync),
                          weight_sync.num_staging_buffers, sync)

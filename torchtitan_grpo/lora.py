@@ -1,0 +1,170 @@
+"""Low-rank adapters (LoRA) on TorchTitan's projections, and the merged weights.
+
+``apply_lora(model, cfg)`` swaps each targeted ``nn.Linear`` (attention
+``wq/wk/wv/wo``, feed-forward ``w1/w2/w3``) for a :class:`LoRALinear` that
+keeps the very same ``weight`` Parameter and adds ``lora_A`` ``[r, in]``
+(Kaiming-uniform, as ``nn.Linear`` initialises a weight) and ``lora_B``
+``[out, r]`` (zeros: at step 0 the model is exactly the base). Its output is
+``W x + (alpha / r) * B A dropout(x)``. Every other parameter is frozen
+(``requires_grad = False``), so TorchTitan's optimizer, which only takes
+parameters that require grad, holds (and keeps Adam state for) ``A`` and
+``B`` alone, and gradient clipping sees only them.
+
+State-dict names: the base weight keeps its name (``layers.0.attention.wq.weight``),
+the adapters add ``...wq.lora_A`` and ``...wq.lora_B``. DCP checkpoints hold
+both (resume restores the adapters and their optimizer state); the HF side
+never sees the adapter keys: :func:`merged_state` gives the TorchTitan-named
+weights with every adapted weight replaced by ``W + (alpha / r) B A`` (a new
+tensor: ``W`` is never modified), and the train spec's state-dict adapter
+names (and, for llama3 wq/wk, permutes) those exactly as it does today. The
+push and the HF export send that.
+
+Why our own module and not peft's ``inject_adapter_in_model``: peft finds
+its targets by HF module names (``q_proj``) and wraps layers in its own
+classes whose state-dict keys carry an adapter name (``lora_A.default.weight``)
+and a ``base_layer`` level, which would rename the base weight that
+TorchTitan's state-dict adapter, DCP checkpoints and the push's name mapping
+key on; its layers are written for HF models on plain tensors, not for
+TorchTitan's modules under FSDP2/DTensor (``fully_shard`` must see the
+adapters as parameters of the block it wraps, and a merge of DTensor shards
+is ours to define). A forty-line ``nn.Linear`` subclass keeps the base names,
+is a plain parameter holder for FSDP2, and is exported to peft's format
+separately (:mod:`torchtitan_grpo.lora_peft`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from torchtitan_grpo.lora_config import LORA_TARGETS
+
+__all__ = ["LoRALinear", "apply_lora", "adapted_modules", "has_lora", "merged_state", "merged_hf_state",
+           "check_layout"]
+
+# the parent module of each target: attention.wq ... feed_forward.w3 (MoE experts are not nn.Linear)
+_PARENT = {"wq": "attention", "wk": "attention", "wv": "attention", "wo": "attention",
+           "w1": "feed_forward", "w2": "feed_forward", "w3": "feed_forward"}
+# wrappers TorchTitan may put around a block (activation checkpointing, torch.compile)
+_WRAPPERS = re.compile(r"(^|\.)(_checkpoint_wrapped_module|_orig_mod)(?=\.|$)")
+
+
+class LoRALinear(nn.Linear):
+    """``nn.Linear`` on a frozen ``weight`` plus ``scale * B A`` on a dropped-out input.
+
+    Built from an existing ``nn.Linear``: its ``weight`` (and ``bias``, if any)
+    Parameters are taken over as they are, so nothing that refers to them
+    (tied weights, TorchTitan's ``init_weights``) changes."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float = 0.0):
+        nn.Module.__init__(self)  # not nn.Linear.__init__: it would allocate a new weight
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.bias = base.bias
+        self.rank, self.alpha = rank, float(alpha)
+        self.scale = self.alpha / rank
+        w = base.weight
+        self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, device=w.device, dtype=w.dtype))
+        self.lora_B = nn.Parameter(torch.empty(self.out_features, rank, device=w.device, dtype=w.dtype))
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.reset_adapter()
+
+    @torch.no_grad()
+    def reset_adapter(self) -> None:
+        """A as ``nn.Linear`` initialises a weight of its shape, B zero: the
+        adapter adds nothing until B is trained."""
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = F.linear(x, self.weight, self.bias)
+        return base + self.scale * F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B)
+
+    @torch.no_grad()
+    def merged_weight(self) -> torch.Tensor:
+        """``W + scale * B A`` as a new tensor (the live weight is untouched)."""
+        return torch.addmm(self.weight.detach(), self.lora_B.detach(), self.lora_A.detach(), alpha=self.scale)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, rank={self.rank}, alpha={self.alpha:g}"
+
+
+def check_layout(world_size: int, pipelined: bool) -> None:
+    """Refuse the layouts LoRA does not handle yet (one line naming lora.enable)."""
+    if pipelined or world_size > 1:
+        raise ValueError(f"lora.enable = true needs one trainer process (got {world_size} ranks"
+                         f"{', pipeline parallel' if pipelined else ''}): adapters under FSDP, DDP, TP and PP "
+                         "are not supported yet")
+
+
+def _targets(model: nn.Module, target_modules: list[str]) -> list[tuple[str, nn.Module, str, nn.Linear]]:
+    """``(fqn, parent, attribute, linear)`` of every projection to adapt."""
+    wanted = {(_PARENT[t], t) for t in target_modules}
+    out = []
+    for fqn, parent in model.named_modules():
+        kind = fqn.rsplit(".", 1)[-1]
+        for attr, child in parent.named_children():  # module order
+            if (kind, attr) in wanted and type(child) is nn.Linear:  # exactly nn.Linear: never an adapter twice
+                out.append((f"{fqn}.{attr}", parent, attr, child))
+    return out
+
+
+def apply_lora(model: nn.Module, cfg) -> list[str]:
+    """Put adapters on ``cfg.target_modules`` of every layer of ``model`` (a
+    whole, loaded model on one device), freeze everything else, and return the
+    adapted modules' names. Call before the optimizer is built."""
+    unknown = [t for t in cfg.target_modules if t not in LORA_TARGETS]
+    if unknown:
+        raise ValueError(f"lora.target_modules: unknown {unknown} (the TorchTitan projections are {list(LORA_TARGETS)})")
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        raise ValueError("lora.enable: the model is sharded (DTensor parameters); adapters need one trainer process")
+    targets = _targets(model, list(cfg.target_modules))
+    if not targets:
+        raise ValueError(f"lora.target_modules = {list(cfg.target_modules)}: no such nn.Linear in the model")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for _, parent, attr, linear in targets:
+        setattr(parent, attr, LoRALinear(linear, cfg.rank, cfg.alpha, cfg.dropout))
+    return [fqn for fqn, *_ in targets]
+
+
+def adapted_modules(model: nn.Module) -> dict[str, LoRALinear]:
+    """``{fqn: LoRALinear}`` in module order, with the names the state dict
+    uses (TorchTitan's wrapper levels removed)."""
+    return {_WRAPPERS.sub("", fqn).lstrip("."): m for fqn, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def has_lora(model: nn.Module) -> bool:
+    return any(isinstance(m, LoRALinear) for m in model.modules())
+
+
+def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict, TorchTitan-named, as the base model would have
+    it: every adapted weight is ``W + scale * B A`` (a new tensor), the adapter
+    keys are left out, everything else is the live tensor, detached (not
+    copied). Feed it to the state-dict adapter's ``to_hf`` for HF names."""
+    by_weight = {id(m.weight): m for m in model.modules() if isinstance(m, LoRALinear)}
+    adapter_ids = {id(p) for m in by_weight.values() for p in (m.lora_A, m.lora_B)}
+    merged: dict[int, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in adapter_ids:
+            continue
+        m = by_weight.get(id(t))
+        if m is None:
+            out[name] = t.detach()
+        else:
+            if id(t) not in merged:
+                merged[id(t)] = m.merged_weight()
+            out[name] = merged[id(t)]
+    return out
+
+
+def merged_hf_state(model: nn.Module, adapter) -> dict[str, torch.Tensor]:
+    """HF-named merged weights: what the push and the HF export send with LoRA on."""
+    return adapter.to_hf(merged_state(model))
