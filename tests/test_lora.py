@@ -261,3 +261,50 @@ def test_cli_and_layout_refusal(tiny_model_dir):
     model, _ = _titan("qwen3", tiny_model_dir)
     assert lora.apply_lora(model, _cfg(target_modules=["w2"])) == ["layers.0.feed_forward.w2",
                                                                    "layers.1.feed_forward.w2"]
+
+
+# ------------------------------------------------------------ a real push
+
+
+@pytest.mark.slow
+def test_merged_push_reaches_a_builtin_server(server, tiny_model_dir):
+    """The one-rank push (DirectPush over gloo, sync) of a LoRA policy: the
+    built-in server then scores a prompt with the trainer's own log-probs."""
+    from tests.server_procs import http_json
+    from torchtitan_grpo.aio import LoopThread
+    from torchtitan_grpo.config import parse_config
+    from torchtitan_grpo.trainer import build_policy, init_distributed
+    from torchtitan_grpo.weight_sync.gather import trainer_push
+    from torchtitan_grpo.weight_sync.pusher import Pusher, PushConfig
+
+    cfg = parse_config(["--job.config_file", DEMO, "--model.hf_assets_path", tiny_model_dir,
+                        "--lora.enable", "--lora.rank", "4", "--lora.alpha", "8"])
+    d = init_distributed()
+    policy = build_policy(cfg, tiny_model_dir, d)
+    _randomise_adapters(policy.model, seed=4)
+    prompt = _ids()[0].tolist()
+    policy.model.eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(policy.model(torch.tensor([prompt]))[0], dim=-1)
+    want = torch.tensor([logp[t - 1, prompt[t]].item() for t in range(1, len(prompt))])
+
+    def served() -> torch.Tensor:
+        body = {"input_ids": prompt, "return_logprob": True, "logprob_start_len": 0,
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+        status, out = http_json(server + "/generate", json.dumps(body).encode(), "POST", timeout=60)
+        assert status == 200, out
+        return torch.tensor([g[0] for g in out["meta_info"]["input_token_logprobs"][1:]])
+
+    assert (served() - want).abs().max() > 1e-2  # the base still served
+    loop = LoopThread()
+    pusher = Pusher(loop, [server], PushConfig(mode="sync"), d.device)
+    try:
+        pusher.connect(initial_version=0)
+        push = trainer_push(policy.model_parts, policy.adapter, policy.parallel_dims, d.device, pusher,
+                            SimpleNamespace(mode="sync"))
+        push.snapshot(1, wait=True)
+        push.close()
+    finally:
+        pusher.close()
+        loop.close()
+    torch.testing.assert_close(served(), want, atol=1e-5, rtol=0)
