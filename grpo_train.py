@@ -93,6 +93,7 @@ def main(argv: list[str]) -> dict:
             side.evaluate(start, version, "start")
         t_prev = time.perf_counter()
         step = start
+        saved_step = start if resumed else 0  # the newest step with a checkpoint in ckpt.folder
         for step in range(start + 1, cfg.training.steps + 1):
             # 1. Rollouts: the first prompts_per_step groups to finish, with rewards
             #    and advantages; samples staler than grpo.max_staleness (and, with
@@ -140,12 +141,16 @@ def main(argv: list[str]) -> dict:
                 t_prev = now
                 side.log.log(step, metrics)
                 side.evaluate(step, version)
-            ckpt.save(step, version, side.rollouts if side else None, last_step=step == cfg.training.steps)
+            if ckpt.save(step, version, side.rollouts if side else None, last_step=step == cfg.training.steps):
+                saved_step = step
 
         if stopped is not None:
             # Keep the last completed step (if checkpointing is on); the servers stop with the stack.
-            saved = step > start and ckpt.save(step, version, side.rollouts if side else None, force=True)
-            where = f"; checkpoint of step {step} in {ckpt.folder}" if saved else ""
+            # It may have a checkpoint already (an interval save just before the stop, or the step
+            # resumed from): the line names it then too.
+            if step > saved_step and ckpt.save(step, version, side.rollouts if side else None, force=True):
+                saved_step = step
+            where = f"; checkpoint of step {step} in {ckpt.folder}" if step > 0 and saved_step == step else ""
             logger.error("stopped after step %d of %d: %s%s", step, cfg.training.steps, stopped.reason, where)
         else:
             if pushing and cfg.weight_sync.mode == "async":
