@@ -34,6 +34,7 @@ separately (:mod:`torchtitan_grpo.lora_peft`).
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 
@@ -51,6 +52,8 @@ __all__ = ["LoRALinear", "apply_lora", "adapted_modules", "has_lora", "merged_st
 _PARENT = {"wq": "attention", "wk": "attention", "wv": "attention", "wo": "attention",
            "w1": "feed_forward", "w2": "feed_forward", "w3": "feed_forward"}
 # wrappers TorchTitan may put around a block (activation checkpointing, torch.compile)
+logger = logging.getLogger(__name__)
+
 _WRAPPERS = re.compile(r"(^|\.)(_checkpoint_wrapped_module|_orig_mod)(?=\.|$)")
 
 
@@ -130,6 +133,10 @@ def apply_lora(model: nn.Module, cfg) -> list[str]:
         p.requires_grad_(False)
     for _, parent, attr, linear in targets:
         setattr(parent, attr, LoRALinear(linear, cfg.rank, cfg.alpha, cfg.dropout))
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    logger.info("LoRA: %d adapters (rank %d, alpha %g) on %s; %d of %d parameters trained (%.2f%%)",
+                len(targets), cfg.rank, cfg.alpha, ",".join(cfg.target_modules), trained, total, 100 * trained / total)
     return [fqn for fqn, *_ in targets]
 
 
