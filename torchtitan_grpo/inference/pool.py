@@ -86,6 +86,7 @@ from torchtitan_grpo.inference.replicas import (
     read_replica_file,
 )
 from torchtitan_grpo.inference.types import Completion, MalformedResponse, SamplingParams
+from torchtitan_grpo.reasons import typed_reason
 
 __all__ = [
     "BACKENDS", "CATCHING_UP", "DOWN", "HEALTHY", "REMOVED", "SLOW", "STATE_CODES", "Backend", "GenerationFailed",
@@ -410,7 +411,7 @@ class InferencePool:
         except asyncio.TimeoutError:  # before ClientError: aiohttp's timeouts are both
             raise _ReplicaFailure("timeout", f"no reply within {cfg.request_timeout_s}s") from None
         except aiohttp.ClientError as e:
-            raise _ReplicaFailure("connection", f"{type(e).__name__}: {e}") from None
+            raise _ReplicaFailure("connection", typed_reason(e)) from None
         if status == 503:
             raise _Aborted(f"HTTP 503 (paused or overloaded): {raw[:200]!r}")
         if status in (400, 422):
@@ -427,7 +428,7 @@ class InferencePool:
             raise _ReplicaFailure("malformed", str(e)) from None
         except Exception as e:  # a parser tripping over hostile input is still a bad reply
             logger.exception("parser failed on a reply from %s", r.url)
-            raise _ReplicaFailure("malformed", f"unparseable reply: {type(e).__name__}: {e}") from None
+            raise _ReplicaFailure("malformed", f"unparseable reply: {typed_reason(e)}") from None
         if len(out) != n:  # parsers check this; a group must never be short or long
             raise _ReplicaFailure("malformed", f"{len(out)} completions for n={n}")
         if any(c.finish_reason == "abort" for c in out):

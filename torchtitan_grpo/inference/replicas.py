@@ -47,6 +47,8 @@ from typing import Any, Callable
 
 import aiohttp
 
+from torchtitan_grpo.reasons import typed_reason
+
 logger = logging.getLogger("torchtitan_grpo.inference.pool")  # the pool's log, as before the split
 
 HEALTHY, SLOW, DOWN, CATCHING_UP, REMOVED = "healthy", "slow", "down", "catching-up", "removed"
@@ -108,6 +110,16 @@ class Replica:
     @property
     def routable(self) -> bool:
         return not (self.removed or self.ejected or self.down)
+
+
+def _transition(before: str, r: Replica) -> str:
+    """``"down -> healthy"``; a replica out of routing after the change says
+    what it still waits for (a restarted server can be caught up on weights
+    before its health check has passed, or pass it before it is caught up)."""
+    after = r.state
+    waits = {DOWN: " (routed again once it passes its health check)",
+             CATCHING_UP: " (routed again once it holds the newest weights)"}.get(after, "")
+    return f"{before} -> {after}{waits}"
 
 
 def _norm(url: str) -> str:
@@ -335,7 +347,7 @@ class ReplicaSet:
         except asyncio.TimeoutError:
             why = f"health check: no reply within {self.config.health_timeout_s}s"
         except aiohttp.ClientError as e:
-            why = f"health check: {type(e).__name__}: {e}"
+            why = f"health check: {typed_reason(e)}"
         finally:
             r.checking = False
         if r.removed:
@@ -344,12 +356,13 @@ class ReplicaSet:
             r.last_error = why
             self._mark_down(r, why, 0.0)
         elif r.down and time.monotonic() >= r.retry_at:
+            before = r.state
             r.down, r.down_reason = False, ""
             self._open(r)
             with self.lock:
                 self.events.append((time.time(), r.url, "back", "passed its health check"))
             # catching-up replicas stay out of routing until readmit().
-            logger.warning("inference replica %s passed its health check: %s", r.url, r.state)
+            logger.warning("inference replica %s passed its health check: %s", r.url, _transition(before, r))
             self.notify()
 
     async def _file_loop(self) -> None:
@@ -453,9 +466,11 @@ class ReplicaSet:
             r = self._by_url.get(url)
             if r is None or not r.ejected:
                 return
+            before = r.state
             r.ejected = False
             self.events.append((time.time(), url, "readmitted", "holds the newest weights"))
-        logger.warning("inference replica %s readmitted: %s", url, r.state)
+            change = _transition(before, r)
+        logger.warning("inference replica %s readmitted (holds the newest weights): %s", url, change)
         self.notify_threadsafe()
 
     # ---- introspection (any thread) --------------------------------------- #

@@ -46,6 +46,7 @@ from torchtitan_grpo.inference.weights import (
     read_safetensors_dir,
     receive_check,
 )
+from torchtitan_grpo.reasons import reason, typed_reason
 from torchtitan_grpo.weight_sync import ipc
 from torchtitan_grpo.weight_sync.buckets import TensorSpec, specs_from_lists
 from torchtitan_grpo.weight_sync.ipc import IpcFormatError
@@ -149,7 +150,7 @@ class SGLangWeightRoutes:
             try:
                 g.close()
             except Exception as e:  # shutting down anyway
-                logger.warning("closing weight group %s: %s", g.group_name, e)
+                logger.warning("closing weight group %s: %s", g.group_name, reason(e))
         self.groups.clear()
         self._transfer.shutdown(wait=False, cancel_futures=True)
 
@@ -187,9 +188,9 @@ class SGLangWeightRoutes:
                 self.cfg.weight_group_timeout_s, self.engine.device if backend == "nccl" else None,
             )
         except Exception as e:
-            logger.warning("joining weight group %s failed: %s", group_name, e)
+            logger.warning("joining weight group %s failed: %s", group_name, reason(e))
             return result(False, f"could not join weight update group {group_name!r} at "
-                                  f"{address}:{port}: {type(e).__name__}: {e}")
+                                  f"{address}:{port}: {typed_reason(e)}")
         if group_name in self.groups:  # lost a race with a concurrent init of the same name
             group.close()
             return result(False, f"a weight update group named {group_name!r} already exists")
@@ -327,9 +328,9 @@ class SGLangWeightRoutes:
             except WeightUpdateError as e:
                 return self._refuse(f"{'refused, nothing received' if ack else 'received, not loaded'}: {e}")
             except Exception as e:
-                logger.warning("weight receive on %s failed: %s", update.group_name, e)
+                logger.warning("weight receive on %s failed: %s", update.group_name, reason(e))
                 return self._refuse(f"receiving weights on group {update.group_name!r} failed: "
-                                    f"{type(e).__name__}: {e}")
+                                    f"{typed_reason(e)}")
             await debug_update_delay(self.cfg)
             return self._keep(posted.named, version, f"{len(posted.named)} tensor(s)", adopt=adopt, posted=posted)
 

@@ -42,6 +42,7 @@ from torchtitan_grpo.inference.packed_receive import receive_packed_update
 from torchtitan_grpo.inference.requests import WeightUpdateError
 from torchtitan_grpo.inference.vllm_http import PauseGate, VLLMError, bad as _bad, field as _field, vllm_api
 from torchtitan_grpo.inference.weights import PendingVersion, PostedReceive, receive_check, receive_weights
+from torchtitan_grpo.reasons import reason, typed_reason
 from torchtitan_grpo.weight_sync.buckets import SpecError, TensorSpec, plan_packed_chunks, specs_from_lists
 
 logger = logging.getLogger("torchtitan_grpo.inference.server")
@@ -316,9 +317,9 @@ class VLLMWeightRoutes:
                 self.t.update.fail(str(e))
                 raise _bad(f"weights not loaded (model unchanged): {e}", "update_info.names") from None
             except Exception as e:
-                logger.warning("vLLM weight receive failed: %s", e)
-                self.t.update.fail(f"{type(e).__name__}: {e}")
-                raise VLLMError(500, f"receiving weights failed: {type(e).__name__}: {e}") from None
+                logger.warning("vLLM weight receive failed: %s", reason(e))
+                self.t.update.fail(typed_reason(e))
+                raise VLLMError(500, f"receiving weights failed: {typed_reason(e)}") from None
             if ack and check is not None:
                 parsed.accepted = adopt
             self.t.last_specs = parsed.specs

@@ -33,6 +33,8 @@ import urllib.parse
 
 import aiohttp
 
+from torchtitan_grpo.reasons import typed_reason
+
 
 class PushError(RuntimeError):
     """A replica refused or failed a weight-update request."""
@@ -144,7 +146,7 @@ class PipelinedConnection:
             self._fail("connection closed")
             raise
         except Exception as e:  # noqa: BLE001 - reported on every request still waiting
-            self._fail(f"{type(e).__name__}: {e}")
+            self._fail(typed_reason(e))
 
     async def _read_head(self) -> tuple[int | None, dict[str, str]]:
         while True:

@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch.distributed import PrefixStore, TCPStore
 
+from torchtitan_grpo.reasons import reason
+
 logger = logging.getLogger(__name__)
 
 _LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1", "ip6-localhost"}
@@ -226,7 +228,7 @@ class WeightGroup:
         try:
             self._pg.abort()
         except Exception as e:  # abort is best effort by nature
-            logger.warning("abort of weight group %s failed: %s", self.group_name, e)
+            logger.warning("abort of weight group %s failed: %s", self.group_name, reason(e))
 
     def close(self) -> None:
         """Release the communicator and the store connection; never waits for peers.
@@ -244,7 +246,7 @@ class WeightGroup:
             if self.backend_name == "nccl":
                 self._pg.abort()
         except Exception as e:
-            logger.warning("closing weight group %s failed: %s", self.group_name, e)
+            logger.warning("closing weight group %s failed: %s", self.group_name, reason(e))
         self._pg = None
         self._store = None
 

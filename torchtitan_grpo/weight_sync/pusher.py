@@ -51,6 +51,7 @@ from typing import Callable, Protocol
 import torch
 
 from torchtitan_grpo.aio import LoopThread
+from torchtitan_grpo.reasons import reason, typed_reason
 from torchtitan_grpo.weight_sync.control import PushError
 from torchtitan_grpo.weight_sync.push_config import PushConfig
 from torchtitan_grpo.weight_sync.staging import Staged, StagingBuffers
@@ -193,7 +194,7 @@ class Pusher:
             self._started = True
             initial = list(self.replicas)
         results = await asyncio.gather(*(self.transport.connect(r) for r in initial), return_exceptions=True)
-        errors = [f"{r.url}: {e}" for r, e in zip(initial, results) if isinstance(e, Exception)]
+        errors = [f"{r.url}: {reason(e)}" for r, e in zip(initial, results) if isinstance(e, Exception)]
         if errors:
             raise PushError("weight groups could not be set up: " + "; ".join(errors))
         await self.transport.tag(initial, initial_version)
@@ -415,7 +416,7 @@ class Pusher:
             await self.transport.reset(r)
             await asyncio.wait_for(self.transport.connect(r), self.cfg.init_timeout_s + 5)
         except Exception as e:
-            r.last_error = f"reconnect: {type(e).__name__}: {e}"
+            r.last_error = f"reconnect: {typed_reason(e)}"
             await asyncio.sleep(self.cfg.reconnect_interval_s)
             return False
         r.joined = True
@@ -459,7 +460,7 @@ class Pusher:
 
     def _eject(self, r: Replica, e: BaseException) -> None:
         r.failures += 1
-        r.last_error = r.eject_reason = f"{type(e).__name__}: {e}"
+        r.last_error = r.eject_reason = typed_reason(e)
         r.next_reconnect = time.monotonic() + self.cfg.reconnect_interval_s
         logger.warning("replica %s ejected from routing at version %d: %s", r.url, r.version, r.last_error)
         self.transport.abort(r)

@@ -35,6 +35,7 @@ import torch
 
 from torchtitan_grpo.aio import DaemonExecutor
 from torchtitan_grpo.protocol import builtin
+from torchtitan_grpo.reasons import reason
 from torchtitan_grpo.weight_sync import buckets as bk
 from torchtitan_grpo.weight_sync import control
 from torchtitan_grpo.weight_sync.control import PipelinedConnection, read_reply
@@ -208,4 +209,4 @@ class Transport(abc.ABC):
         try:
             await self.post(r, path, body, 30)
         except Exception as e:
-            logger.warning("%s on %s failed: %s", path.lstrip("/"), r.url, e)
+            logger.warning("%s on %s failed: %s", path.lstrip("/"), r.url, reason(e))

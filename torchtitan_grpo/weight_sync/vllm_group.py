@@ -78,6 +78,7 @@ from typing import Any, Protocol, Sequence
 import torch
 from torch.distributed import TCPStore
 
+from torchtitan_grpo.reasons import reason
 from torchtitan_grpo.weight_sync.buckets import TensorSpec, pack, plan_packed_chunks
 
 logger = logging.getLogger(__name__)
@@ -296,7 +297,7 @@ class VLLMWeightGroup:
         try:
             self._nccl.abort(self._comm)
         except Exception as e:  # best effort by nature
-            logger.warning("abort of the vLLM weight group failed: %s", e)
+            logger.warning("abort of the vLLM weight group failed: %s", reason(e))
         self._comm, self._store = None, None
 
     def close(self) -> None:
