@@ -516,7 +516,7 @@ def parallelize(model: nn.Module, job_config, world_size: int, device: torch.dev
 
     Returns ``(model, parallel_dims)``; ``parallel_dims`` is what TorchTitan's
     optimizer builder and :func:`data_parallel_rank_and_degree` expect. For
-    ``world_size == 1`` the model is returned unchanged. With
+    ``world_size == 1`` only ``[activation_checkpoint]`` applies. With
     ``pipeline_parallel_degree > 1`` one module cannot hold the layout: use
     :func:`torchtitan_grpo.pipeline.build_pipeline`.
     """
@@ -529,6 +529,13 @@ def parallelize(model: nn.Module, job_config, world_size: int, device: torch.dev
         )
     parallel_dims = build_parallel_dims(job_config, world_size, device)
     if world_size == 1:
+        # TorchTitan applies activation checkpointing inside its parallelize_fn,
+        # which one process never reaches: wrap the blocks here, or a 4B model's
+        # 8k-token samples do not fit one H200 (docs/PERFORMANCE.md, run 103).
+        if job_config.activation_checkpoint.mode != "none":
+            from torchtitan.distributed.activation_checkpoint import apply_ac
+
+            apply_ac(model, job_config.activation_checkpoint, base_folder=job_config.job.dump_folder)
         return model, parallel_dims
     return apply_layout(model, job_config, parallel_dims, device), parallel_dims
 
