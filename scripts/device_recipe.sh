@@ -7,6 +7,8 @@
 #
 #   OUT=... BUDGET=560 GGUF=/tmp/smollm2.gguf STEPS=150 bash scripts/device_recipe.sh
 #
+# MODES="async" runs one loop only; ARGS="--lora.enable ..." is passed to every
+# run; BASE=0 skips the base model's transformers check (known from run 102).
 # The GGUF (98 MB) is more than one call carries: the device tool brings it
 # in two parts (split -b 50M), joined in /tmp by the caller's command.
 # Logs: $OUT/<mode>.log (step and eval lines), $OUT/<mode>-metrics.jsonl,
@@ -24,7 +26,9 @@ rc=0
 MODEL=/tmp/smollm2-135m-instruct
 budgeted convert.log python3 -m torchtitan_grpo.convert "$GGUF" "$MODEL" --dtype float32 || exit 4
 budgeted data.log python3 scripts/make_arith_dataset.py --out-dir data/arith || exit 5
-budgeted eval_hf-base.log python3 scripts/eval_hf.py "$MODEL" data/arith/eval.jsonl --max-new-tokens 192 --dtype bfloat16
+if [ "${BASE:-1}" = 1 ]; then
+  budgeted eval_hf-base.log python3 scripts/eval_hf.py "$MODEL" data/arith/eval.jsonl --max-new-tokens 192 --dtype bfloat16
+fi
 n_modes=$(wc -w <<< "$MODES")
 for mode in $MODES; do
   # the time left, shared by the runs still to go (60 s kept for each run's transformers check)
@@ -33,7 +37,7 @@ for mode in $MODES; do
   run=/tmp/runs/$mode
   timeout -k 5 "$share" python3 -m torch.distributed.run --standalone --nproc_per_node=1 grpo_train.py \
     --job.config_file train_configs/smollm2_arith.toml --model.hf_assets_path "$MODEL" \
-    --weight_sync.mode "$mode" --training.steps "$STEPS" --job.dump_folder "$run" > "$OUT/$mode.log" 2>&1 || rc=1
+    --weight_sync.mode "$mode" --training.steps "$STEPS" --job.dump_folder "$run" ${ARGS:-} > "$OUT/$mode.log" 2>&1 || rc=1
   cp "$run/metrics.jsonl" "$OUT/$mode-metrics.jsonl" 2>/dev/null
   echo "== $mode: $(grep -E 'rollouts:|mean reward|eval pass@1' "$OUT/$mode.log" | sed 's/^\[rank0\] //' | tr '\n' ' ')"
   grep -E "eval step|INFO step +(1|10|25|50|75|100|125|150) \|" "$OUT/$mode.log" | sed 's/^\[rank0\] //'
@@ -43,6 +47,6 @@ for mode in $MODES; do
     tail -1 "$OUT/$mode-eval_hf-bfloat16.log"
   fi
 done
-tail -1 "$OUT/eval_hf-base.log"
+[ -f "$OUT/eval_hf-base.log" ] && tail -1 "$OUT/eval_hf-base.log"
 echo "device_recipe: exit $rc after $((SECONDS - T0)) s"
 exit $rc
