@@ -151,7 +151,8 @@ def main(argv: list[str]) -> dict:
             if step > saved_step and ckpt.save(step, version, side.rollouts if side else None, force=True):
                 saved_step = step
             where = f"; checkpoint of step {step} in {ckpt.folder}" if step > 0 and saved_step == step else ""
-            logger.error("stopped after step %d of %d: %s%s", step, cfg.training.steps, stopped.reason, where)
+            stop_line = f"stopped after step {step} of {cfg.training.steps}: {stopped.reason}{where}"
+            logger.error("%s", stop_line)
         else:
             if pushing and cfg.weight_sync.mode == "async":
                 # The servers end on the final weights, whatever async mode skipped
@@ -162,6 +163,7 @@ def main(argv: list[str]) -> dict:
         summary = side.summary() if side else {}
     if stopped is not None:
         close_distributed()
+        _write_error_file(stop_line)  # torchrun's failure report names the stop, not a docs link
         raise SystemExit(stopped.exit_code)
     if cfg.checkpoint.hf_export:
         export_hf(policy, hf_dir, os.path.join(cfg.job.dump_folder, cfg.checkpoint.hf_export_folder), d,
@@ -192,6 +194,15 @@ def _fail(message: str) -> None:
     worker (its error file), instead of a traceback wall. GRPO_DEBUG=1 keeps
     the traceback."""
     print(f"grpo_train.py: error: {message}", file=sys.stderr, flush=True)
+    _write_error_file(message)
+    sys.exit(2)
+
+
+def _write_error_file(message: str) -> None:
+    """Under torchrun, ``message`` in place of a traceback in its report of a
+    failed worker ("Root Cause ... traceback : <message>"); without it the
+    report shows a link to torchrun's docs. torchrun prints its own traceback
+    either way, and on a signal it received itself it reads no error file."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
         import json
@@ -199,7 +210,6 @@ def _fail(message: str) -> None:
         with open(path, "w") as f:
             json.dump({"message": {"message": message, "extraInfo": {"py_callstack": message,
                                                                      "timestamp": str(int(time.time()))}}}, f)
-    sys.exit(2)
 
 
 if __name__ == "__main__":
