@@ -115,3 +115,127 @@ def test_groups_failing_alike_are_logged_once(caplog):
     assert lines == ["rollout producer stopped: RuntimeError: another failure",
                      "rollout producer stopped: NoHealthyReplica: every inference replica is gone for good: "
                      "http://x down"], lines
+
+
+# 5. After a resume the summary's "first 10 steps" are the run's, not this process's
+
+def test_summary_after_a_resume_covers_the_runs_first_steps(tmp_path, caplog):
+    import json
+    from types import SimpleNamespace
+
+    from torchtitan_grpo.metrics import MetricLogger
+    from torchtitan_grpo.session import RolloutSide
+
+    # steps 1-6 logged before a stop (reward 0.0 each), evaluations among them, checkpoint at 4
+    rows = [{"step": 0, "eval/pass@1": 0.5}]
+    rows += [{"step": s, "reward/mean": 0.0, "loss": 0.1} for s in range(1, 7)]
+    rows.insert(3, {"step": 2, "eval/pass@1": 0.9, "eval/mean_reward": 0.9})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    log = MetricLogger(str(tmp_path), enable_tensorboard=False, resume_step=4)
+    for s in range(5, 15):  # the resumed process: steps 5-14, reward 1.0 each
+        log.log(s, {"reward/mean": 1.0})
+    log.close()
+    side = RolloutSide(rollouts=SimpleNamespace(pool=SimpleNamespace(events=[])), pusher=None, log=log, pad_id=0)
+    with caplog.at_level("INFO", logger="torchtitan_grpo"):
+        out = side.summary()
+    assert out["reward_first10"] == pytest.approx(0.6)  # steps 1-4 (0.0) and 5-10 (1.0); no eval row
+    assert out["reward_last10"] == 1.0 and out["steps"] == 10
+    assert ("mean reward: first 10 steps 0.600, last 10 steps 1.000 (run resumed at step 4; earlier steps read "
+            "from metrics.jsonl)") in caplog.text
+
+
+# 3, 4, 5 and 7 over real processes: two trainer starts of one run
+
+@pytest.mark.slow
+def test_stop_on_an_interval_save_then_resume_and_lose_the_fleet(tmp_path, tiny_model_dir):
+    """1. Every step is an interval save; SIGTERM to the worker (as torchrun
+    or SLURM sends it): the stop line names the checkpoint of its step, and
+    torchrun's report of the failed worker carries that line (the error
+    file), not a link to its docs.
+    2. The same command resumes; the only server is killed for good: one
+    "rollout producer stopped" line per distinct failure, the stop line names
+    the checkpoint, and the summary's first 10 steps are the run's (from
+    metrics.jsonl), not the resumed part's."""
+    import re
+    import signal
+    import subprocess
+
+    from tests.test_faults import _finish, _server_pids, _start, _steps, _wait_steps
+
+    dump = str(tmp_path / "run")
+    args = ("--training.steps", "1000", "--checkpoint.enable", "true", "--checkpoint.interval", "1")
+    p, log = _start(dump, tiny_model_dir, *args)
+    try:
+        _wait_steps(p, dump, log, 3)
+        (worker,) = subprocess.run(["pgrep", "-P", str(p.pid), "-f", "grpo_train.py"], capture_output=True,
+                                   text=True).stdout.split()
+        os.kill(int(worker), signal.SIGTERM)
+        out = _finish(p, log, 120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    lines = [line for line in out.splitlines() if "stopped after step" in line]
+    done = int(lines[0].split("stopped after step ")[1].split()[0])
+    stop = f"stopped after step {done} of 1000: received SIGTERM; checkpoint of step {done} in {dump}/checkpoint"
+    assert lines[0].endswith(stop), out[-4000:]
+    assert f"traceback : {stop}" in out, out[-4000:]  # torchrun's Root Cause section
+    assert p.returncode == 1  # torchrun's, whatever the worker's (143)
+
+    p, log = _start(dump, tiny_model_dir, *args, "--inference.server_max_restarts", "0",
+                    "--inference.request_timeout_s", "600")
+    try:
+        _wait_steps(p, dump, log, max(11, done + 2))
+        (pid,) = _server_pids(log).values()
+        os.kill(pid, signal.SIGKILL)
+        out = _finish(p, log, 300)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    failures = re.findall(r"rollout producer stopped: (.*)", out)
+    assert failures and len(failures) == len(set(failures)), failures
+    last = int(re.search(r"stopped after step (\d+) of 1000: ", out).group(1))
+    assert re.search(rf"stopped after step {last} of 1000: .*gone for good.*; checkpoint of step {last} in ", out)
+    rows = _steps(dump)
+    assert [m["step"] for m in rows] == list(range(1, last + 1))
+    first = sum(m["reward/mean"] for m in rows[:10]) / 10
+    last10 = sum(m["reward/mean"] for m in rows[-10:]) / 10
+    assert (f"mean reward: first 10 steps {first:.3f}, last 10 steps {last10:.3f} (run resumed at step {done}; "
+            "earlier steps read from metrics.jsonl)") in out, out[-4000:]
+
+
+# 6. An exception without a message still names itself; a readmitted replica's log says where it goes
+
+def test_empty_exception_messages_name_their_type(caplog):
+    from types import SimpleNamespace
+
+    from torchtitan_grpo.reasons import reason, typed_reason
+    from torchtitan_grpo.weight_sync.transport import Transport
+
+    assert reason(asyncio.TimeoutError()) == "TimeoutError" and reason(ValueError("bad")) == "bad"
+    assert typed_reason(ConnectionResetError()) == "ConnectionResetError"
+    assert typed_reason(ValueError("bad")) == "ValueError: bad"
+
+    async def post(r, path, body, timeout):
+        raise asyncio.TimeoutError()  # aiohttp's timeouts carry no message
+
+    with caplog.at_level("WARNING"):
+        asyncio.run(Transport.unpause(SimpleNamespace(post=post), SimpleNamespace(url="http://r"),
+                                      "/continue_generation", None))
+    assert "continue_generation on http://r failed: TimeoutError" in caplog.text, caplog.text
+
+
+def test_readmitted_replica_logs_the_state_it_leaves_and_enters(caplog):
+    from torchtitan_grpo.inference.pool import PoolConfig
+    from torchtitan_grpo.inference.replicas import ReplicaSet
+
+    fleet = ReplicaSet(["http://a", "http://b"], PoolConfig())
+    a, b = fleet.replicas
+    a.down = True  # a restarted server caught up on weights before its health check passed
+    with caplog.at_level("WARNING"):
+        fleet.eject("http://a")
+        fleet.eject("http://b")
+        fleet.readmit("http://a")
+        fleet.readmit("http://b")
+    assert ("inference replica http://a readmitted (holds the newest weights): catching-up -> down (routed again "
+            "once it passes its health check)") in caplog.text, caplog.text
+    assert "inference replica http://b readmitted (holds the newest weights): catching-up -> healthy\n" in caplog.text

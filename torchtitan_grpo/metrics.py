@@ -17,10 +17,14 @@ class MetricLogger:
         """``resume_step``: a resumed run keeps the metrics.jsonl rows of steps
         up to it (a stopped run may have logged later steps) and appends."""
         self.history: list[dict[str, float]] = []
+        """This process's training steps."""
+        self.resume_step = resume_step
         self.writer = None
         os.makedirs(dump_folder, exist_ok=True)
         path = os.path.join(dump_folder, "metrics.jsonl")
         kept = _rows_up_to(path, resume_step) if resume_step is not None and os.path.isfile(path) else []
+        self.earlier = _training_rows(kept)
+        """The training steps logged before the resume (read back from the rows kept)."""
         self.jsonl = open(path, "w")
         self.jsonl.writelines(kept)
         self.jsonl.flush()
@@ -75,6 +79,14 @@ def _rows_up_to(path: str, step: int) -> list[str]:
             except ValueError:
                 continue
     return kept
+
+
+def _training_rows(lines: list[str]) -> list[dict]:
+    """The training steps' rows among metrics.jsonl ``lines``, by step: an
+    evaluation's row (``log_eval``: only ``eval/...`` keys) is not a step."""
+    rows = [json.loads(line) for line in lines]
+    rows = [r for r in rows if any(k != "step" and not k.startswith("eval/") for k in r)]
+    return sorted(rows, key=lambda r: r.get("step", 0))
 
 
 def format_line(step: int, m: dict[str, float]) -> str:

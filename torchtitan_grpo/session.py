@@ -89,11 +89,15 @@ class RolloutSide:
             self.eval_results.append(result)
 
     def summary(self) -> dict:
-        h = self.log.history
+        # The run's steps, those before a resume included (read back from metrics.jsonl):
+        # "first 10 steps" must mean where the run started, not where this process did.
+        h = self.log.earlier + self.log.history
         first, last = window_mean(h, "reward/mean", True), window_mean(h, "reward/mean", False)
         n = min(10, len(h))
-        logger.info("mean reward: first %d steps %.3f, last %d steps %.3f", n, first, n, last)
-        out = {"reward_first10": first, "reward_last10": last, "steps": len(h)}
+        resumed = (f" (run resumed at step {self.log.resume_step}; earlier steps read from metrics.jsonl)"
+                   if self.log.earlier else "")
+        logger.info("mean reward: first %d steps %.3f, last %d steps %.3f%s", n, first, n, last, resumed)
+        out = {"reward_first10": first, "reward_last10": last, "steps": len(self.log.history)}
         if self.eval_results:
             a, b = self.eval_results[0], self.eval_results[-1]
             logger.info("eval pass@1: step %d %.3f, step %d %.3f", a.step, a.metrics["eval/pass@1"], b.step,
