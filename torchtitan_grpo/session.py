@@ -233,6 +233,11 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
         if spawned is not None:
             stack.callback(spawned.close)
         supervisor = None
+        # Where environments that sample from our servers (Atropos) find them: an
+        # earlier run's list would send an environment started now to dead servers.
+        replica_list = os.path.join(cfg.job.dump_folder, "servers", "replicas.txt")
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(replica_list)
         if i.urls or i.replica_file:
             urls = list(i.urls)
         else:
@@ -246,8 +251,7 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
                                                           i.startup_timeout_s, max_restarts=i.server_max_restarts))
             urls = [s.url for s in servers]
             supervisor = servers.supervisor
-            # Where environments that sample from these servers (Atropos) find them.
-            with open(os.path.join(cfg.job.dump_folder, "servers", "replicas.txt"), "w") as f:
+            with open(replica_list, "w") as f:  # once they are up
                 f.write("".join(u + "\n" for u in urls))
         loop = LoopThread()
         stack.callback(loop.close)
