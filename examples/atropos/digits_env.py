@@ -13,23 +13,38 @@ off-policy correction.
 Generation goes through atroposlib's ``SGLangServer`` handler (its token and
 log-prob path, SGLang's ``/generate``), which the trainer's built-in server
 speaks: turn 1 is one request for the group (``n`` = group size), turn 2 one
-batched request holding every sequence's own context. Run it with the Atropos API and the trainer (see README.md here)::
+batched request holding every sequence's own context. Run it after the Atropos
+API and the trainer, once the trainer has logged ``registered with Atropos``
+(see README.md here)::
 
-    python examples/atropos/digits_env.py serve --env.tokenizer_name ./outputs/tiny-qwen3 \
+    OMP_NUM_THREADS=1 python examples/atropos/digits_env.py serve --env.tokenizer_name ./outputs/tiny-qwen3 \
         --env.replica_file ./outputs/atropos_demo/servers/replicas.txt
 
 ``--env.replica_file``: a file with one server URL per line (the trainer
-writes the URLs of the servers it launches there); the environment waits for
-it and samples from those servers. Without it, ``--openai.base_url`` names
-the server as for any Atropos environment.
+writes the URLs of the servers it launches there once they are up, and
+removes an earlier run's file when it starts); the environment samples from
+those servers. Without it, ``--openai.base_url`` names the server as for any
+Atropos environment.
+
+Before anything else the environment checks that its tokenizer (a local
+path) and its replica file exist: started before the trainer has written
+them, it exits with one line saying so. A listed URL that refuses
+connections (a file left by an earlier run) is reported in one line, and the
+environment waits until the file lists servers that answer. A group with a
+non-finite score is dropped before it is posted: atroposlib's API cannot
+encode one and would lose the whole batch it lands in.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
 import os
 import random
+import sys
 import time
+from urllib.parse import urlsplit
 
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
 from atroposlib.envs.server_handling.server_manager import ServerManager
@@ -37,6 +52,9 @@ from atroposlib.envs.server_handling.server_manager import ServerManager
 from torchtitan_grpo.rollout.tasks import digits_answer, digits_reward
 
 DEFAULT_MODEL = "./outputs/tiny-qwen3"
+README = "examples/atropos/README.md"
+
+logger = logging.getLogger("digits_env")
 
 
 class DigitsEnvConfig(BaseEnvConfig):
@@ -46,6 +64,48 @@ class DigitsEnvConfig(BaseEnvConfig):
     """Tokens per model turn (a digit and EOS)."""
     temperature: float = 1.0
     seed: int = 0
+
+
+def preflight(tokenizer_name: str, replica_file: str) -> str | None:
+    """What keeps the environment from starting, as one line (None: nothing).
+    A tokenizer name that starts with ``.``, ``/`` or ``~`` is a local folder
+    and must hold a tokenizer (anything else is a Hub id, left to transformers)."""
+    if tokenizer_name.startswith((".", "/", "~")):
+        folder = os.path.expanduser(tokenizer_name)
+        if not any(os.path.isfile(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+            return (f"digits_env: no tokenizer in {tokenizer_name} (--env.tokenizer_name): start the trainer first "
+                    f"(it writes the demo model there), then this environment ({README})")
+    if replica_file and not os.path.isfile(replica_file):
+        return (f"digits_env: no server list at {replica_file} (--env.replica_file): start the trainer first and "
+                f"this environment once it has logged 'registered with Atropos' ({README})")
+    return None
+
+
+def read_urls(path: str) -> list[str]:
+    """The server URLs a replica file lists (none if it is missing)."""
+    try:
+        with open(path) as f:
+            return [u.strip() for u in f if u.strip() and not u.startswith("#")]
+    except FileNotFoundError:
+        return []
+
+
+async def accepts_connections(url: str, timeout_s: float = 2.0) -> bool:
+    """Whether something listens at ``url``'s host and port."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(parts.hostname, port), timeout_s)
+    except (OSError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    return True
+
+
+def finite_scores(group: dict) -> bool:
+    """A group atroposlib's API can hand out: every score a finite number
+    (a NaN or inf one makes its ``/batch`` answer 500 and lose the batch)."""
+    return all(isinstance(s, (int, float)) and math.isfinite(s) for s in group["scores"])
 
 
 def two_turn_sequence(prompt_ids: list[int], turn1: tuple[list[int], list[float]], reply_ids: list[int],
@@ -63,6 +123,13 @@ def two_turn_sequence(prompt_ids: list[int], turn1: tuple[list[int], list[float]
 class DigitsTwoTurnEnv(BaseEnv):
     name = "digits_two_turn"
     env_config_cls = DigitsEnvConfig
+
+    def __init__(self, config: DigitsEnvConfig, server_configs, slurm: bool = False, testing: bool = False):
+        problem = preflight(config.tokenizer_name, config.replica_file)
+        if problem is not None:  # before atroposlib loads the tokenizer (a long traceback when it is missing)
+            print(problem, file=sys.stderr)
+            raise SystemExit(2)
+        super().__init__(config, server_configs, slurm=slurm, testing=testing)
 
     @classmethod
     def config_init(cls) -> tuple[DigitsEnvConfig, list[APIServerConfig]]:
@@ -87,16 +154,26 @@ class DigitsTwoTurnEnv(BaseEnv):
             self.server = ServerManager(configs, server_class=self.server_cls)
 
     @staticmethod
-    async def _wait_for_replicas(path: str, timeout_s: float = 600.0) -> list[str]:
+    async def _wait_for_replicas(path: str, timeout_s: float = 600.0, poll_s: float = 1.0) -> list[str]:
+        """The URLs ``path`` lists once every one of them accepts connections;
+        each that refuses is reported once (the trainer rewrites the file when
+        its servers are up)."""
         deadline = time.monotonic() + timeout_s
+        reported: set[str] = set()
         while time.monotonic() < deadline:
-            if os.path.isfile(path):
-                with open(path) as f:
-                    urls = [u.strip() for u in f if u.strip() and not u.startswith("#")]
-                if urls:
-                    return urls
-            await asyncio.sleep(1.0)
-        raise TimeoutError(f"no server URL in {path} after {timeout_s:.0f}s")
+            urls = read_urls(path)
+            refused = [u for u in urls if not await accepts_connections(u)]
+            if urls and not refused:
+                return urls
+            for u in refused:
+                if u not in reported:
+                    reported.add(u)
+                    logger.warning("digits_env: %s lists %s, which refuses connections (left by an earlier run? "
+                                   "the trainer rewrites it once its servers are up); waiting", path, u)
+            await asyncio.sleep(poll_s)
+        print(f"digits_env: no server in {path} accepted connections for {timeout_s:.0f}s: is the trainer running? "
+              f"({README})", file=sys.stderr)
+        raise SystemExit(2)
 
     async def get_next_item(self) -> dict:
         d = self.rng.randrange(10)
@@ -136,6 +213,10 @@ class DigitsTwoTurnEnv(BaseEnv):
                 group[key].append(seq[key])
             group["scores"].append(digits_reward(item["prompt"], self._text(out2), item))
             group["overrides"].append({"finish_reason": finish})
+        if not finite_scores(group):
+            logger.warning("digits_env: dropped a group of prompt %r with a non-finite score %s", item["prompt"],
+                           group["scores"])
+            return None, []
         return group, []
 
     async def evaluate(self, *args, **kwargs) -> None:
