@@ -15,7 +15,10 @@ is the trainer's side of that API, on rank 0, behind the same interface as
 * **pulling**: ``GET /batch`` until it holds data. ``{"batch": null}`` means
   not enough sequences yet: the poll backs off (``poll_min_s`` doubling to
   ``poll_max_s``) and ``waiting for Atropos: queue N`` (N groups queued, from
-  ``/status``) is logged at most every ``log_every_s``. Atropos counts its
+  ``/status``) is logged at most every ``log_every_s``; a wait longer than
+  ``startup_timeout_s`` adds one line (again every as long) saying what the
+  API knows: no environment registered, none posted yet, or groups short of
+  a batch (``atropos_hints.py``). Atropos counts its
   step as batches handed out; environments read it from ``/status`` (and
   ``/status-env``) and bound their own off-policy lag with it.
 * **prefetching** (``AtroposConfig.prefetch``, on by default): once a batch
@@ -38,12 +41,19 @@ is the trainer's side of that API, on rank 0, behind the same interface as
   only while it holds no queue, and an environment that posted to it first
   created one) is reset with ``/reset_data`` (those groups are lost) and
   registered again.
+  A ``/batch`` that answers 500 is not an outage: atroposlib lost that
+  batch (it could not encode it, most likely a NaN or inf score); one line
+  says so each time (``atropos/lost_batches``) and the pull goes on.
   Unreachable at start for ``startup_timeout_s``, or mid-run for
   ``unreachable_timeout_s``: :class:`ProducerStopped` naming
   ``rollout.atropos_url``, which ends the run cleanly at a step boundary.
 * **conversion** and **malformed groups**: ``atropos_groups.py``
   (:func:`convert_groups`, vectorised over a batch's sequences; a malformed
-  group is dropped and counted in ``atropos/dropped_<kind>``, never fatal).
+  group is dropped and counted in ``atropos/dropped_<kind>``, never fatal;
+  ``atropos_batch.py`` makes a batch of them). A batch with no sample left
+  (every group dropped, or filtered as constant) is not handed to the
+  trainer: one line says how many groups and why, and the next batch is
+  pulled (``atropos/skipped_batches``; Atropos counted it as a step).
 Mixed group sizes and groups larger than a batch are Atropos's to handle (it
 packs groups into batches of exactly ``batch_size`` sequences and buffers an
 environment's off-size groups until they sum to its group size); every group
@@ -64,11 +74,10 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from torchtitan_grpo.rollout.atropos_groups import MALFORMED_KINDS, ConvertedGroup, Malformed, convert_groups
+from torchtitan_grpo.rollout import atropos_hints
+from torchtitan_grpo.rollout.atropos_batch import BatchConverter
+from torchtitan_grpo.rollout.atropos_groups import MALFORMED_KINDS
 from torchtitan_grpo.rollout.producer import ProducerStopped, RolloutBatch
-from torchtitan_grpo.rollout.sample import Sample
 
 logger = logging.getLogger("torchtitan_grpo")
 
@@ -89,7 +98,10 @@ class AtroposConfig:
     wandb_project: str = "torchtitan-grpo"
     wandb_group: str = ""
     startup_timeout_s: float = 60.0
-    """At start: the API must answer ``/register`` within this, or the run stops naming the URL."""
+    """At start: the API must answer ``/register`` within this, or the run stops naming the URL.
+    Also, once a wait for a batch (the API answering) lasts this long: one line
+    saying what the API knows of environments, again every as long; the
+    trainer keeps waiting."""
     unreachable_timeout_s: float = 600.0
     """Mid-run: stop after the API has not answered for this long (0: retry for ever)."""
     request_timeout_s: float = 10.0
@@ -109,6 +121,10 @@ class AtroposConfig:
 
 class _Unreachable(Exception):
     """The API did not answer (or answered a 5xx / not JSON)."""
+
+
+class _LostBatch(_Unreachable):
+    """``/batch`` answered 500: atroposlib took a batch off its queue and failed to encode it."""
 
 
 class _NoPool:
@@ -135,6 +151,8 @@ class _Pulled:
     convert_s: float
     ready_t: float
     """``time.monotonic()`` when the conversion ended."""
+    first_drop: str = ""
+    """The first dropped group's kind and reason ("" if none was dropped)."""
 
 
 class _Prefetch:
@@ -183,11 +201,17 @@ class AtroposSource:
         self._version = 0
         self._groups_seen = 0
         self._last_take = time.monotonic()
-        self._logged_kinds: set[str] = set()
-        self._logged_once: set[str] = set()
+        self._convert = BatchConverter(scale_rewards=scale_rewards, filter_constant_groups=filter_constant_groups,
+                                       max_len=cfg.max_token_len, vocab_size=vocab_size,
+                                       allow_missing_logprobs=allow_missing_logprobs, temperature=temperature)
         self.reregistrations = 0
         self.dropped = dict.fromkeys(MALFORMED_KINDS, 0)
         """Groups dropped over the run, per kind."""
+        self.lost_batches = 0
+        """``/batch`` answers of HTTP 500 (batches atroposlib lost)."""
+        self.skipped_batches = 0
+        """Batches with no sample left (every group dropped or filtered): counted in ``step``, never trained."""
+        self._wait_t0 = self._last_hint = 0.0
         self._prefetch: _Prefetch | None = None
 
     # ---------------------------------------------------------------- trainer side
@@ -202,8 +226,24 @@ class AtroposSource:
         """The next batch Atropos hands out, converted; None once ``stop`` is set."""
         if not self._started:
             raise RuntimeError("AtroposSource.start() was not called")
-        t0 = time.monotonic()
-        pulled = None
+        t0 = self._wait_t0 = self._last_hint = time.monotonic()
+        while True:
+            pulled = self._next_pulled(stop, t0)
+            if pulled is None:
+                return None
+            if pulled.batch.samples:
+                break
+            self._skip(pulled)  # nothing to train: a step with no sample would be a NaN loss and a new version
+        batch = self._hand_out(pulled, t0)
+        trained = self.step - self.skipped_batches
+        if self.cfg.prefetch and trained < self.cfg.num_steps and not self._closed.is_set():
+            self._prefetch = _Prefetch()
+            threading.Thread(target=self._prefetch_run, args=(self._prefetch,), name="atropos-prefetch",
+                             daemon=True).start()
+        return batch
+
+    def _next_pulled(self, stop: threading.Event | None, t0: float) -> _Pulled | None:
+        """The prefetched batch, else one pulled now; None on ``stop``."""
         pf = self._prefetch
         if pf is not None:
             if not self._wait_prefetch(pf, stop, t0):
@@ -211,26 +251,31 @@ class AtroposSource:
             self._prefetch = None
             if pf.error is not None:
                 raise pf.error
-            pulled = pf.result  # None: it left an outage or a re-registration to the pull below
-        if pulled is None:
-            pulled = self._pull_and_convert(stop)
-            if pulled is None:
-                return None
-        batch = self._hand_out(pulled, t0)
-        if self.cfg.prefetch and self.step < self.cfg.num_steps and not self._closed.is_set():
-            self._prefetch = _Prefetch()
-            threading.Thread(target=self._prefetch_run, args=(self._prefetch,), name="atropos-prefetch",
-                             daemon=True).start()
-        return batch
+            if pf.result is not None:
+                return pf.result
+            # None: it left an outage or a re-registration to the pull below
+        return self._pull_and_convert(stop)
+
+    def _count(self, pulled: _Pulled) -> None:
+        """A batch Atropos handed out: its groups and drops count, and Atropos's step moved."""
+        self._groups_seen += pulled.num_groups
+        for kind in MALFORMED_KINDS:
+            self.dropped[kind] += int(pulled.batch.metrics[f"atropos/dropped_{kind}"])
+        self.step += 1
+
+    def _skip(self, pulled: _Pulled) -> None:
+        self._count(pulled)
+        self.skipped_batches += 1
+        m = pulled.batch.metrics
+        dropped = {kind: int(m[f"atropos/dropped_{kind}"]) for kind in MALFORMED_KINDS}
+        logger.warning(atropos_hints.skipped_batch(pulled.num_groups, dropped, int(m["rollout/constant_groups"]),
+                                                   pulled.first_drop))
 
     def _hand_out(self, pulled: _Pulled, t0: float) -> RolloutBatch:
         now = time.monotonic()
         batch = pulled.batch
         batch.indices = [self._groups_seen + k for k in batch.indices]
-        self._groups_seen += pulled.num_groups
-        for kind in MALFORMED_KINDS:
-            self.dropped[kind] += int(batch.metrics[f"atropos/dropped_{kind}"])
-        self.step += 1
+        self._count(pulled)
         since, self._last_take = self._last_take, now
         batch.metrics |= {
             "time/wait_s": now - t0,
@@ -243,6 +288,8 @@ class AtroposSource:
             "atropos/prefetched": float(pulled.request_t < t0),
             "atropos/step": float(self.step),
             "atropos/reregistrations": float(self.reregistrations),
+            "atropos/lost_batches": float(self.lost_batches),
+            "atropos/skipped_batches": float(self.skipped_batches),
         }
         tokens = batch.metrics.pop("_trained_tokens")
         batch.metrics["rollout/tokens_per_s"] = tokens / (now - since) if now > since else 0.0
@@ -250,13 +297,13 @@ class AtroposSource:
 
     def _pull_and_convert(self, stop: threading.Event | None) -> _Pulled | None:
         pulled = self._pull(stop)
-        if pulled is None:
-            return None
-        groups, pull_s, polls, request_t = pulled
+        return None if pulled is None else self._converted(*pulled)
+
+    def _converted(self, groups: list[dict], pull_s: float, polls: int, request_t: float) -> _Pulled:
         t1 = time.monotonic()
-        batch = self._convert(groups)
+        batch, first_drop = self._convert(groups)
         ready = time.monotonic()
-        return _Pulled(batch, len(groups), pull_s, polls, request_t, ready - t1, ready)
+        return _Pulled(batch, len(groups), pull_s, polls, request_t, ready - t1, ready, first_drop)
 
     def _wait_prefetch(self, pf: _Prefetch, stop: threading.Event | None, t0: float) -> bool:
         """Wait for the prefetch thread; False on ``stop``."""
@@ -267,21 +314,29 @@ class AtroposSource:
                 return False
             if self._closed.is_set():
                 raise ProducerStopped("Atropos source closed")
-            now = time.monotonic()
-            if now - last_log >= self.cfg.log_every_s:
-                last_log = now
-                logger.info("waiting for Atropos: queue %s", self._queue_size())
+            last_log = self._log_waiting(last_log)
         return True
+
+    def _log_waiting(self, last_log: float) -> float:
+        """The "waiting for Atropos" line every ``log_every_s`` and, once this
+        wait passes ``startup_timeout_s`` (and every as long after), why no
+        batch comes; returns when the waiting line was last logged."""
+        now = time.monotonic()
+        if now - last_log >= self.cfg.log_every_s:
+            last_log = now
+            logger.info("waiting for Atropos: queue %s", self._queue_size())
+        hint_s = self.cfg.startup_timeout_s
+        if now - self._last_hint >= hint_s and now - self._wait_t0 >= hint_s:
+            self._last_hint = now
+            logger.warning(atropos_hints.idle_hint(self._request_or_none, self.url, self.cfg.batch_size,
+                                                   now - self._wait_t0))
+        return last_log
 
     def _prefetch_run(self, pf: _Prefetch) -> None:
         try:
             pulled = self._prefetch_pull(pf)
             if pulled is not None:
-                groups, pull_s, polls, request_t = pulled
-                t1 = time.monotonic()
-                batch = self._convert(groups)
-                ready = time.monotonic()
-                pf.result = _Pulled(batch, len(groups), pull_s, polls, request_t, ready - t1, ready)
+                pf.result = self._converted(*pulled)
         except BaseException as e:  # noqa: BLE001  (raised in the trainer's thread)
             pf.error = e
         finally:
@@ -298,6 +353,10 @@ class AtroposSource:
             r0 = time.monotonic()
             try:
                 reply = self._request("GET", "/batch")
+            except _LostBatch:
+                self._lost_batch()
+                self._closed.wait(poll)
+                continue
             except (_Unreachable, ProducerStopped):
                 return None
             polls += 1
@@ -351,6 +410,8 @@ class AtroposSource:
             with urllib.request.urlopen(req, timeout=self.cfg.request_timeout_s) as resp:
                 raw = resp.read()
         except urllib.error.HTTPError as e:
+            if e.code == 500 and path == "/batch":
+                raise _LostBatch(f"HTTP 500 from {path}") from None
             if e.code >= 500:
                 raise _Unreachable(f"HTTP {e.code} from {path}") from None
             detail = e.read()[:300].decode(errors="replace")
@@ -413,6 +474,10 @@ class AtroposSource:
                 reply = self._request("GET", "/batch")
                 polls += 1
                 request_s = time.monotonic() - r0
+            except _LostBatch:
+                self._lost_batch()  # the API answered: not an outage, and it still knows the trainer
+                self._sleep(poll, stop)
+                continue
             except _Unreachable as e:
                 now = time.monotonic()
                 if down_since is None:
@@ -451,18 +516,19 @@ class AtroposSource:
             groups = reply.get("batch")
             if groups:
                 return self._check_groups(groups), request_s, polls, r0
-            now = time.monotonic()
-            if now - last_log >= self.cfg.log_every_s:
-                last_log = now
-                logger.info("waiting for Atropos: queue %s", self._queue_size())
+            last_log = self._log_waiting(last_log)
             self._sleep(poll, stop)
             poll = min(poll * 2, self.cfg.poll_max_s)
 
-    def _request_or_none(self, method: str, path: str) -> Any:
+    def _request_or_none(self, method: str, path: str, body: dict | None = None) -> Any:
         try:
-            return self._request(method, path)
+            return self._request(method, path, body)
         except (_Unreachable, ProducerStopped):
             return None
+
+    def _lost_batch(self) -> None:
+        self.lost_batches += 1
+        logger.warning(atropos_hints.LOST_BATCH, self.url, self.lost_batches)
 
     def _queue_size(self) -> str:
         status = self._request_or_none("GET", "/status")
@@ -470,59 +536,3 @@ class AtroposSource:
             return "unknown (/status did not answer)"
         return (f"{status.get('queue_size', '?')} groups (step {status.get('current_step', '?')}; "
                 f"a batch is {self.cfg.batch_size} sequences)")
-
-    # ---------------------------------------------------------------- conversion
-
-    def _once(self, key: str, msg: str, *args) -> None:
-        if key not in self._logged_once:
-            self._logged_once.add(key)
-            logger.warning(msg, *args)
-
-    def _convert(self, groups: list[dict]) -> RolloutBatch:
-        """The batch's samples and metrics; ``indices`` count from its first
-        group (dropped ones included). Counters of the run are updated at hand-out."""
-        samples: list[Sample] = []
-        indices: list[int] = []
-        converted: list[ConvertedGroup] = []
-        dropped = dict.fromkeys(MALFORMED_KINDS, 0)
-        results = convert_groups(groups, scale_rewards=self.scale_rewards,
-                                 filter_constant_groups=self.filter_constant_groups, max_len=self.cfg.max_token_len,
-                                 vocab_size=self.vocab_size, allow_missing_logprobs=self.allow_missing_logprobs)
-        for k, (g, c) in enumerate(zip(groups, results)):
-            if isinstance(c, Malformed):
-                dropped[c.kind] += 1
-                if c.kind not in self._logged_kinds:
-                    self._logged_kinds.add(c.kind)
-                    logger.warning("dropped an Atropos group (env %s): %s [%s; further ones are counted in "
-                                   "atropos/dropped_%s]", g.get("env_id"), c, c.kind, c.kind)
-                continue
-            converted.append(c)
-            samples.extend(c.samples)
-            indices.append(k)
-        averaged = sum(c.averaged_advantages for c in converted)
-        if averaged:
-            self._once("adv", "Atropos groups send per-token advantages that vary within a sequence: the trainer "
-                              "takes one advantage per sequence (their mean over its trained tokens)")
-        temps = {t for c in converted for t in c.temperatures if abs(t - self.temperature) > 1e-6}
-        if temps:
-            self._once("temp", "Atropos groups were sampled at temperature %s, the trainer's log-probs use "
-                               "rollout.temperature = %s", sorted(temps), self.temperature)
-        rewards = torch.tensor([s for c in converted for s in c.scores], dtype=torch.float32)
-        n = max(rewards.numel(), 1)
-        trained = sum(c.trained_tokens for c in converted)
-        m = {
-            "reward/mean": float(rewards.mean()) if rewards.numel() else 0.0,
-            "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-            "rollout/constant_groups": float(sum(c.constant for c in converted)),
-            "rollout/completion_len": trained / n,
-            "rollout/sequence_len": sum(c.tokens for c in converted) / n,
-            "rollout/truncated_frac": sum(c.truncated for c in converted) / n,
-            "rollout/tokens": float(trained),
-            "atropos/groups": float(len(groups)),
-            "atropos/dropped_groups": float(sum(dropped.values())),
-            "atropos/averaged_advantages": float(averaged),
-            "atropos/missing_logprob_tokens": float(sum(c.missing_logprob_tokens for c in converted)),
-            "_trained_tokens": float(trained),
-        }
-        m |= {f"atropos/dropped_{k}": float(v) for k, v in dropped.items()}
-        return RolloutBatch(samples, m, indices)
