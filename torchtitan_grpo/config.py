@@ -112,7 +112,9 @@ class Rollout:
     """Atropos trajectory API (atroposlib's run-api), rollout.source = "atropos"."""
 
     atropos_startup_timeout_s: float = 60.0
-    """At start the Atropos API must answer within this, or the run stops naming atropos_url."""
+    """At start the Atropos API must answer within this, or the run stops naming atropos_url.
+    Also the period of the hint printed while the API answers but no batch
+    comes (no environment registered, none posted yet, or too few groups)."""
 
     atropos_unreachable_timeout_s: float = 600.0
     """Mid-run, stop at a step boundary after the Atropos API has not answered
