@@ -123,7 +123,12 @@ def _spawn(spec: ServerSpec, log_path: str, port: int | None = None) -> tuple[su
         # PR_SET_PDEATHSIG fires when the *thread* that forked exits, so this
         # must run on a long-lived thread (the caller's or the supervisor's
         # watcher), never a pool worker.
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+        # A session of its own: torchrun stops a worker by signalling the worker's whole
+        # process group, and a terminal's Ctrl-C reaches its foreground group; the
+        # servers must not die with the trainer's signal (the run saw them "exit",
+        # restarted and ejected them while stopping). The trainer stops them itself,
+        # and PR_SET_PDEATHSIG still ends them if it is killed.
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                 preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
     return proc, port
 

@@ -148,8 +148,11 @@ class SpawnedClient:
     def spawn(cls) -> SpawnedClient:
         ours, theirs = socket.socketpair()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p))
+        # Its own session, as the launched servers (launcher._spawn): torchrun's
+        # signal to the worker's process group must not reach it; it exits when
+        # the trainer closes the socket.
         proc = subprocess.Popen([sys.executable, "-m", CLIENT_MODULE, str(theirs.fileno())],
-                                pass_fds=(theirs.fileno(),), env=env)
+                                pass_fds=(theirs.fileno(),), env=env, start_new_session=True)
         theirs.close()
         return cls(proc, Connection(ours.detach()))
 
