@@ -40,7 +40,8 @@ def test_weight_push_cpu():
         measured = ["raw GiB/s", "bucketed GiB/s", "snapshot ms"] + [
             f"{p} {c}" for p in paths for c in ("push GiB/s", "push / raw", "xfer GiB/s", "xfer / raw",
                                                  "async GiB/s", "async / raw")]
-        assert all(float(cells[c]) > 0 for c in measured), row
+        # measured (a number, not "-"); a rate printed to two decimals may round to 0.00 on a loaded 2-core box
+        assert all(float(cells[c]) >= 0 for c in measured), row
     assert rows[1].count("| - ") == 6  # the disk push of the second row was not run
 
 
