@@ -1,6 +1,7 @@
 """Start and stop a built-in server subprocess for tests (shared by the
 SGLang- and vLLM-route test files)."""
 
+import contextlib
 import json
 import os
 import select
@@ -87,3 +88,44 @@ def http_json(url: str, data: bytes | None, method: str, timeout: float) -> tupl
     except urllib.error.HTTPError as e:
         status, payload = e.code, e.read()
     return status, (json.loads(payload) if payload else None)
+
+
+@contextlib.contextmanager
+def in_process_server(args: list[str], engine_hook=None):
+    """The built-in server in this process: the engine parsed from ``args``
+    (the server's own command line), its app on an event loop in a thread.
+    Yields ``(url, engine)``; ``engine_hook(engine)`` runs before the engine
+    starts (a test's stand-ins). No subprocess to wait for."""
+    import asyncio
+    import threading
+
+    from aiohttp import web
+
+    from torchtitan_grpo.inference.engine import Engine
+    from torchtitan_grpo.inference.server import build_app, engine_config, parse_args
+
+    cfg = parse_args(args)
+    engine = Engine(engine_config(cfg))
+    if engine_hook is not None:
+        engine_hook(engine)
+    engine.start()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="in-process-server", daemon=True)
+    thread.start()
+
+    async def start():
+        app, routes = build_app(engine, cfg)
+        runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        return runner, routes
+
+    runner, routes = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=60)
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}", engine
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=60)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=60)
+        engine.shutdown()
+        routes.close()

@@ -8,21 +8,19 @@ and the engine's decode-delay hook can be observed directly.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 import urllib.error
 import urllib.request
 from typing import Any, Iterator
 
 import pytest
 import torch
-from aiohttp import web
 
+from tests.server_procs import in_process_server
 from torchtitan_grpo.inference import vllm
 from torchtitan_grpo.inference.engine import Engine, EngineConfig
 from torchtitan_grpo.inference.requests import SamplingParams
-from torchtitan_grpo.inference.server import build_app, engine_config, exposure_warning, parse_args
+from torchtitan_grpo.inference.server import engine_config, exposure_warning, parse_args
 
 torch.set_num_threads(1)
 
@@ -57,31 +55,14 @@ class _Recorder:
 @pytest.fixture(scope="module")
 def keyed(model_dir) -> Iterator[tuple[str, _Recorder]]:
     """(url, decode-delay recorder) of a server started with an API key."""
-    cfg = parse_args(["--model", model_dir, "--port", "0", "--api-key", KEY, "--debug-decode-delay-s", "0"])
-    engine = Engine(engine_config(cfg))
     sleeps = _Recorder()
-    engine._debug_sleep = sleeps
-    engine.start()
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="test-server-loop", daemon=True)
-    thread.start()
 
-    async def start() -> tuple[web.AppRunner, Any]:
-        app, routes = build_app(engine, cfg)
-        runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        return runner, routes
+    def hook(engine: Engine) -> None:
+        engine._debug_sleep = sleeps
 
-    runner, routes = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=60)
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}", sleeps
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=60)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=60)
-        engine.shutdown()
-        routes.close()
+    with in_process_server(["--model", model_dir, "--port", "0", "--api-key", KEY, "--debug-decode-delay-s", "0"],
+                           hook) as (url, _):
+        yield url, sleeps
 
 
 GENERATE = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}}

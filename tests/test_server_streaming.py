@@ -12,7 +12,6 @@ process (one engine, the app on an event loop in a thread: no subprocess).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 import urllib.error
@@ -22,12 +21,10 @@ from typing import Any, Iterator
 
 import pytest
 import torch
-from aiohttp import web
 
-from tests.server_procs import write_chat_template
+from tests.server_procs import in_process_server, write_chat_template
 from torchtitan_grpo.inference import vllm
 from torchtitan_grpo.inference.engine import Engine
-from torchtitan_grpo.inference.server import build_app, engine_config, parse_args
 
 torch.set_num_threads(1)
 
@@ -41,29 +38,8 @@ CHAT_FIELDS = json.loads((Path(__file__).parent / "protocols" / "vllm-0.33-chat-
 def live(model_dir, tmp_path_factory) -> Iterator[tuple[str, Engine]]:
     """(url, engine) of an in-process server with a chat template."""
     template = write_chat_template(tmp_path_factory.mktemp("chat") / "chat.jinja")
-    cfg = parse_args(["--model", model_dir, "--port", "0", "--chat-template", str(template)])
-    engine = Engine(engine_config(cfg))
-    engine.start()
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="stream-test-loop", daemon=True)
-    thread.start()
-
-    async def start() -> tuple[web.AppRunner, Any]:
-        app, routes = build_app(engine, cfg)
-        runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        return runner, routes
-
-    runner, routes = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=60)
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}", engine
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=60)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=60)
-        engine.shutdown()
-        routes.close()
+    with in_process_server(["--model", model_dir, "--port", "0", "--chat-template", str(template)]) as served:
+        yield served
 
 
 def _request(url: str, path: str, body: dict) -> urllib.request.Request:
