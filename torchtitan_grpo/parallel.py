@@ -26,7 +26,7 @@ step needs, and what TorchTitan 0.2.2 lacks, on CPU (gloo) above all:
   (dp_replicate without dp_shard) averages over replicas and must keep doing
   so under gradient accumulation; the gradient flowing into the model is
   scaled by the replica count instead, which turns its average into the sum.
-* **Tied embeddings** (qwen3 0.6B-4B): ``output.weight`` *is*
+* **Tied embeddings** (qwen3 0.6B-4B, tied llama3): ``output.weight`` *is*
   ``tok_embeddings.weight``. torch >= 2.13 refuses a parameter in two FSDP
   groups, so ``tok_embeddings``, ``norm`` and ``output`` become one group.
   TP gives the two modules separate DTensor copies of the weight; they are
@@ -47,7 +47,7 @@ step needs, and what TorchTitan 0.2.2 lacks, on CPU (gloo) above all:
   which loss parallel only provides inside cross-entropy; the output
   projection therefore returns replicated logits.
 
-Everything is a no-op for ``world_size == 1``.
+For ``world_size == 1`` only ``[activation_checkpoint]`` applies.
 """
 
 from __future__ import annotations
@@ -68,16 +68,8 @@ from torchtitan_grpo.pipeline_config import check_config
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "apply_layout",
-    "build_parallel_dims",
-    "data_parallel_group",
-    "data_parallel_rank_and_degree",
-    "pad_to_multiple",
-    "parallelize",
-    "register_cpu_sdpa_sharding",
-    "seq_len_multiple",
-]
+__all__ = ["apply_layout", "build_parallel_dims", "data_parallel_group", "data_parallel_rank_and_degree",
+           "pad_to_multiple", "parallelize", "register_cpu_sdpa_sharding", "seq_len_multiple"]
 
 
 # ------------------------------------------------------------------ meshes
@@ -529,12 +521,9 @@ def parallelize(model: nn.Module, job_config, world_size: int, device: torch.dev
         )
     parallel_dims = build_parallel_dims(job_config, world_size, device)
     if world_size == 1:
-        # TorchTitan applies activation checkpointing inside its parallelize_fn,
-        # which one process never reaches: wrap the blocks here, or a 4B model's
-        # 8k-token samples do not fit one H200 (docs/PERFORMANCE.md, run 103).
+        # TorchTitan applies AC in parallelize_fn, which one process never reaches
         if job_config.activation_checkpoint.mode != "none":
             from torchtitan.distributed.activation_checkpoint import apply_ac
-
             apply_ac(model, job_config.activation_checkpoint, base_folder=job_config.job.dump_folder)
         return model, parallel_dims
     return apply_layout(model, job_config, parallel_dims, device), parallel_dims
