@@ -17,14 +17,12 @@ prompt-major order. An error after the stream started is an event
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Any
 
 from aiohttp import web
 
-from torchtitan_grpo.inference.streaming import LiveRequests, LiveSample, open_sse, send_done, send_event, text_delta
-
-logger = logging.getLogger("torchtitan_grpo.inference.server")
+from torchtitan_grpo.inference.streaming import (LiveRequests, LiveSample, end_with_error, open_sse, send_done,
+                                                  send_event, text_delta)
 
 
 async def stream_generate(routes: Any, request: web.Request, call: Any) -> web.StreamResponse:
@@ -51,13 +49,7 @@ async def stream_generate(routes: Any, request: web.Request, call: Any) -> web.S
         live.abort_unfinished("client disconnected")
         raise
     except Exception as e:
-        live.abort_unfinished(f"stream failed: {e}")
-        if resp is None:
-            raise
-        logger.exception("/generate stream failed")
-        await send_event(resp, {"error": {"message": str(e)}})
-        await send_done(resp)
-        return resp
+        return await end_with_error(live, resp, e, "/generate", {"message": str(e)})
 
 
 def _chunk(routes: Any, call: Any, i: int, j: int, s: LiveSample, inputs: dict) -> dict | None:

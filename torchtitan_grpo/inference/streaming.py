@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from aiohttp import web
 
 from torchtitan_grpo.inference.requests import SampleResult, SamplingParams, decode_ids
+
+logger = logging.getLogger("torchtitan_grpo.inference.server")
 
 
 @dataclass
@@ -159,3 +162,18 @@ async def send_event(resp: web.StreamResponse, payload: dict) -> None:
 async def send_done(resp: web.StreamResponse) -> None:
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
+
+
+async def end_with_error(live: LiveRequests, resp: web.StreamResponse | None, e: Exception, where: str,
+                         error: dict) -> web.StreamResponse:
+    """A streaming route's failure (call it from its ``except``): the request's
+    unfinished samples are aborted; before the stream opened (``resp`` None)
+    the error propagates to the route, which answers with an error status;
+    after, the client gets ``{"error": error}`` as a last event, then ``[DONE]``."""
+    live.abort_unfinished(f"stream failed: {e}")
+    if resp is None:
+        raise e
+    logger.exception("%s stream failed", where)
+    await send_event(resp, {"error": error})
+    await send_done(resp)
+    return resp

@@ -23,17 +23,16 @@ text is held back only where a stop string could still trim it.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from types import SimpleNamespace
 from typing import Any, Callable
 
 from aiohttp import web
 
-from torchtitan_grpo.inference.streaming import LiveRequests, LiveSample, open_sse, send_done, send_event, text_delta
+from torchtitan_grpo.inference.streaming import (LiveRequests, LiveSample, end_with_error, open_sse, send_done,
+                                                  send_event, text_delta)
 from torchtitan_grpo.inference.vllm_openai import stop_reason, version_spans
 
-logger = logging.getLogger("torchtitan_grpo.inference.server")
 
 Chunk = Callable[[int, int, LiveSample], dict]
 """(prompt, sample, its live state) -> the chunk's choice."""
@@ -67,14 +66,8 @@ async def _stream(routes: Any, request: web.Request, head: dict, prompts: list[l
         live.abort_unfinished("client disconnected")
         raise
     except Exception as e:
-        live.abort_unfinished(f"stream failed: {e}")
-        if resp is None:
-            raise
-        logger.exception("%s stream failed", request.path)
-        await send_event(resp, {"error": {"message": str(e), "type": "InternalServerError", "param": None,
-                                          "code": 500}})
-        await send_done(resp)
-        return resp
+        return await end_with_error(live, resp, e, request.path,
+                                    {"message": str(e), "type": "InternalServerError", "param": None, "code": 500})
 
 
 def _usage(prompts: list[list[int]], live: LiveRequests, sent: bool = False) -> dict:
