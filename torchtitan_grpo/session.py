@@ -180,18 +180,16 @@ def _evaluator(cfg, tok, loop: LoopThread, pool: InferencePool | None, urls: lis
     """``[eval]``'s evaluator on rank 0's event loop. ``pool`` None: the
     rollouts' pool lives in the client process, and the evaluation gets one
     of its own here (a few requests every eval.interval steps)."""
-    from torchtitan_grpo.rollout import tasks
     from torchtitan_grpo.rollout.evaluation import eval_rows
-    from torchtitan_grpo.rollout.groups import GroupScorer, make_reward_fn
+    from torchtitan_grpo.rollout.producer import task_scorer
 
     e, r, w = cfg.eval, cfg.rollout, cfg.weight_sync
     if pool is None:
         pool = InferencePool(urls, pool_config)
         loop.run(pool.start())
         stack.callback(lambda: loop.run(pool.close(), timeout=10))
-    reward = make_reward_fn(r.reward_fn, tasks.digits_reward if r.task == "digits" else None)
-    scorer = GroupScorer(tok, reward, group_size=e.samples_per_prompt, prompt_key=r.prompt_key, scale_rewards=False,
-                         reward_timeout_s=r.reward_timeout_s, use_chat_template=r.use_chat_template and r.task == "jsonl")
+    scorer = task_scorer(tok, r.task, r.reward_fn, group_size=e.samples_per_prompt, prompt_key=r.prompt_key,
+                         scale_rewards=False, reward_timeout_s=r.reward_timeout_s, use_chat_template=r.use_chat_template)
     greedy = e.temperature == 0
     sampling = SamplingParams(max_new_tokens=e.max_new_tokens or r.max_new_tokens, temperature=e.temperature,
                               top_p=1.0 if greedy else r.top_p, top_k=-1 if greedy else r.top_k,

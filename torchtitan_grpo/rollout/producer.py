@@ -286,20 +286,30 @@ def build_producer(spec: ProducerSpec, loop: LoopThread, pool: InferencePool, to
     from transformers import AutoTokenizer
 
     from torchtitan_grpo.rollout import tasks
-    from torchtitan_grpo.rollout.groups import make_reward_fn
 
     if spec.task == "digits":
-        prompts, task_reward = tasks.DigitsPrompts(spec.prompts_per_step, spec.seed), tasks.digits_reward
+        prompts = tasks.DigitsPrompts(spec.prompts_per_step, spec.seed)
     else:
         prompts = tasks.PromptIterator(tasks.load_prompts(spec.dataset_path, spec.prompt_key),
                                        spec.prompts_per_step, spec.seed)
-        task_reward = None
     ledger = PromptLedger(prompts)
     if spec.resume_prompts is not None:
         ledger.load_state_dict(spec.resume_prompts)
-    scorer = GroupScorer(tokenizer or AutoTokenizer.from_pretrained(spec.hf_dir), make_reward_fn(spec.reward_fn, task_reward),
+    scorer = task_scorer(tokenizer or AutoTokenizer.from_pretrained(spec.hf_dir), spec.task, spec.reward_fn,
                          group_size=spec.group_size, prompt_key=spec.prompt_key, scale_rewards=spec.scale_rewards,
                          filter_constant_groups=spec.filter_constant_groups, reward_timeout_s=spec.reward_timeout_s,
-                         use_chat_template=spec.use_chat_template and spec.task == "jsonl")
+                         use_chat_template=spec.use_chat_template)
     return RolloutProducer(loop, pool, ledger, scorer, prompts_per_step=spec.prompts_per_step, depth=spec.depth,
                            sampling=spec.sampling, seed=spec.seed, **hooks)
+
+
+def task_scorer(tokenizer, task: str, reward_fn: str, *, use_chat_template: bool, **kw) -> GroupScorer:
+    """The scorer of ``rollout.task``'s prompts (the rollouts' and ``[eval]``'s):
+    ``reward_fn``, or the task's own reward when empty (digits); the chat
+    template only for dataset prompts (the digits task is raw text for a
+    character tokenizer). ``kw``: GroupScorer's other settings."""
+    from torchtitan_grpo.rollout import tasks
+    from torchtitan_grpo.rollout.groups import make_reward_fn
+
+    reward = make_reward_fn(reward_fn, tasks.digits_reward if task == "digits" else None)
+    return GroupScorer(tokenizer, reward, use_chat_template=use_chat_template and task == "jsonl", **kw)
