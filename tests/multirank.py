@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,15 +71,10 @@ def _worker(out: str, model_dirs: dict[str, str]) -> None:
 
 def launch(nproc: int, out: str, model_dirs: dict[str, str], timeout: float = 900) -> str:
     """torchrun ``nproc`` ranks over :func:`_worker`; returns the log."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           os.path.abspath(__file__), "--out", out, *[f"--model={k}={v}" for k, v in model_dirs.items()]]
-    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, TOKENIZERS_PARALLELISM="false")
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    log = r.stdout + r.stderr
-    if r.returncode != 0:
-        raise RuntimeError(f"torchrun x{nproc} failed (rc={r.returncode}):\n{log[-6000:]}")
-    return log
+    from tests.test_parallel_parity import run_torchrun
+
+    return run_torchrun(nproc, [os.path.abspath(__file__), "--out", out,
+                                *[f"--model={k}={v}" for k, v in model_dirs.items()]], timeout)
 
 
 @dataclass

@@ -624,12 +624,16 @@ def run_layouts(out_dir: str, model_dirs: dict[str, str], layouts: list[str], dt
 def launch(nproc: int, out_dir: str, model_dirs: dict[str, str], timeout: float = 600,
            dtype: str = "float32") -> str:
     """torchrun ``nproc`` ranks over this file's worker; returns the log."""
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        os.path.abspath(__file__), "worker", "--out", out_dir,
-        "--layouts", ",".join(LAUNCHES[nproc]), "--dtype", dtype,
-        *[f"--model={k}={v}" for k, v in model_dirs.items()],
-    ]
+    return run_torchrun(nproc, [os.path.abspath(__file__), "worker", "--out", out_dir,
+                                "--layouts", ",".join(LAUNCHES[nproc]), "--dtype", dtype,
+                                *[f"--model={k}={v}" for k, v in model_dirs.items()]], timeout)
+
+
+def run_torchrun(nproc: int, script_args: list[str], timeout: float) -> str:
+    """``torchrun --standalone`` with ``nproc`` ranks over ``script_args`` (the
+    script and its flags), one OpenMP thread each; returns the log, raises
+    with its tail on a non-zero exit."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *script_args]
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, TOKENIZERS_PARALLELISM="false")
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
