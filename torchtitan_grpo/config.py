@@ -19,6 +19,7 @@ from typing import Literal
 from torchtitan_grpo import _titan  # noqa: F401  (before torchtitan)
 from torchtitan_grpo.eval_config import Eval
 from torchtitan_grpo.lora_config import LoRA
+from torchtitan_grpo.moe_config import MoE
 # The start-up checks live in config_checks.py; these names are imported from here too.
 from torchtitan_grpo.config_checks import (  # noqa: F401
     ConfigError, _check, _check_model_dir, _check_toml_keys, check_reachable, validate,
@@ -80,6 +81,21 @@ class GRPO:
     mask_truncated: bool = False
     """Completions that hit rollout.max_new_tokens contribute no loss (and do
     not count in the loss normalisers); counted in offpolicy/truncated_dropped."""
+
+    micro_batch_tokens: int = 0
+    """Packed micro-batches: samples are concatenated into rows of at most
+    this many tokens (a sample longer than that gets a row of its own), each
+    attending only within itself (document-masked attention, positions
+    restarting per sample), so a batch with a long tail of lengths computes
+    no padding. 0: padded micro-batches of micro_batch_size samples."""
+
+    router_replay: Literal["off", "rollout"] = "off"
+    """MoE models: "rollout" routes every sampled token in the trainer's forward
+    to the experts the inference engine used for it (R3, rollout routing
+    replay; the gate weights of those experts still get gradients), so the
+    importance ratio compares one network with itself; the servers are asked
+    for the routes (SGLang and vLLM need --enable-return-routed-experts).
+    Tokens without routes (prompts, environments' tokens) route normally."""
 
     filter_constant_groups: bool = False
     """Drop groups whose rewards are all equal (they carry no signal); they are counted either way."""
@@ -359,6 +375,12 @@ class WeightSync:
     docs/perf-history/weight-push.md runs 47-48). In vLLM's (one update per version) the
     finish is then handled while the bytes arrive instead of after them."""
 
+    lora_push: Literal["merged", "adapter"] = "merged"
+    """With [lora]: "merged" pushes base + (alpha / rank) B A as full weights
+    under the usual HF names (any server); "adapter" pushes only the adapter
+    (SGLang's and vLLM's LoRA-loading routes; the built-in server merges it
+    into its own copy of the base, which it keeps for the next version)."""
+
     master_address: str = "127.0.0.1"
     """Address the trainer's weight-group stores listen on (reachable by every replica)."""
 
@@ -393,6 +415,7 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     eval: Eval = field(default_factory=Eval)
     lora: LoRA = field(default_factory=LoRA)
+    moe: MoE = field(default_factory=MoE)
 
 
 def _trainer_gpus() -> int:
