@@ -5,6 +5,7 @@ the model), so that a rollout client process can build samples without them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -30,6 +31,14 @@ class Sample:
     per-token versions (a weight update landed mid-generation); with
     ``grpo.is_correction = "token"`` tokens too stale are masked out one by one
     (``offpolicy.select_samples``)."""
+
+    routed_experts: Any = None
+    """MoE router replay (``grpo.router_replay = "rollout"``): a numpy int16
+    array ``[len(prompt_ids) + len(completion_ids) - 1, num_moe_layers, top_k]``
+    of the expert ids the inference engine's router picked, for every input
+    position the engine ran (the whole sequence but its last token, which was
+    never fed back), layers in model order; a row of -1 where the engine gave
+    no route (that position routes normally in the trainer). None: no routes."""
 
     @property
     def num_loss_tokens(self) -> float:
