@@ -113,17 +113,24 @@ class Backend:
     parse: ParseFn
     """(json body, n, replica url) -> n completions; raises MalformedResponse."""
     health_path: str = "/health"
+    adapter: Callable[[dict[str, Any], str], dict[str, Any]] | None = None
+    """(body, adapter name) -> the body run on that LoRA adapter (``InferencePool.set_adapter``)."""
 
 
 def _sglang_backend() -> Backend:
-    return Backend("/generate", lambda ids, n, p, model: sglang.generate_request(ids, n, p), sglang.parse_generate)
+    from torchtitan_grpo.protocol.sglang import name_adapter
+
+    return Backend("/generate", lambda ids, n, p, model: sglang.generate_request(ids, n, p), sglang.parse_generate,
+                   adapter=name_adapter)
 
 
 def _vllm_backend() -> Backend:
     # Imported on use: a pool that speaks SGLang must not depend on this module.
     from torchtitan_grpo.inference import vllm
 
-    return Backend("/v1/completions", vllm.completions_request, vllm.parse_completions)
+    from torchtitan_grpo.protocol.vllm import name_adapter
+
+    return Backend("/v1/completions", vllm.completions_request, vllm.parse_completions, adapter=name_adapter)
 
 
 BACKENDS: dict[str, Callable[[], Backend]] = {
@@ -267,6 +274,14 @@ class InferencePool:
         self.counters: dict[str, int] = dict.fromkeys(
             ("requests", "failed_requests", "attempts", "retries", "failures", "timeouts", "malformed",
              "connection_errors", "http_errors", "rejected", "aborts", "waits", "resent"), 0)
+        self.adapters: dict[str, str] = {}
+        """Per replica URL, the LoRA adapter its requests name (``set_adapter``)."""
+
+    def set_adapter(self, url: str, name: str) -> None:
+        """From now on, name the LoRA adapter ``name`` in every attempt sent to
+        ``url`` (weight_sync.lora_push = "adapter": the adapter push calls it
+        once the replica serves the new adapter; any thread)."""
+        self.adapters[url.rstrip("/")] = name
 
     # ---- the fleet, as the pool's callers see it --------------------------- #
 
@@ -403,6 +418,9 @@ class InferencePool:
         """One HTTP call; raises one of the private exceptions on anything but a full group."""
         cfg = self.config
         assert r.session is not None, "InferencePool.start() was not awaited"
+        adapter = self.adapters.get(r.url)
+        if adapter and self.backend.adapter is not None:  # per attempt: a retry names its new replica's adapter
+            body = self.backend.adapter(body, adapter)
         timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s)
         try:
             async with r.session.post(r.url + self.backend.path, json=body, timeout=timeout) as resp:

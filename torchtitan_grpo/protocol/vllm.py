@@ -117,3 +117,29 @@ def parse_world_size(body: Any, replica: str) -> int:
     ws = body.get("world_size") if isinstance(body, dict) else None
     need(_is_int(ws) and ws >= 1, replica, "world_size", f"expected a positive integer, got {ws!r}")
     return ws
+
+
+# ---- LoRA adapters (docs/PROTOCOL_NOTES.md, "LoRA adapter routes"): a server started with
+# --enable-lora (and --max-lora-rank >= the adapter's rank) and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True
+
+LOAD_LORA_ADAPTER = "/v1/load_lora_adapter"
+UNLOAD_LORA_ADAPTER = "/v1/unload_lora_adapter"
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+"""Environment variable without which vLLM does not mount the two routes."""
+ADAPTER_FIELD = "model"
+"""A generation request picks a loaded adapter by naming it as its ``model``."""
+
+
+def load_lora_adapter_request(lora_name: str, lora_path: str) -> dict[str, Any]:
+    """Body of POST /v1/load_lora_adapter: a peft folder the server can read."""
+    return {"lora_name": lora_name, "lora_path": lora_path}
+
+
+def unload_lora_adapter_request(lora_name: str) -> dict[str, Any]:
+    """Body of POST /v1/unload_lora_adapter (``lora_int_id`` is optional and not sent)."""
+    return {"lora_name": lora_name}
+
+
+def name_adapter(body: dict[str, Any], lora_name: str) -> dict[str, Any]:
+    """A /v1/completions (or chat) body that runs on the adapter ``lora_name`` (a copy)."""
+    return {**body, ADAPTER_FIELD: lora_name}
