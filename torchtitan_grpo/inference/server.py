@@ -72,6 +72,7 @@ from torchtitan_grpo.inference.httputil import (
     authorized,
     read_json,
 )
+from torchtitan_grpo.inference.lora_receive import LoraRoutes
 from torchtitan_grpo.inference.requests import ModelLoadError, RequestError
 from torchtitan_grpo.inference.server_config import ServerConfig
 from torchtitan_grpo.inference.sglang_routes import SGLangGenerateRoutes
@@ -136,8 +137,11 @@ def build_app(engine: Engine, cfg: ServerConfig) -> tuple[web.Application, SGLan
     weights = SGLangWeightRoutes(engine, cfg, limits)
     weights.register(app)
     gate = PauseGate(engine)  # vLLM's /pause, as its generation routes see it
-    OpenAIRoutes(engine, cfg, gate, limits).register(app)
-    ChatRoutes(engine, cfg, gate, limits).register(app)
+    completions, chat = OpenAIRoutes(engine, cfg, gate, limits), ChatRoutes(engine, cfg, gate, limits)
+    completions.register(app)
+    chat.register(app)
+    # LoRA adapters (both protocols' routes), merged on receive; vLLM's routes answer to their names
+    LoraRoutes(engine, limits, [completions.served_names, chat.served_names]).register(app)
     vllm_weights = VLLMWeightRoutes(engine, cfg, gate, limits)
     vllm_weights.register(app)
     vllm_generate = VLLMGenerateRoute(engine, gate, limits)
