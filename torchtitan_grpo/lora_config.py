@@ -22,8 +22,9 @@ class LoRA:
     ``[out, rank]`` (zero at start, so step 0 is the base model) trained.
 
     Inference servers receive merged full weights (``W + (alpha / rank) B A``)
-    under the usual HF names, so every backend works unchanged; pushing only
-    the adapter is not implemented. The HF export holds the merged model and,
+    under the usual HF names, so every backend works unchanged, or with
+    ``weight_sync.lora_push = "adapter"`` only the adapter, through the
+    engines' LoRA routes (``weight_sync.adapter_push``). The HF export holds the merged model and,
     in ``lora_adapter/``, the adapter in the format peft loads. One trainer
     process only (no FSDP, DDP, TP or PP yet)."""
 
@@ -48,7 +49,11 @@ class LoRA:
 def validate_lora(cfg, check) -> None:
     """Start-up checks of ``[lora]``; ``check(ok, key, msg, value)`` raises ConfigError."""
     lo = cfg.lora
+    push = getattr(cfg.weight_sync, "lora_push", "merged")
+    check(push in ("merged", "adapter"), "weight_sync.lora_push", 'must be "merged" or "adapter"', push)
     if not lo.enable:
+        check(push == "merged", "weight_sync.lora_push", '"adapter" needs lora.enable = true (there is no adapter '
+              "to push)", push)
         return
     check(lo.rank >= 1, "lora.rank", "must be >= 1", lo.rank)
     check(lo.alpha > 0, "lora.alpha", "must be > 0", lo.alpha)

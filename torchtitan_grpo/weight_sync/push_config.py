@@ -82,6 +82,10 @@ class PushConfig:
     """Replicas started with an API key: every HTTP request of the push
     (weight-update routes, probes, the pipelined connection) then carries
     ``Authorization: Bearer <api_key>``. Empty: no such header."""
+    adapter_config: dict | None = None
+    """backend "adapter" (``weight_sync.lora_push = "adapter"``): the peft
+    ``adapter_config.json`` written beside each version's adapter tensors
+    (``adapter_push.adapter_config``)."""
     large_tensor_bytes: int = 16 << 20
     """Tensors of at least this many bytes are staged with a copy of their own,
     the others with one ``_foreach_copy_`` per bucket: a launch per tensor

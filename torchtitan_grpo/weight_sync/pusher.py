@@ -69,6 +69,7 @@ TRANSPORTS: dict[str, str | type[Transport]] = {
     # Transports of their own (the backend's name).
     "ipc": "ipc_push.IpcPush",
     "disk": "disk_push.DiskPush",
+    "adapter": "adapter_push.AdapterPush",  # weight_sync.lora_push = "adapter": LoRA adapters, not weights
 }
 """Every transport, by name: ``"<module of weight_sync>.<class>"`` (imported
 when picked) or the class itself. A new transport is a module of its own and
