@@ -237,3 +237,12 @@ def test_long_step_tiny_rows_and_paths_agree(capsys):
     for full, chunk in (rows[0:2], rows[2:4]):
         assert float(chunk[5]) == pytest.approx(float(full[5]), abs=1e-5), (full, chunk)
         assert float(chunk[6]) == pytest.approx(float(full[6]), abs=1e-4), (full, chunk)
+
+
+def test_lora_push_bench_cpu(tmp_path):
+    """bench/lora_push.py on the tiny shape: a full row and an adapter row, the adapter far smaller."""
+    r, out = _run([sys.executable, "bench/lora_push.py", "--cpu", "--reps", "1", "--work", str(tmp_path)])
+    assert r.returncode == 0, out
+    rows = {line.split("|")[1].strip(): line.split("|") for line in out.splitlines() if line.startswith("| ")}
+    assert set(rows) >= {"full (disk)", "adapter r=4"}, out
+    assert 0 < float(rows["adapter r=4"][4]) < 0.2, out  # bytes vs full
