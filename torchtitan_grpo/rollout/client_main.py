@@ -124,6 +124,7 @@ def main(fd: int) -> int:
         "retire": pool.retire,
         "eject": pool.eject,
         "readmit": pool.readmit,
+        "set_adapter": pool.set_adapter,
     }
     answered = {"ready", "start_pool", "took", "events"}
 

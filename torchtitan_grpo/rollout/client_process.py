@@ -96,6 +96,7 @@ class RemotePool:
         self.pushing_on = False
         self.retired: dict[str, str] = {}
         self.ejected: set[str] = set()
+        self.adapters: dict[str, str] = {}
 
     def start(self) -> None:
         """Start the client's pool (its health checks, the replica file)."""
@@ -122,6 +123,11 @@ class RemotePool:
     def readmit(self, url: str) -> None:
         self._client._send(("readmit", url))
         self.ejected.discard(url)
+
+    def set_adapter(self, url: str, name: str) -> None:
+        """Name the LoRA adapter ``name`` in every request to ``url`` (weight_sync.lora_push = "adapter")."""
+        self._client._send(("set_adapter", url, name))
+        self.adapters[url] = name
 
     @property
     def events(self) -> list[tuple[float, str, str, str]]:
@@ -326,6 +332,8 @@ class RolloutProcess:
                 self.pool.pushing()
             for url, why in list(self.pool.retired.items()):  # the pusher's thread may add some meanwhile
                 self.pool.retire(url, why)
+            for url, name in list(self.pool.adapters.items()):
+                self._send(("set_adapter", url, name))
             for url in list(self.pool.ejected):
                 self.pool.eject(url)
             if self._version is not None:
