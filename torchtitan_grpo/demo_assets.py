@@ -47,6 +47,16 @@ class TinyQwen3:
     seed: int = 0
 
 
+@dataclass
+class TinyQwen3Moe(TinyQwen3):
+    """Shape of a tiny Qwen3-MoE (``Qwen3MoeForCausalLM``): every layer an MoE."""
+
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64
+    norm_topk_prob: bool = True  # as Qwen3-30B-A3B
+
+
 # Qwen3-0.6B's shape (config.json of the HF release), random weights: benchmarks' model of real size.
 QWEN3_0_6B = TinyQwen3(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                        head_dim=128, intermediate_size=3072, vocab_size=151936, max_position_embeddings=4096,
@@ -85,15 +95,18 @@ def write_tokenizer(out_dir: str) -> None:
 
 
 def write_tiny_qwen3(out_dir: str, shape: TinyQwen3 | None = None) -> str:
-    """Write a randomly initialised tiny Qwen3ForCausalLM plus tokenizer to
-    ``out_dir`` and return it. Deterministic for a given ``shape.seed``."""
+    """Write a randomly initialised tiny Qwen3ForCausalLM (``Qwen3MoeForCausalLM``
+    for a :class:`TinyQwen3Moe` shape) plus tokenizer to ``out_dir`` and
+    return it. Deterministic for a given ``shape.seed``."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     shape = shape or TinyQwen3()
     fields = asdict(shape)
     seed = fields.pop("seed")
-    config = Qwen3Config(
+    moe = isinstance(shape, TinyQwen3Moe)
+    config_cls, model_cls = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if moe else (Qwen3Config, Qwen3ForCausalLM)
+    config = config_cls(
         **fields,
         bos_token_id=None,
         eos_token_id=1,
@@ -103,7 +116,7 @@ def write_tiny_qwen3(out_dir: str, shape: TinyQwen3 | None = None) -> str:
         torch_dtype="float32",
     )
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
+    model = model_cls(config)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     write_tokenizer(out_dir)
@@ -132,22 +145,25 @@ def ensure_tiny_qwen3(out_dir: str, shape: TinyQwen3 | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> str:
-    """``python -m torchtitan_grpo.demo_assets DIR [--seed N] [--shape tiny|qwen3-0.6b] [--force]``:
+    """``python -m torchtitan_grpo.demo_assets DIR [--seed N] [--shape tiny|qwen3-0.6b] [--moe] [--force]``:
     write the model to DIR (kept if DIR already holds a config.json, unless
     ``--force``) and print DIR. Scripts and tests that train on a demo model
     at a path of their own call this first."""
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m torchtitan_grpo.demo_assets",
-                                description="Write the demo's tiny random Qwen3 (or the Qwen3-0.6B shape) and its "
-                                            "character tokenizer to DIR.")
+                                description="Write the demo's tiny random Qwen3 (or the Qwen3-0.6B shape, or a "
+                                            "tiny Qwen3-MoE) and its character tokenizer to DIR.")
     p.add_argument("out_dir", metavar="DIR")
     p.add_argument("--seed", type=int, default=0, help="init seed (grpo.seed of the run that would write it)")
     p.add_argument("--shape", choices=("tiny", "qwen3-0.6b"), default="tiny")
+    p.add_argument("--moe", action="store_true", help="a tiny Qwen3-MoE (8 experts, top 2) instead")
     p.add_argument("--force", action="store_true", help="overwrite a model already in DIR")
     a = p.parse_args(argv)
     base = QWEN3_0_6B if a.shape == "qwen3-0.6b" else TinyQwen3()
-    shape = TinyQwen3(**{**asdict(base), "seed": a.seed})
+    if a.moe and a.shape != "tiny":
+        p.error("--moe writes the tiny shape only")
+    shape = (TinyQwen3Moe if a.moe else TinyQwen3)(**{**asdict(base), "seed": a.seed})
     out = write_tiny_qwen3(a.out_dir, shape) if a.force else ensure_tiny_qwen3(a.out_dir, shape)
     print(out)
     return out

@@ -7,7 +7,8 @@ args, builds the TorchTitan model, and moves weights both ways through the
 train spec's own state-dict adapter, so the name/permutation logic stays
 TorchTitan's and we only add the checks that make a mismatch loud.
 
-Supported train specs: ``qwen3`` (dense ``Qwen3ForCausalLM``) and ``llama3``
+Supported train specs: ``qwen3`` (dense ``Qwen3ForCausalLM``; ``Qwen3MoeForCausalLM``
+through :mod:`torchtitan_grpo.qwen3_moe`) and ``llama3``
 (``LlamaForCausalLM``; with ``tie_word_embeddings`` the model and adapter of
 :mod:`torchtitan_grpo.llama3_tied`). Anything the TorchTitan model cannot express (biases,
 sliding windows, other RoPE types, ...) raises instead of silently producing a
@@ -29,6 +30,7 @@ import torchtitan_grpo  # noqa: F401  (installs the triton shim before torchtita
 from torchtitan.models.llama3.model.args import RoPEScalingArgs, TransformerModelArgs
 from torchtitan.models.llama3.model.model import FeedForward as Llama3FeedForward
 from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
+from torchtitan_grpo import qwen3_moe
 from torchtitan_grpo.llama3_tied import (
     TiedLlama3ModelArgs,
     TiedLlama3StateDictAdapter,
@@ -37,17 +39,8 @@ from torchtitan_grpo.llama3_tied import (
 from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
 from torchtitan.protocols.train_spec import get_train_spec
 
-__all__ = [
-    "load_hf_config",
-    "model_args_from_hf",
-    "build_model",
-    "materialize",
-    "state_dict_adapter",
-    "load_hf_weights",
-    "checkpoint_names",
-    "hf_state_dict",
-    "hf_aliases",
-]
+__all__ = ["load_hf_config", "model_args_from_hf", "build_model", "materialize", "state_dict_adapter",
+           "load_hf_weights", "checkpoint_names", "hf_state_dict", "hf_aliases"]
 
 # train spec name -> (HF model_type, HF architecture class name)
 _SUPPORTED = {
@@ -131,6 +124,8 @@ def _check_architecture(model_name: str, hf_config: dict) -> None:
             f"unsupported model name {model_name!r}; supported: {sorted(_SUPPORTED)}"
         )
     model_type, arch = _SUPPORTED[model_name]
+    if model_name == "qwen3" and qwen3_moe.is_moe_config(hf_config):  # same train spec, MoE args
+        model_type, arch = qwen3_moe.MODEL_TYPE, qwen3_moe.ARCHITECTURE
     got_type = hf_config.get("model_type")
     archs = hf_config.get("architectures") or []
     if got_type != model_type or (archs and arch not in archs):
@@ -353,7 +348,8 @@ def model_args_from_hf(
     if max_seq_len is None:
         max_seq_len = int(hf_config.get("max_position_embeddings", 4096))
     if model_name == "qwen3":
-        return _qwen3_args(hf_config, max_seq_len)
+        args = _qwen3_args(hf_config, max_seq_len)
+        return qwen3_moe.moe_model_args(args, hf_config) if qwen3_moe.is_moe_config(hf_config) else args
     return _llama3_args(hf_config, max_seq_len)
 
 
@@ -387,7 +383,7 @@ def build_model(
     model_cls = _classes(model_name, model_args)[0]
     device = torch.device(device)
     with torch.device("meta"):
-        model = model_cls(model_args)
+        model = qwen3_moe.prepare(model_cls(model_args))  # MoE routers: replayable, CPU-capable
     if dtype != torch.float32:
         # Assigning .data keeps Parameter identity, so tied weights stay tied.
         for param in model.parameters():
