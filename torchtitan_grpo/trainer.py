@@ -20,6 +20,7 @@ from torchtitan_grpo import _titan  # noqa: F401
 from torchtitan_grpo import lora
 from torchtitan_grpo import loss as grpo_losses
 from torchtitan_grpo import model as hf_model
+from torchtitan_grpo import packing
 from torchtitan_grpo import parallel
 from torchtitan_grpo import pipeline as pipeline_parallel
 from torchtitan_grpo import token_logprobs
@@ -117,6 +118,7 @@ def build_policy(job_config, hf_dir: str, d: Dist) -> Policy:
     from torchtitan.components.optimizer import build_optimizers
 
     name = job_config.model.name
+    packing.check_layout(job_config)
     hf_config = hf_model.load_hf_config(hf_dir)
     model_args = hf_model.model_args_from_hf(name, hf_config, max_seq_len=job_config.training.seq_len)
     pipelined = job_config.parallelism.pipeline_parallel_degree > 1
@@ -161,6 +163,10 @@ def build_policy(job_config, hf_dir: str, d: Dist) -> Policy:
     optimizers = build_optimizers([model], job_config.optimizer, parallel_dims)
     lr_schedulers = build_lr_schedulers(optimizers, job_config.lr_scheduler, job_config.training.steps)
     reference = offpolicy.build_reference(job_config, hf_dir, d) if job_config.grpo.kl_coef > 0 else None
+    if _micro_batch_tokens(job_config.grpo):  # packed rows: document-masked attention in both models
+        for m in (model, reference):
+            if m is not None:
+                packing.use_document_attention(m)
     return Policy(model, model_args, adapter, optimizers, lr_schedulers, parallel_dims,
                   float(job_config.training.max_norm), reference, [model], pipe,
                   parallel.mixed_precision(job_config, parallel_dims, d.device))
@@ -378,34 +384,63 @@ def train_step(policy: Policy, local: list[Sample], grpo_cfg, temperature: float
     } | off_metrics
 
 
+def _micro_batch_tokens(grpo_cfg) -> int:
+    """grpo.micro_batch_tokens (0: padded micro-batches)."""
+    return int(getattr(grpo_cfg, "micro_batch_tokens", 0))
+
+
+def _micro_batches(local: list[Sample], grpo_cfg) -> list[list[Sample]]:
+    """This rank's samples per micro-batch: ``micro_batch_size`` at a time, or
+    with grpo.micro_batch_tokens the rows of :func:`torchtitan_grpo.packing.plan`."""
+    budget = _micro_batch_tokens(grpo_cfg)
+    if budget:
+        rows = packing.plan([len(s.prompt_ids) + len(s.completion_ids) for s in local], budget)
+        return [[local[i] for i in row] for row in rows]
+    mbs = grpo_cfg.micro_batch_size
+    return [local[k : k + mbs] for k in range(0, len(local), mbs)]
+
+
 def _forward_backward(policy: Policy, local: list[Sample], ctx: _LossContext, pad_id: int, d: Dist,
                       sums: dict[str, float], off_stats: offpolicy.OffPolicyStats) -> None:
-    """Micro-batched forward/backward through the whole model (no PP)."""
+    """Micro-batched forward/backward through the whole model (no PP): padded
+    ``[samples, longest]`` micro-batches, or packed ``[1, L]`` rows
+    (grpo.micro_batch_tokens) whose outputs return to the same per-sample
+    layout before the loss (:mod:`torchtitan_grpo.packing`)."""
     model = policy.model
-    mbs = ctx.grpo_cfg.micro_batch_size
+    packed = _micro_batch_tokens(ctx.grpo_cfg) > 0
+    row_multiple = packing.CUDA_ROW_MULTIPLE if d.device.type == "cuda" else 1
     chunk_tokens = _logprob_chunk_tokens(policy, ctx.grpo_cfg)
+    micro = _micro_batches(local, ctx.grpo_cfg)
     # Ranks with fewer local samples still run the same number of forward/backward
     # passes (on an empty micro-batch), or FSDP's collectives would deadlock.
-    n_micro = max(1, -(-len(local) // mbs))
+    n_micro = max(1, len(micro))
     if d.world_size > 1:
         t = torch.tensor([n_micro], device=d.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         n_micro = int(t.item())
     for k in range(n_micro):
-        chunk = local[k * mbs : (k + 1) * mbs]
+        chunk = micro[k] if k < len(micro) else []
         empty = not chunk
         if empty:  # a zero-weight pass keeps the collectives in step
             chunk = local[:1] or [Sample([pad_id, pad_id], [pad_id], [0.0], 0.0, 0.0, "length", [])]
+        # the loss's layout (rows = samples); with packing the model sees `row` instead
         tokens, mask, old, adv = _pack(chunk, pad_id, d.device)
         if empty:
             mask = torch.zeros_like(mask)
-        # sequence parallelism splits T evenly over TP ranks
-        tokens, mask, old = parallel.pad_to_multiple(
-            tokens, mask, old, parallel.seq_len_multiple(policy.parallel_dims), pad_id)
-        logprobs, entropy = _forward_terms(model, tokens, mask, ctx.temperature, chunk_tokens, policy.amp)
         ref = None
-        if policy.reference is not None:
-            ref = _reference_logprobs(policy.reference, tokens, ctx.temperature, chunk_tokens, policy.amp)
+        if packed:
+            row = packing.pack_row([[*s.prompt_ids, *s.completion_ids] for s in chunk], pad_id, d.device,
+                                   row_multiple)
+            logprobs, entropy = packing.forward_terms(model, row, mask, ctx.temperature, chunk_tokens, policy.amp)
+            if policy.reference is not None:
+                ref = packing.reference_logprobs(policy.reference, row, ctx.temperature, chunk_tokens, policy.amp)
+        else:
+            # sequence parallelism splits T evenly over TP ranks
+            tokens, mask, old = parallel.pad_to_multiple(
+                tokens, mask, old, parallel.seq_len_multiple(policy.parallel_dims), pad_id)
+            logprobs, entropy = _forward_terms(model, tokens, mask, ctx.temperature, chunk_tokens, policy.amp)
+            if policy.reference is not None:
+                ref = _reference_logprobs(policy.reference, tokens, ctx.temperature, chunk_tokens, policy.amp)
         loss, record = _logprob_loss(logprobs, entropy, mask, old, adv, ctx, ref)
         loss.backward()
         _add_record(sums, off_stats, record)
