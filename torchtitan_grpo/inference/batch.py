@@ -12,11 +12,12 @@ sampled tokens not yet fed, the queue, the locks).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, Protocol
 
 import torch
 
-from torchtitan_grpo.inference import static_batch
+from torchtitan_grpo.inference import moe_routes, static_batch
 from torchtitan_grpo.inference.to_device import upload  # noqa: F401  (engine.py and sampling.py take it from here)
 
 
@@ -82,14 +83,15 @@ def make_batch(model: Any, cfg: Any, device: torch.device, pad_token_id: int) ->
     if kind == "auto":
         kind = "static" if device.type == "cuda" and unsupported is None else "dynamic"
     if kind == "dynamic":
-        return DynamicBatch(model, device, cfg.max_batch_size, pad_token_id)
+        return DynamicBatch(model, device, cfg.max_batch_size, pad_token_id, routes=cfg.return_routed_experts)
     if unsupported is not None:
         raise ValueError(f"kv_cache static: {unsupported}; use kv_cache dynamic")
     own = int(getattr(model.config, "max_position_embeddings", None) or DEFAULT_STATIC_LEN)
     max_len = cfg.max_model_len or min(own, DEFAULT_STATIC_LEN)
     if max_len < 2:
         raise ValueError(f"max_model_len must be >= 2, got {max_len}")
-    return static_batch.StaticBatch(model, device, cfg.max_batch_size, max_len, graphs=cfg.cuda_graphs)
+    return static_batch.StaticBatch(model, device, cfg.max_batch_size, max_len, graphs=cfg.cuda_graphs,
+                                    routes=cfg.return_routed_experts)
 
 
 class DynamicBatch:
@@ -100,8 +102,11 @@ class DynamicBatch:
     Joining a running batch left-pads the shorter side's KV; leaving drops
     rows, then the columns that are now padding for every remaining row."""
 
-    def __init__(self, model: Any, device: torch.device, max_batch_size: int, pad_token_id: int):
+    def __init__(self, model: Any, device: torch.device, max_batch_size: int, pad_token_id: int,
+                 routes: bool = False):
         self.model = model
+        # Routed experts (router replay): hooks on the MoE routers, None when off.
+        self._gates = moe_routes.GateHooks(model) if routes else None
         self.device = device
         self.max_batch_size = max_batch_size
         self.pad_token_id = pad_token_id
@@ -153,14 +158,18 @@ class DynamicBatch:
             mask[i, width - len(c) :] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = self._new_cache()
-        out = self.model(
-            input_ids=ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            position_ids=pos.to(self.device),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        with self._capture(len(uniq), width) as routes:
+            out = self.model(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                position_ids=pos.to(self.device),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        if routes:
+            for s, r in zip(seqs, row_of):
+                moe_routes.start(s, routes[0][r, width - len(uniq[r]) :])  # left-padded: the real positions
         cache = out.past_key_values
         idx = torch.tensor(row_of)
         if len(uniq) != len(seqs) or not torch.equal(idx, torch.arange(len(seqs))):
@@ -172,13 +181,16 @@ class DynamicBatch:
     def decode(self, last: torch.Tensor) -> torch.Tensor:
         ones = torch.ones((len(self.rows), 1), dtype=self._mask.dtype, device=self.device)
         self._mask = torch.cat([self._mask, ones], dim=1)
-        out = self.model(
-            input_ids=last[:, None],
-            attention_mask=self._mask,
-            position_ids=self._next_pos[:, None],
-            past_key_values=self._cache,
-            use_cache=True,
-        )
+        with self._capture(len(self.rows), 1) as routes:
+            out = self.model(
+                input_ids=last[:, None],
+                attention_mask=self._mask,
+                position_ids=self._next_pos[:, None],
+                past_key_values=self._cache,
+                use_cache=True,
+            )
+        if routes:
+            moe_routes.extend(self.rows, routes[0][:, 0])
         self._cache = out.past_key_values
         self._next_pos = self._next_pos + 1
         return out.logits[:, -1, :]
@@ -204,6 +216,10 @@ class DynamicBatch:
 
     def clear(self) -> None:
         self.rows, self._cache, self._mask, self._next_pos = [], None, None, None
+
+    def _capture(self, batch: int, width: int):
+        """The routers' picks of one forward (an empty list when routes are off)."""
+        return self._gates.capture(batch, width) if self._gates is not None else nullcontext([])
 
     # ---- joining --------------------------------------------------------- #
 

@@ -104,6 +104,8 @@ class EngineConfig:
     much longer (the worker sleeps in it), so one replica generates N times
     slower than its peers (the pipelined loop's slow-replica case). 0 in
     production."""
+    return_routed_experts: bool = False
+    """Capture every MoE layer's routed experts per position (``moe_routes.py``)."""
 
 
 class Engine:

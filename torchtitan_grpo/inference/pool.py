@@ -196,6 +196,10 @@ class PoolConfig:
     replica_file_interval_s: float = 5.0
     api_key: str = ""
     """Sent as ``Authorization: Bearer <key>`` on every request (servers started with ``--api-key``)."""
+    route_shape: tuple[int, int] | None = None
+    """(MoE layers, top_k) of the served model: ask every request for its routed
+    experts and decode them into ``Completion.routed_experts`` (router replay,
+    ``route_backend.route_shape`` reads it from config.json). None: no routes."""
 
     def __post_init__(self) -> None:
         def need(ok: bool, key: str, msg: str) -> None:
@@ -266,6 +270,10 @@ class InferencePool:
         if not urls and not self.config.replica_file:
             raise ValueError("InferencePool needs replica URLs or PoolConfig.replica_file")
         self.backend = BACKENDS[self.config.backend]()
+        if self.config.route_shape is not None:  # router replay: every request asks for its routed experts
+            from torchtitan_grpo.inference.route_backend import with_routes
+
+            self.backend = with_routes(self.config.backend, self.backend, self.config.route_shape)
         self.fleet = ReplicaSet(urls, self.config, self.backend.health_path)
         """The replicas and their health / state machine."""
         self._busy_mark = (time.monotonic(), {})  # (time, {index: busy_s}) at the last metrics()

@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from torchtitan_grpo.inference import moe_routes
+
 PAUSE_MODES = ("abort", "retract", "in_place")
 DEFAULT_WEIGHT_VERSION = "default"
 _GREEDY_EPS = 1e-6  # temperatures below this mean argmax, as in SGLang
@@ -151,6 +153,8 @@ class SampleResult:
     cached_tokens: int
     e2e_latency: float
     text: str | None = None
+    routed_experts: Any = None
+    """int16 ``[len(prompt) + len(output) - 1, moe_layers, top_k]`` (``moe_routes.assemble``), or None."""
 
 
 # --------------------------------------------------------------------------- #
@@ -195,6 +199,7 @@ class _Sequence:
     cached_tokens: int = 0
     # (old_version, number of output tokens it produced), one per change.
     version_events: list[tuple[str, int]] = field(default_factory=list)
+    route_chunks: list | None = None  # routed experts per run position (moe_routes.py), when captured
 
     @property
     def params(self) -> SamplingParams:
@@ -272,6 +277,7 @@ def sample_result(s: _Sequence, current_version: str, tokenizer: Any) -> SampleR
         cached_tokens=s.cached_tokens,
         e2e_latency=time.monotonic() - s.req.created,
         text=text,
+        routed_experts=moe_routes.assemble(s),
     )
 
 

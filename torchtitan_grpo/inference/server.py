@@ -211,6 +211,9 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     p.add_argument("--debug-decode-delay-s", type=float, default=0.0, metavar="S",
                    help="DEBUG KNOB for benchmarks: the engine sleeps S seconds in every decode step of "
                         "its batch, so this replica generates more slowly than its peers (default 0: off)")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="MoE models: capture each MoE layer's routed experts per position, returned to requests "
+                        "with 'return_routed_experts' (SGLang's and vLLM's flag)")
     a = p.parse_args(argv)
     if a.max_batch_size < 1:
         p.error("--max-batch-size must be >= 1")
@@ -234,6 +237,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         weight_group_timeout_s=a.weight_group_timeout, num_threads=a.num_threads,
         debug_update_delay_s=a.debug_update_delay_s, debug_decode_delay_s=a.debug_decode_delay_s,
         chat_template=chat_template, trust_request_chat_template=a.trust_request_chat_template,
+        enable_return_routed_experts=a.enable_return_routed_experts,
     )
 
 
@@ -241,7 +245,8 @@ def engine_config(cfg: ServerConfig) -> EngineConfig:
     return EngineConfig(cfg.model, cfg.device, cfg.dtype, cfg.seed, cfg.max_batch_size,
                         kv_cache=cfg.kv_cache, max_model_len=cfg.max_model_len, cuda_graphs=cfg.cuda_graphs,
                         overlap_schedule=None if cfg.overlap_schedule else False,
-                        debug_decode_delay_s=cfg.debug_decode_delay_s)
+                        debug_decode_delay_s=cfg.debug_decode_delay_s,
+                        return_routed_experts=cfg.enable_return_routed_experts)
 
 
 def exposure_warning(cfg: ServerConfig) -> str | None:

@@ -46,3 +46,7 @@ class ServerConfig:
     trust_request_chat_template: bool = False
     """``--trust-request-chat-template``: accept a ``chat_template`` in a
     request (vLLM refuses it without this flag)."""
+    enable_return_routed_experts: bool = False
+    """``--enable-return-routed-experts``: MoE models capture the routed experts
+    of every position; a request gets them with ``return_routed_experts``
+    (a request asking without this flag, or of a dense model, is a 400)."""

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from torchtitan_grpo.inference import route_codec
 from torchtitan_grpo.inference.types import Completion, SamplingParams, is_logprob, need, parse_spans
 # The weight-update bodies are shared with the weight push: protocol.sglang; re-exported here.
 from torchtitan_grpo.protocol.sglang import init_group_request, update_request  # noqa: F401
 
 
-def generate_request(prompt_ids: list[int], n: int, p: SamplingParams) -> dict[str, Any]:
-    """Body of POST /generate for one prompt and n samples with token logprobs."""
+def generate_request(prompt_ids: list[int], n: int, p: SamplingParams, routes: bool = False) -> dict[str, Any]:
+    """Body of POST /generate for one prompt and n samples with token logprobs
+    (and each sample's routed experts with ``routes``)."""
     sp: dict[str, Any] = {
         "max_new_tokens": p.max_new_tokens,
         "temperature": p.temperature,
@@ -23,16 +25,20 @@ def generate_request(prompt_ids: list[int], n: int, p: SamplingParams) -> dict[s
         sp["stop_token_ids"] = list(p.stop_token_ids)
     if p.seed is not None:
         sp["sampling_seed"] = p.seed
-    return {
+    body = {
         "input_ids": list(prompt_ids),
         "sampling_params": sp,
         "return_logprob": True,
         "logprob_start_len": -1,
     }
+    if routes:
+        body[route_codec.REQUEST_FIELD] = True
+    return body
 
 
-def parse_generate(body: Any, n: int, replica: str) -> list[Completion]:
-    """Validate and convert a /generate reply for one prompt with n samples."""
+def parse_generate(body: Any, n: int, replica: str, route_shape: tuple[int, int] | None = None) -> list[Completion]:
+    """Validate and convert a /generate reply for one prompt with n samples;
+    ``route_shape`` (moe layers, top_k): decode each sample's routed experts."""
     items = body if isinstance(body, list) else [body]
     need(len(items) == n, replica, "(top level)", f"expected {n} results, got {len(items)}")
     out = []
@@ -67,5 +73,12 @@ def parse_generate(body: Any, n: int, replica: str) -> list[Completion]:
         if wvs:
             spans = parse_spans(wvs, len(ids), replica, f"{where}meta_info.weight_versions")
         versions = [v for v, _, _ in spans] or [version]
-        out.append(Completion(ids, logprobs, fr["type"], version, versions, replica, spans))
+        routes = None
+        if route_shape is not None:
+            at = f"{where}meta_info.{route_codec.SGLANG_FIELD}"
+            routes = route_codec.decode_sglang(meta.get(route_codec.SGLANG_FIELD), *route_shape, replica, at)
+            prompt_len = meta.get("prompt_tokens")
+            if isinstance(prompt_len, int):
+                route_codec.for_sample(routes, prompt_len, len(ids), replica, at)
+        out.append(Completion(ids, logprobs, fr["type"], version, versions, replica, spans, routes))
     return out

@@ -29,7 +29,7 @@ from typing import Any
 
 from aiohttp import web
 
-from torchtitan_grpo.inference import prompt_logprobs
+from torchtitan_grpo.inference import moe_routes, prompt_logprobs, route_codec
 from torchtitan_grpo.inference.engine import Engine
 from torchtitan_grpo.inference.httputil import (
     BadRequest,
@@ -155,6 +155,8 @@ class _GenerateCall:
     logprob_starts: list[int]
     """Per prompt: first position of ``input_token_logprobs`` (-1: none)."""
     stream: bool = False
+    routes: bool = False
+    """``return_routed_experts``: each sample's ``meta_info.routed_experts``."""
 
 
 class SGLangGenerateRoutes:
@@ -201,7 +203,7 @@ class SGLangGenerateRoutes:
             raise
         inputs = await self.input_logprobs(call)
         out = [
-            self.sample_json(r, call.want_logprobs[i], call.text_in_logprobs, inputs[i])
+            self.sample_json(r, call.want_logprobs[i], call.text_in_logprobs, inputs[i], call.routes)
             for i, samples in enumerate(results)
             for r in samples
         ]
@@ -242,6 +244,11 @@ class SGLangGenerateRoutes:
         rids = _per_prompt(body, "rid", "str", None, n)
         text_in_logprobs = _get(body, "return_text_in_logprobs", "bool", False)
         stream = _get(body, "stream", "bool", False)
+        routes = _get(body, route_codec.REQUEST_FIELD, "bool", False)
+        why = routes and moe_routes.refusal(self.engine.cfg.return_routed_experts, self.engine.model,
+                                            route_codec.REQUEST_FIELD)
+        if why:
+            raise BadRequest(why)
         prompts = self._tokenize(inputs)
         raw_params = sp_raw if isinstance(sp_raw, list) else [sp_raw or {}] * n
         explicit = [d.get("max_new_tokens") for d in raw_params]  # (each checked to be an object above)
@@ -265,6 +272,7 @@ class SGLangGenerateRoutes:
             text_in_logprobs=text_in_logprobs,
             logprob_starts=starts,
             stream=stream,
+            routes=routes,
             # One object for one prompt and one sample; a prompt-major array otherwise.
             single=n == 1 and params[0].n == 1 and self._single_prompt_input(body),
         )
@@ -315,7 +323,8 @@ class SGLangGenerateRoutes:
             return [self.engine.tokenizer.encode(t) for t in inputs]
         return inputs
 
-    def sample_json(self, r: SampleResult, with_logprobs: bool, with_text: bool, extra: dict | None = None) -> dict:
+    def sample_json(self, r: SampleResult, with_logprobs: bool, with_text: bool, extra: dict | None = None,
+                    routes: bool = False) -> dict:
         meta: dict[str, Any] = {
             "id": r.rid,
             "finish_reason": _finish_json(r),
@@ -334,6 +343,8 @@ class SGLangGenerateRoutes:
             meta["output_token_logprobs"] = [[lp, t, tt(t)] for lp, t in zip(r.output_logprobs, r.output_ids)]
             if r.top_logprobs is not None:
                 meta["output_top_logprobs"] = [[[lp, t, tt(t)] for lp, t in step] for step in r.top_logprobs]
+        if routes and r.routed_experts is not None:
+            meta[route_codec.SGLANG_FIELD] = route_codec.encode_sglang(r.routed_experts)
         meta.update(extra or {})
         return {"text": r.text if r.text is not None else "", "output_ids": r.output_ids, "meta_info": meta}
 

@@ -59,7 +59,7 @@ def _chunk(routes: Any, call: Any, i: int, j: int, s: LiveSample, inputs: dict) 
         return None
     if s.result is not None:
         s.final_sent = True
-        return routes.sample_json(s.result, want, call.text_in_logprobs, inputs)
+        return routes.sample_json(s.result, want, call.text_in_logprobs, inputs, call.routes)
     s.new_tokens()
     text_delta(routes.engine, s, params)
     n_out = len(s.token_ids)

@@ -24,7 +24,8 @@ traffic. This batch removes that overhead without hand-written kernels:
   update that swaps storage must call :meth:`StaticBatch.weights_changed`.
 
 Supported: the plain pre-norm decoder family (Llama, Qwen2, Qwen3, Mistral
-without sliding windows): ``supports(model)`` says so, else the engine keeps
+without sliding windows; Qwen3-MoE, whose MoE MLPs run ``static_moe.py``'s
+graph-safe grouped experts and report their routes): ``supports(model)`` says so, else the engine keeps
 the dynamic batch. On CPU the same code runs without graphs (tests compare
 its logits with the HF forward).
 """
@@ -38,11 +39,13 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
+from torchtitan_grpo.inference import moe_routes
+from torchtitan_grpo.inference.static_moe import is_moe, moe_forward
 from torchtitan_grpo.inference.to_device import upload
 
 logger = logging.getLogger(__name__)
 
-_SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+_SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
@@ -62,8 +65,9 @@ def supports(model: Any) -> str | None:
     attn = inner.layers[0].self_attn
     if not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling")):
         return "attention without q/k/v/o projections"
-    if not all(hasattr(inner.layers[0].mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")):
-        return "MLP without gate/up/down projections"
+    dense = ("gate_proj", "up_proj", "down_proj", "act_fn")
+    if not all(is_moe(layer.mlp) or all(hasattr(layer.mlp, n) for n in dense) for layer in inner.layers):
+        return "MLP neither gate/up/down projections nor a grouped-experts MoE block"
     return None
 
 
@@ -123,7 +127,8 @@ class StaticBatch:
 
     can_merge = True
 
-    def __init__(self, model: Any, device: torch.device, slots: int, max_len: int, graphs: bool = True):
+    def __init__(self, model: Any, device: torch.device, slots: int, max_len: int, graphs: bool = True,
+                 routes: bool = False):
         why = supports(model)
         if why is not None:
             raise ValueError(f"static KV batch: unsupported model: {why}")
@@ -168,7 +173,15 @@ class StaticBatch:
         # not one output per captured shape).
         vocab = model.get_output_embeddings().weight.shape[0]
         self._logits = torch.empty((slots, vocab), dtype=dtype, device=device) if self.graphs else None
-        self._fused: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]] = []
+        self._fused: list[tuple[torch.Tensor, torch.Tensor | None, Any, Any]] = []
+        # MoE: each step's expert ids per MoE layer land in _sink (Python, at
+        # trace/capture time) and, with routes on, in the fixed _route_buf a
+        # graph writes: [slots, moe layers, top_k].
+        self._moe = [is_moe(layer.mlp) for layer in self._layers]
+        self._sink: list[torch.Tensor] | None = None
+        n_moe = sum(self._moe)
+        self._route_buf = torch.full((slots, n_moe, moe_routes.top_k(model)), -1, dtype=torch.int32,
+                                     device=device) if routes and n_moe else None
         self._fuse_weights()
         self._param_ptrs = self._ptrs()
 
@@ -179,7 +192,7 @@ class StaticBatch:
             wqkv, bqkv = _fuse([a.q_proj, a.k_proj, a.v_proj])
             if any(p.bias is not None for p in (a.q_proj, a.k_proj, a.v_proj)) and bqkv is None:
                 raise ValueError("static KV batch: q/k/v projections with and without bias")
-            wgu, bgu = _fuse([m.gate_proj, m.up_proj])
+            wgu, bgu = (None, None) if is_moe(m) else _fuse([m.gate_proj, m.up_proj])  # MoE: grouped already
             self._fused.append((wqkv, bqkv, wgu, bgu))
 
     @property
@@ -231,7 +244,14 @@ class StaticBatch:
             else:
                 s.cached_tokens = len(s.req.prompt_ids)
             row_of.append(groups[key])
+        self._sink = [] if self._route_buf is not None else None
         logits = self._prefill(ctxs, owner)
+        if self._sink is not None:
+            width = max(len(c) for c in ctxs)
+            routes = torch.stack(self._sink, dim=1).view(len(ctxs), width, *self._route_buf.shape[1:])
+            for s, r in zip(seqs, row_of):
+                moe_routes.start(s, routes[r, : len(ctxs[r])])
+            self._sink = None
         # Siblings share the owner's KV: copy it into their own slots.
         src = [owner[r] for r in row_of]
         copies = [(d, s) for d, s in zip(slots, src) if d != s]
@@ -264,6 +284,8 @@ class StaticBatch:
         b = _bucket(live, _BATCH_BUCKETS, self.slots)
         n = _len_bucket(longest, self.max_len)
         out = self._replay(b, n) if self.graphs else self._step(b, n)
+        if self._route_buf is not None:  # copied out: the next step overwrites the buffer
+            moe_routes.extend(self.rows, self._route_buf[slots].clone())
         for s in self._slot_of:
             self._len[s] += 1
         self._pos[slots] += 1
@@ -302,6 +324,11 @@ class StaticBatch:
         layer = self._layers[li]
         wgu, bgu = self._fused[li][2:]
         h = h + layer.self_attn.o_proj(attn_out)
+        if self._moe[li]:
+            out, idx = moe_forward(layer.mlp, _norm(layer.post_attention_layernorm, h))
+            if self._sink is not None:
+                self._sink.append(idx)
+            return h + out
         gate, up = F.linear(_norm(layer.post_attention_layernorm, h), wgu, bgu).chunk(2, dim=-1)
         return h + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
 
@@ -337,6 +364,7 @@ class StaticBatch:
         cos, sin = self._cos[pos], self._sin[pos]
         mask = (torch.arange(n, device=self.device)[None] <= pos[:, None])[:, None, None, :]
         h = self._inner.embed_tokens(ids)
+        self._sink = [] if self._route_buf is not None else None
         for li, layer in enumerate(self._layers):
             q, k, v = self._attn_qkv(li, _norm(layer.input_layernorm, h), cos, sin)
             self.k[li][rows, pos] = k
@@ -349,6 +377,9 @@ class StaticBatch:
                 attn_mask=mask, scale=self.scaling,
             )
             h = self._mlp(li, h, o.reshape(b, -1))
+        if self._sink is not None:  # inside the graph: a copy into the fixed buffer
+            self._route_buf[:b].copy_(torch.stack(self._sink, dim=1))
+            self._sink = None
         h = _norm(self._inner.norm, h)
         head = self.model.lm_head
         if out is None or head.bias is not None:

@@ -44,6 +44,9 @@ class Completion:
     spans when it reports them (the built-in server, over both protocols),
     else one span of the version it reports (SGLang: the version serving when
     the request finished)."""
+    routed_experts: Any = None
+    """int16 ``[len(prompt) + len(token_ids) - 1, moe_layers, top_k]`` when routes
+    were asked for (``route_codec.py``), else None."""
 
 
 def is_logprob(x: Any) -> bool:

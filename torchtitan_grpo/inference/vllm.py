@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from torchtitan_grpo.inference import route_codec
 from torchtitan_grpo.inference.types import Completion, MalformedResponse, SamplingParams, is_logprob, need, parse_spans
 # The weight-transfer control plane (routes, bodies, parsers) is shared with the weight push:
 # protocol.vllm, re-exported here.
@@ -46,9 +47,13 @@ MODELS = "/v1/models"  # GET
 # --------------------------------------------------------------------------- #
 
 
-def completions_request(prompt_ids: Sequence[int], n: int, params: SamplingParams, model: str) -> dict[str, Any]:
+def completions_request(prompt_ids: Sequence[int], n: int, params: SamplingParams, model: str,
+                        routes: bool = False) -> dict[str, Any]:
     """Body of POST /v1/completions for one token-id prompt and n samples, with
-    the sampled token's logprob, token ids and weight-version spans per choice."""
+    the sampled token's logprob, token ids and weight-version spans per choice
+    (``routes``: and the routed experts, which vLLM returns whenever it was
+    started with --enable-return-routed-experts; the flag is SGLang's name,
+    ignored by vLLM, refused by a built-in server that cannot answer it)."""
     body: dict[str, Any] = {
         "model": model,
         "prompt": [int(t) for t in prompt_ids],
@@ -67,6 +72,8 @@ def completions_request(prompt_ids: Sequence[int], n: int, params: SamplingParam
     }
     if params.seed is not None:
         body["seed"] = params.seed
+    if routes:
+        body[route_codec.REQUEST_FIELD] = True
     return body
 
 
@@ -97,9 +104,11 @@ def _parse_logprobs(lp: Any, token_ids: list[int], replica: str, where: str) -> 
     return out
 
 
-def parse_completions(body: Any, n: int, replica: str, num_prompts: int = 1) -> list[Completion]:
+def parse_completions(body: Any, n: int, replica: str, num_prompts: int = 1,
+                      route_shape: tuple[int, int] | None = None) -> list[Completion]:
     """Validate and convert a /v1/completions reply for ``num_prompts`` prompts
-    with n samples each (prompt-major: choice k is prompt k // n, sample k % n)."""
+    with n samples each (prompt-major: choice k is prompt k // n, sample k % n);
+    ``route_shape`` (moe layers, top_k): decode the routed experts (one prompt)."""
     need(isinstance(body, dict), replica, "(top level)", "not a JSON object")
     if "error" in body and "choices" not in body:
         raise MalformedResponse(replica, "error", f"error reply in a 200 response: {str(body['error'])[:200]}")
@@ -123,6 +132,14 @@ def parse_completions(body: Any, n: int, replica: str, num_prompts: int = 1) -> 
         versions = [v for v, _, _ in spans]
         # A choice without tokens (aborted before its first one) has no span,
         # hence no version: "" says so rather than inventing one.
-        out.append(Completion(ids, logprobs, fr, versions[-1] if versions else "", versions, replica, spans))
+        routes = None
+        if route_shape is not None:
+            need(num_prompts == 1, replica, route_codec.VLLM_PROMPT_FIELD, "routed experts need one prompt per request")
+            routes = route_codec.decode_vllm(body.get(route_codec.VLLM_PROMPT_FIELD), c.get(route_codec.VLLM_CHOICE_FIELD),
+                                             *route_shape, replica, f"{where}.{route_codec.VLLM_CHOICE_FIELD}")
+            prompt_ids = c.get("prompt_token_ids")
+            if isinstance(prompt_ids, list):
+                route_codec.for_sample(routes, len(prompt_ids), len(ids), replica, f"{where}.{route_codec.VLLM_CHOICE_FIELD}")
+        out.append(Completion(ids, logprobs, fr, versions[-1] if versions else "", versions, replica, spans, routes))
     return out
 

@@ -45,6 +45,7 @@ from typing import Any
 from aiohttp import web
 
 from torchtitan_grpo.inference import prompt_logprobs as plp
+from torchtitan_grpo.inference import route_codec
 from torchtitan_grpo.inference import vllm as proto
 from torchtitan_grpo.inference.chat_template import ChatRenderer, ChatTemplateError
 from torchtitan_grpo.inference.engine import Engine
@@ -61,8 +62,11 @@ from torchtitan_grpo.inference.vllm_http import (
 )
 from torchtitan_grpo.inference.vllm_openai import (
     check_output_room,
+    choice_routes,
     gather_samples,
+    prompt_routes,
     refuse_unsupported,
+    routes_wanted,
     sampling_params,
     stop_reason,
     token_str,
@@ -109,6 +113,8 @@ class _ChatCall:
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
+    routes: bool = False
+    """Routed experts: ``prompt_routed_experts`` on the response, ``routed_experts`` per choice."""
 
 
 class ChatRoutes:
@@ -144,7 +150,8 @@ class ChatRoutes:
             (pl,) = await plp.compute_all(self.engine, [call.prompt], [call.prompt_logprobs])
             prompt_lps = plp.vllm_prompt_logprobs(self.engine, pl)
         n_out = sum(len(r.output_ids) for r in samples)
-        return web.json_response({
+        routes = {route_codec.VLLM_PROMPT_FIELD: prompt_routes(samples, len(call.prompt))} if call.routes else {}
+        return web.json_response({**routes,
             "id": rid, "object": "chat.completion", "created": int(time.time()),
             "model": body.get("model") or self.served_names[0],
             "choices": [self._choice(i, r, call) for i, r in enumerate(samples)],
@@ -200,6 +207,8 @@ class ChatRoutes:
             tokens_as_ids=field(body, "return_tokens_as_token_ids", "bool", False),
             return_prompt_text=field(body, "return_prompt_text", "bool", False),
             return_weight_versions=field(body, "return_weight_versions", "bool", False),
+            # As vLLM: routes whenever the server captures them (no request field on this route).
+            routes=routes_wanted(self.engine, {}, 1),
         )
 
     def _check_text(self, text: str) -> None:
@@ -277,6 +286,8 @@ class ChatRoutes:
         }
         if call.return_weight_versions:
             choice["weight_versions"] = version_spans(r)
+        if call.routes:
+            choice[route_codec.VLLM_CHOICE_FIELD] = choice_routes(r)
         return choice
 
     def _logprobs(self, r: SampleResult, call: _ChatCall) -> dict:

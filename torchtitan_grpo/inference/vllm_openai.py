@@ -22,6 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
+from torchtitan_grpo.inference import moe_routes, route_codec
 from torchtitan_grpo.inference import prompt_logprobs as plp
 from torchtitan_grpo.inference import vllm as proto
 from torchtitan_grpo.inference.engine import Engine
@@ -61,6 +62,8 @@ class _CompletionCall:
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
+    routes: bool = False
+    """Routed experts: ``prompt_routed_experts`` on the response, ``routed_experts`` per choice."""
 
 
 def sampling_params(body: dict, max_new_tokens: int) -> SamplingParams:
@@ -218,6 +221,29 @@ def version_spans(r: SampleResult) -> list[dict]:
     return [{"version": r.weight_version, "start": 0, "end": n}] if n else []
 
 
+def routes_wanted(engine: Engine, body: dict, num_prompts: int) -> bool:
+    """Whether a completion reply carries routed experts (``moe_routes.vllm_wanted``);
+    a 400 naming the field when they were asked for and cannot be had."""
+    asked = bool(_field(body, route_codec.REQUEST_FIELD, "bool", False))
+    want, why = moe_routes.vllm_wanted(engine.cfg.return_routed_experts, engine.model, asked)
+    if why:
+        raise _bad(why, route_codec.REQUEST_FIELD)
+    if want and num_prompts > 1:  # the prompt's rows are one field of the response
+        raise _bad(f"routed experts are returned for one prompt per request, got {num_prompts}", "prompt")
+    return want
+
+
+def prompt_routes(samples: list[SampleResult], prompt_len: int) -> list | None:
+    """The response's ``prompt_routed_experts`` (the prompt's rows, shared by its samples)."""
+    r = next((r for r in samples if r.routed_experts is not None), None)
+    return None if r is None else route_codec.encode_vllm(r.routed_experts, prompt_len)[0]
+
+
+def choice_routes(r: SampleResult) -> list | None:
+    """A choice's ``routed_experts`` (the completion's rows)."""
+    return None if r.routed_experts is None else route_codec.encode_vllm(r.routed_experts, len(r.prompt_ids))[1]
+
+
 class OpenAIRoutes:
     """vLLM 0.33's OpenAI completions routes over an :class:`Engine`."""
 
@@ -258,11 +284,14 @@ class OpenAIRoutes:
                     choices[-1]["prompt_logprobs"] = plp.vllm_prompt_logprobs(self.engine, prompt_lps[i])
         n_prompt = sum(len(p) for p in call.prompts)
         n_out = sum(len(r.output_ids) for samples in results for r in samples)
-        return web.json_response({
+        reply = {
             "id": rids[0], "object": "text_completion", "created": int(time.time()),
             "model": body.get("model") or self.served_names[0], "choices": choices,
             "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out},
-        })
+        }
+        if call.routes:
+            reply[route_codec.VLLM_PROMPT_FIELD] = prompt_routes(results[0], len(call.prompts[0]))
+        return web.json_response(reply)
 
     def _parse_completions(self, body: dict) -> _CompletionCall:
         """Check a whole body (every prompt) before anything is queued; every
@@ -278,6 +307,7 @@ class OpenAIRoutes:
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise _bad(f"'logprobs' must be in [0, {MAX_LOGPROBS}], got {logprobs}", "logprobs")
         prompts = self._prompts(body.get("prompt"))
+        routes = routes_wanted(self.engine, body, len(prompts))
         for i, p in enumerate(prompts):
             try:
                 self.engine.check_request(p, params)
@@ -292,6 +322,7 @@ class OpenAIRoutes:
             return_token_ids=bool(_field(body, "return_token_ids", "bool", False)),
             tokens_as_ids=bool(_field(body, "return_tokens_as_token_ids", "bool", False)),
             return_weight_versions=bool(_field(body, "return_weight_versions", "bool", False)),
+            routes=routes,
         )
 
     def _prompts(self, prompt: Any) -> list[list[int]]:
@@ -353,6 +384,8 @@ class OpenAIRoutes:
             choice["token_ids"] = r.output_ids
         if call.return_weight_versions:
             choice["weight_versions"] = version_spans(r)
+        if call.routes:
+            choice[route_codec.VLLM_CHOICE_FIELD] = choice_routes(r)
         return choice
 
     async def models(self, request: web.Request) -> web.Response:

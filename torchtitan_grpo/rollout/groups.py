@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from torchtitan_grpo.inference.route_codec import for_sample
 from torchtitan_grpo.inference.types import Completion
 from torchtitan_grpo.rollout import rewards as rw
 from torchtitan_grpo.rollout.advantages import constant_group_mask, group_advantages
@@ -100,7 +101,8 @@ class GroupScorer:
         samples = []
         if not (self.filter_constant_groups and constant):
             samples = [Sample(prompt_ids, c.token_ids, c.logprobs, float(adv[j]), scores[j], c.finish_reason,
-                              c.weight_versions, version_spans=c.version_spans or None)
+                              c.weight_versions, version_spans=c.version_spans or None,
+                              routed_experts=for_sample(c.routed_experts, len(prompt_ids), len(c.token_ids), c.replica))
                        for j, c in enumerate(group)]
         return ScoredGroup(index, samples, scores, sum(len(c.token_ids) for c in group),
                            sum(c.finish_reason == "length" for c in group), constant,
