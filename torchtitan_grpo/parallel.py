@@ -10,9 +10,12 @@ The layout comes from the job config's ``[parallelism]`` section:
   :mod:`torchtitan_grpo.pipeline` (which applies the layout above to each
   stage through :func:`apply_layout`);
 
-and their products (HSDP, FSDP + TP, PP x FSDP/HSDP/TP). Context and expert
-parallelism are rejected with a message, since the GRPO step does not handle
-them yet.
+* ``expert_parallel_degree``: EP of MoE experts, its ranks borrowed from
+  dp_shard (:mod:`torchtitan_grpo.expert_parallel`, which also runs MoE on
+  CPU);
+
+and their products (HSDP, FSDP + TP, PP x FSDP/HSDP/TP, EP x FSDP/HSDP).
+Context parallelism is rejected with a message.
 
 On top of the train spec's ``parallelize_fn`` this module adds what a GRPO
 step needs, and what TorchTitan 0.2.2 lacks, on CPU (gloo) above all:
@@ -64,6 +67,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchtitan_grpo import _titan  # noqa: F401  (before torchtitan)
+from torchtitan_grpo import expert_parallel
 from torchtitan_grpo.pipeline_config import check_config
 
 logger = logging.getLogger(__name__)
@@ -96,17 +100,7 @@ def build_parallel_dims(job_config, world_size: int, device: torch.device | str)
     from torchtitan.distributed import ParallelDims
 
     p = job_config.parallelism
-    unsupported = {
-        "context_parallel_degree": p.context_parallel_degree,
-        "expert_parallel_degree": p.expert_parallel_degree,
-        "expert_tensor_parallel_degree": p.expert_tensor_parallel_degree,
-    }
-    for key, degree in unsupported.items():
-        if degree != 1:
-            raise NotImplementedError(
-                f"parallelism.{key}={degree}: the GRPO trainer supports dp_shard, "
-                "dp_replicate, tensor and pipeline parallelism only"
-            )
+    ep, etp = expert_parallel.check_config(p, world_size)
     if p.pipeline_parallel_degree != 1:
         check_config(job_config, world_size)
     dims = ParallelDims(
@@ -115,8 +109,8 @@ def build_parallel_dims(job_config, world_size: int, device: torch.device | str)
         cp=1,
         tp=p.tensor_parallel_degree,
         pp=p.pipeline_parallel_degree,
-        ep=1,
-        etp=1,
+        ep=ep,
+        etp=etp,
         world_size=world_size,
     )
     if world_size > 1:
@@ -521,6 +515,7 @@ def parallelize(model: nn.Module, job_config, world_size: int, device: torch.dev
         )
     parallel_dims = build_parallel_dims(job_config, world_size, device)
     if world_size == 1:
+        expert_parallel.prepare_model(model, None, device)  # MoE on CPU
         # TorchTitan applies AC in parallelize_fn, which one process never reaches
         if job_config.activation_checkpoint.mode != "none":
             from torchtitan.distributed.activation_checkpoint import apply_ac
@@ -547,6 +542,7 @@ def apply_layout(model: nn.Module, job_config, parallel_dims, device: torch.devi
             "data_parallel_shard_degree > 1 too (HSDP + TP); DDP + TP is not supported"
         )
 
+    expert_parallel.prepare_model(model, parallel_dims, device)
     cfg = _job_config_for(job_config, parallel_dims, device)
     spec = get_train_spec(job_config.model.name)
     tied = _is_tied(model)

@@ -44,17 +44,20 @@ from torch.distributed.tensor import DTensor, Shard
 logger = logging.getLogger(__name__)
 
 # TorchTitan 0.2.2's ParallelDims: the names of the dims its meshes unflatten
-# the world into; a parameter's mesh is a sub-mesh of one of them.
+# the world into; a parameter's mesh is a sub-mesh of one of them ("sparse":
+# MoE experts under expert parallelism, built only then).
 _MESHES = {
     "dense": ("pp", "dp_replicate", "fsdp", "tp"),
     "dataloading": ("pp", "batch", "cp", "tp"),
+    "sparse": ("pp", "dp_replicate", "efsdp", "ep", "etp"),
 }
 
 
 def _degrees(parallel_dims) -> dict[str, int]:
     p = parallel_dims
     return {"pp": p.pp, "dp_replicate": p.dp_replicate, "fsdp": p.dp_shard * p.cp, "tp": p.tp,
-            "batch": p.dp_replicate * p.dp_shard, "cp": p.cp}
+            "batch": p.dp_replicate * p.dp_shard, "cp": p.cp, "ep": p.ep, "etp": p.etp,
+            "efsdp": p.dp_shard * p.cp * p.tp // (p.ep * p.etp)}
 
 
 def sidecar_mesh(parallel_dims, device_type: str, backend: str) -> dict[str, DeviceMesh]:
@@ -73,6 +76,8 @@ def sidecar_mesh(parallel_dims, device_type: str, backend: str) -> dict[str, Dev
     deg = _degrees(parallel_dims)
     meshes = {"world": root}
     for key, names in _MESHES.items():
+        if key == "sparse" and deg["ep"] == 1:
+            continue
         override = {n: (backend if deg[n] > 1 else "fake") for n in names}
         meshes[key] = root._unflatten(0, tuple(deg[n] for n in names), names, backend_override=override)
     return meshes
@@ -82,7 +87,7 @@ def _own_mesh(meshes: dict[str, DeviceMesh], mesh: DeviceMesh) -> DeviceMesh:
     """The sidecar's copy of ``mesh`` (a parameter's mesh), checked rank for rank."""
     names = mesh.mesh_dim_names
     for key in _MESHES:
-        if names and all(n in _MESHES[key] for n in names):
+        if key in meshes and names and all(n in _MESHES[key] for n in names):
             own = meshes[key][names]
             if not torch.equal(own.mesh, mesh.mesh):
                 raise RuntimeError(f"sidecar mesh {names} has ranks {own.mesh.tolist()}, "
@@ -201,7 +206,8 @@ class ShardGatherer:
         if not isinstance(t, DTensor):
             return _Param([name], t, "whole")
         own = _own_mesh(self.meshes, t.device_mesh)
-        sharded = [i for i, pl in enumerate(t.placements) if not pl.is_replicate()]
+        # a size-1 dim (EP's efsdp of 1) shards nothing: experts then take the flat path over ep
+        sharded = [i for i, pl in enumerate(t.placements) if not pl.is_replicate() and own.size(i) > 1]
         if not sharded:
             return _Param([name], t, "whole")
         if len(sharded) == 1 and type(t.placements[sharded[0]]) is Shard:
