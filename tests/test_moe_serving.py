@@ -149,6 +149,18 @@ def test_sglang_generate_routes_equal_hf(moe_server, hf):
         same_routes(c.routed_experts, reference_routes(hf, PROMPT + c.token_ids[:-1]))
 
 
+def test_sglang_stream_carries_routes_in_its_final_chunk(moe_server, hf):
+    import json
+
+    body = {**sglang.generate_request(PROMPT, 1, GREEDY, routes=True), "stream": True}
+    reply = requests.post(moe_server + "/generate", json=body, timeout=60)
+    events = [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: {")]
+    *early, last = events
+    assert all("routed_experts" not in e["meta_info"] for e in early)
+    (c,) = sglang.parse_generate(last, 1, moe_server, route_shape=(LAYERS, TOP_K))
+    same_routes(c.routed_experts, reference_routes(hf, PROMPT + c.token_ids[:-1]))
+
+
 def test_vllm_completions_routes_equal_hf(moe_server, hf):
     body = vllm.completions_request(PROMPT, 1, GREEDY, "m", routes=True)
     reply = requests.post(moe_server + "/v1/completions", json={**body, "model": None}, timeout=60)

@@ -11,9 +11,11 @@ the same math with shapes fixed by the batch alone:
 - **Sort.** The ``N x top_k`` (token, expert) pairs are sorted by expert:
   always ``N x top_k`` rows, and each expert's group ends at an offset found
   by ``searchsorted`` (a device tensor, never read on the host).
-- **Grouped GEMMs.** On CUDA, ``torch._grouped_mm`` runs every expert's
-  gate/up and down projection over its rows in one kernel each; elsewhere a
-  plain loop over the experts (CPU: tests, where nothing is captured).
+- **Grouped GEMMs.** On CUDA in bf16, ``torch._grouped_mm`` runs every
+  expert's gate/up and down projection over its rows in one kernel each;
+  other dtypes on CUDA run every expert on every row and keep each row's own
+  (graph-safe, E/k times the FLOPs); on CPU a plain loop over each expert's
+  rows (tests, where nothing is captured).
 - **Combine.** Each row is scaled by its routing weight and added back to
   its token (``index_add_``).
 
@@ -68,7 +70,15 @@ def experts_forward(experts: Any, x: torch.Tensor, weights: torch.Tensor, idx: t
         offs = torch.searchsorted(ids, bounds, right=True, out_int32=True)
         gate, up = torch._grouped_mm(rows, experts.gate_up_proj.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
         out = torch._grouped_mm(experts.act_fn(gate) * up, experts.down_proj.transpose(-2, -1), offs=offs)
-    else:
+    elif x.is_cuda:
+        # Graph-safe without the grouped kernel (fp32 / fp16 on a GPU: tests,
+        # debugging): every expert runs on every row and keeps its own, E/k
+        # times the FLOPs of the grouped path, no host sync.
+        out = torch.zeros_like(rows)
+        for e in range(n_experts):
+            gate, up = F.linear(rows, experts.gate_up_proj[e]).chunk(2, dim=-1)
+            out = torch.where((ids == e)[:, None], F.linear(experts.act_fn(gate) * up, experts.down_proj[e]), out)
+    else:  # CPU: only each expert's own rows (nothing is captured here)
         out = torch.empty_like(rows)
         for e in range(n_experts):
             sel = ids == e
