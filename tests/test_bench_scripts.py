@@ -246,3 +246,22 @@ def test_lora_push_bench_cpu(tmp_path):
     rows = {line.split("|")[1].strip(): line.split("|") for line in out.splitlines() if line.startswith("| ")}
     assert set(rows) >= {"full (disk)", "adapter r=4"}, out
     assert 0 < float(rows["adapter r=4"][4]) < 0.2, out  # bytes vs full
+
+
+def test_packed_vs_padded_tiny_rows_agree(capsys):
+    """bench/packed_vs_padded.py on CPU in its tiny shape: padded rows, then
+    packed ones (no padding computed), all with the same loss (lr 0, float32)."""
+    sys.path.insert(0, ROOT)
+    from bench.packed_vs_padded import main
+
+    assert main(["--tiny", "--samples", "8", "--max-len", "256", "--mbs", "1,4", "--budget", "256", "--reps", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("| path | micro-batches |"))
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[header + 2:] if line.startswith("| ")]
+    assert [(r[0], r[8]) for r in rows] == [("padded, 1 a micro-batch", "ok"), ("padded, 4 a micro-batch", "ok"),
+                                           ("packed, 256 tokens a row", "ok")], rows
+    assert float(rows[0][2]) == 1.0 and float(rows[1][2]) > 1.0 and float(rows[2][2]) == 1.0  # computed / real
+    assert int(rows[2][1]) < 8  # samples share rows
+    assert all(float(r[4].replace(",", "")) > 0 for r in rows), rows
+    for r in rows[1:]:
+        assert float(r[7]) == pytest.approx(float(rows[0][7]), abs=1e-5), rows

@@ -240,6 +240,55 @@ def test_a_samples_logprobs_ignore_its_row_neighbours(models):
     torch.testing.assert_close(lp2[2, :5], lp[2, :5], atol=1e-6, rtol=0)  # shifted in the row, same values
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled flex attention: CUDA only (GPU machines)")
+@pytest.mark.parametrize("is_correction,kl_coef", [("sequence", 0.3), ("none", 0.0)])
+def test_compiled_flex_on_cuda_matches_the_padded_path(is_correction, kl_coef):
+    """The CUDA route (flex attention reading the block tables) on rows long
+    enough for skipped, full and partial tiles, in float32."""
+    from torchtitan_grpo import model as hf_model
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    args = hf_model.model_args_from_hf("qwen3", {**TINY, "max_position_embeddings": 1024}, max_seq_len=1024)
+    torch.manual_seed(0)
+    policy = hf_model.build_model("qwen3", args, "cuda")
+    reference = copy.deepcopy(policy).requires_grad_(False)
+    packed, packed_ref = copy.deepcopy(policy), copy.deepcopy(reference)
+    packing.use_document_attention(packed), packing.use_document_attention(packed_ref)
+    g = torch.Generator().manual_seed(5)
+    batch = []
+    for i, (p, c) in enumerate(((20, 380), (5, 40), (30, 270), (9, 140), (3, 300), (6, 7))):
+        ids = torch.randint(2, V, (p + c,), generator=g).tolist()
+        old = (-math.log(V) + 0.3 * torch.randn(c, generator=g)).tolist()
+        batch.append(Sample(ids[:p], ids[p:], old, (-1.0) ** i, 0.0, "stop", ["0"]))
+    ctx = _ctx("seq_mean_token_mean", is_correction, kl_coef, batch)
+
+    def run(model, ref, rows):
+        model.zero_grad()
+        total = 0.0
+        for r in rows:
+            samples = [batch[i] for i in r]
+            tokens, mask, old, adv = (x.cuda() for x in _pack(samples, 0, "cpu"))
+            if model is packed:
+                row = packing.pack_row([[*s.prompt_ids, *s.completion_ids] for s in samples], 0, "cuda",
+                                       packing.CUDA_ROW_MULTIPLE)
+                lp, ent = packing.forward_terms(model, row, mask, 0.7, 0, nullcontext())
+                rl = packing.reference_logprobs(ref, row, 0.7, 0, nullcontext())
+            else:
+                lp, ent = _forward_terms(model, tokens, mask, 0.7, 0, nullcontext())
+                rl = _reference_logprobs(ref, tokens, 0.7, 0, nullcontext())
+            loss, _ = _logprob_loss(lp, ent, mask, old, adv, ctx, rl if kl_coef else None)
+            loss.backward()
+            total += float(loss.detach())
+        return total, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    loss, grads = run(policy, reference, [[i] for i in range(len(batch))])
+    p_loss, p_grads = run(packed, packed_ref, packing.plan([len(s.prompt_ids) + len(s.completion_ids)
+                                                             for s in batch], 700))
+    assert p_loss == pytest.approx(loss, abs=1e-5)
+    for name, g in grads.items():
+        torch.testing.assert_close(p_grads[name], g, atol=1e-5, rtol=1e-4, msg=name)
+
+
 # ------------------------------------------------------------ wiring
 
 def test_train_step_packed_matches_padded(tiny_model_dir):
