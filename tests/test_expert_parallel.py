@@ -1,7 +1,7 @@
 """Expert parallelism (torchtitan_grpo.expert_parallel) on CPU over gloo.
 
-A tiny TorchTitan MoE Qwen3 (2 layers x 4 experts, top-2, written by this
-file as an HF checkpoint with routing far from uniform) takes one GRPO
+A tiny Qwen3-MoE (HF checkpoint, 2 layers x 4 experts, top-2, routing far
+from uniform; built through the project's bridge, ``qwen3_moe``) takes one GRPO
 forward/backward in one torchrun launch of 2 ranks as ``ep_fsdp``: EP 2
 borrowed from dp_shard 2 (dense weights FSDP over 2 ranks, each rank its own
 samples; experts split 2 + 2 over ep, their efsdp is 1, the only EP layout 2
@@ -47,7 +47,7 @@ EP = 2
 
 
 def tiny_moe_args():
-    """TorchTitan qwen3 MoE args: every layer MoE, softmax top-2 with
+    """TorchTitan qwen3 MoE args for the checks on meta: every layer MoE, softmax top-2 with
     normalised weights (Qwen3-MoE's router), no shared expert, no
     load-balancing bias (off in RL)."""
     from torchtitan.models.moe import MoEArgs
@@ -63,30 +63,32 @@ def tiny_moe_args():
 
 
 def write_checkpoint(out_dir: str) -> str:
-    """The tiny MoE's weights under HF names (``model.safetensors``).
+    """A tiny HF ``Qwen3MoeForCausalLM`` (demo_assets, 4 experts, top 2),
+    loaded through the project's bridge (``model.build_model`` ->
+    ``qwen3_moe``) by every case.
 
-    The router gates are scaled up so each token's top-2 experts are far
-    apart from the rest: a route flipped by float noise between layouts would
-    change the gradients by O(1), not by 1e-7."""
-    from safetensors.torch import save_file
+    The router gates are drawn large so each token's top-2 experts are far
+    apart from the rest (a route flipped by float noise between layouts would
+    change the gradients by O(1), not by 1e-7), the experts larger than HF's
+    init so their gradients stand well above TOL; norms away from 1."""
+    from safetensors.torch import load_file, save_file
 
-    from torchtitan_grpo import model as hf_model
+    from torchtitan_grpo.demo_assets import TinyQwen3Moe, write_tiny_qwen3
 
-    args = tiny_moe_args()
-    torch.manual_seed(0)
-    model = hf_model.build_model("qwen3", args, "cpu")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "router.gate" in name:
-                p.mul_(30)
-            elif "moe.experts" in name:  # experts' gradients well above TOL
-                p.mul_(5)
-            elif "norm" in name:  # away from 1, so a mix-up cannot hide
-                p.uniform_(0.5, 1.5)
-    adapter = hf_model.state_dict_adapter("qwen3", args, None)
-    state = {k: v.contiguous() for k, v in hf_model.hf_state_dict(model, adapter).items()}
-    os.makedirs(out_dir, exist_ok=True)
-    save_file(state, os.path.join(out_dir, "model.safetensors"))
+    write_tiny_qwen3(out_dir, TinyQwen3Moe(num_experts=NUM_EXPERTS, num_experts_per_tok=2, moe_intermediate_size=32))
+    path = os.path.join(out_dir, "model.safetensors")
+    state = load_file(path)
+    g = torch.Generator().manual_seed(0)
+    for name, t in state.items():
+        if name.endswith("mlp.gate.weight"):
+            state[name] = torch.randn(t.shape, generator=g)
+        elif ".mlp.experts." in name:
+            state[name] = 0.05 * torch.randn(t.shape, generator=g)
+        elif "norm" in name:
+            state[name] = torch.empty(t.shape).uniform_(0.5, 1.5, generator=g)
+        elif name == "model.embed_tokens.weight":  # O(1) rows, as TorchTitan's init (0.02 makes RMSNorm's grads huge)
+            state[name] = torch.randn(t.shape, generator=g)
+    save_file(state, path, metadata={"format": "pt"})
     return out_dir
 
 
@@ -138,7 +140,7 @@ def run_case(model_dir: str, layout: tuple[int, int, int], ep: int, world_size: 
 
     device = torch.device("cpu")
     cfg = _config(layout, ep)
-    args = tiny_moe_args()
+    args = hf_model.model_args_from_hf("qwen3", hf_model.load_hf_config(model_dir), max_seq_len=64)
     model = hf_model.build_model("qwen3", args, device)
     adapter = hf_model.state_dict_adapter("qwen3", args, model_dir)
     model, pdims = parallel.parallelize(model, cfg, world_size, device)
