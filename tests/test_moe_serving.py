@@ -256,3 +256,25 @@ def test_pool_backend_asks_for_routes_and_samples_carry_them(moe_dir):
         assert backend.build(PROMPT, 1, GREEDY, "m")["return_routed_experts"] is True
     with pytest.raises(ValueError, match="router_replay"):
         route_shape({"num_hidden_layers": 2})
+
+
+def test_scored_samples_carry_the_routes_and_refuse_misaligned_ones(moe_dir, tmp_path):
+    import pickle
+
+    from transformers import AutoTokenizer
+
+    from torchtitan_grpo.inference.route_backend import replay_shape
+    from torchtitan_grpo.inference.types import Completion
+    from torchtitan_grpo.rollout.groups import GroupScorer
+
+    assert replay_shape("off", moe_dir) is None and replay_shape("rollout", moe_dir) == (LAYERS, TOP_K)
+    scorer = GroupScorer(AutoTokenizer.from_pretrained(moe_dir), lambda p, t, row: float(len(t)), group_size=2)
+    routes = [np.full((len(PROMPT) + n - 1, LAYERS, TOP_K), n, dtype=np.int16) for n in (2, 3)]
+    group = [Completion([7] * n, [-0.1] * n, "length", "v", ["v"], "http://r", routed_experts=r)
+             for n, r in zip((2, 3), routes)]
+    scored = pickle.loads(pickle.dumps(scorer.score(0, {"prompt": "x"}, PROMPT, group)))  # as the client process sends it
+    for sample, want in zip(scored.samples, routes):
+        np.testing.assert_array_equal(sample.routed_experts, want)
+    group[0].routed_experts = routes[1]  # one row too many for its completion
+    with pytest.raises(MalformedResponse, match="http://r.*routed_experts"):
+        scorer.score(0, {"prompt": "x"}, PROMPT, group)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torchtitan_grpo.aio import LoopThread
 from torchtitan_grpo.inference.launcher import ReplicaEvent, ServerSpec, Supervisor, format_events, running_servers
 from torchtitan_grpo.inference.pool import InferencePool, PoolConfig
+from torchtitan_grpo.inference.route_backend import replay_shape
 from torchtitan_grpo.inference.types import SamplingParams
 from torchtitan_grpo.metrics import MetricLogger, window_mean
 from torchtitan_grpo.config import api_key, client_process, pipeline_depth, server_devices, servers_share_trainer_gpu
@@ -240,6 +241,8 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
             urls = list(i.urls)
         else:
             engine_args = server_engine_args(i)
+            if cfg.grpo.router_replay == "rollout":  # the servers capture what the trainer replays
+                engine_args += ("--enable-return-routed-experts",)
             devices = server_devices(cfg)[1]  # inference.server_devices spread over the servers, or server_device
             specs = [ServerSpec(hf_dir, device=devices[k], dtype=i.server_dtype, host=i.host,
                                 threads=i.server_threads, seed=cfg.grpo.seed + k, api_key=key,
@@ -254,7 +257,8 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
         loop = LoopThread()
         stack.callback(loop.close)
         pool_config = PoolConfig(backend=i.backend, model=i.model, replica_file=i.replica_file or None,
-                                 request_timeout_s=i.request_timeout_s, max_retries=i.max_retries, api_key=key)
+                                 request_timeout_s=i.request_timeout_s, max_retries=i.max_retries, api_key=key,
+                                 route_shape=replay_shape(cfg.grpo.router_replay, hf_dir))
         client = None
         if spawned is not None:
             # The producer and its pool live in the client process; `pool` is their control surface here.

@@ -7,6 +7,8 @@ field, is a :class:`MalformedResponse` naming the field and the replica."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from typing import Any
 
 from torchtitan_grpo.inference import route_codec, sglang
@@ -30,6 +32,16 @@ def with_routes(protocol: str, backend: Any, shape: tuple[int, int]) -> Any:
         def parse(body: Any, n: int, replica: str) -> list:
             return sglang.parse_generate(body, n, replica, route_shape=shape)
     return dataclasses.replace(backend, build=build_with_routes, parse=parse)
+
+
+def replay_shape(router_replay: str, hf_dir: str) -> tuple[int, int] | None:
+    """``PoolConfig.route_shape`` for ``grpo.router_replay``: the served
+    model's (MoE layers, top_k) from ``hf_dir``/config.json with "rollout",
+    None with "off"."""
+    if router_replay != "rollout":
+        return None
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        return route_shape(json.load(f))
 
 
 def route_shape(hf_config: dict) -> tuple[int, int]:
