@@ -272,7 +272,8 @@ def test_scored_samples_carry_the_routes_and_refuse_misaligned_ones(moe_dir, tmp
     routes = [np.full((len(PROMPT) + n - 1, LAYERS, TOP_K), n, dtype=np.int16) for n in (2, 3)]
     group = [Completion([7] * n, [-0.1] * n, "length", "v", ["v"], "http://r", routed_experts=r)
              for n, r in zip((2, 3), routes)]
-    scored = pickle.loads(pickle.dumps(scorer.score(0, {"prompt": "x"}, PROMPT, group)))  # as the client process sends it
+    # Pickled as the rollout client process sends it to the trainer.
+    scored = pickle.loads(pickle.dumps(scorer.score(0, {"prompt": "x"}, PROMPT, group)))
     for sample, want in zip(scored.samples, routes):
         np.testing.assert_array_equal(sample.routed_experts, want)
     group[0].routed_experts = routes[1]  # one row too many for its completion

@@ -134,12 +134,13 @@ def parse_completions(body: Any, n: int, replica: str, num_prompts: int = 1,
         # hence no version: "" says so rather than inventing one.
         routes = None
         if route_shape is not None:
+            at = f"{where}.{route_codec.VLLM_CHOICE_FIELD}"
             need(num_prompts == 1, replica, route_codec.VLLM_PROMPT_FIELD, "routed experts need one prompt per request")
-            routes = route_codec.decode_vllm(body.get(route_codec.VLLM_PROMPT_FIELD), c.get(route_codec.VLLM_CHOICE_FIELD),
-                                             *route_shape, replica, f"{where}.{route_codec.VLLM_CHOICE_FIELD}")
+            routes = route_codec.decode_vllm(body.get(route_codec.VLLM_PROMPT_FIELD),
+                                             c.get(route_codec.VLLM_CHOICE_FIELD), *route_shape, replica, at)
             prompt_ids = c.get("prompt_token_ids")
             if isinstance(prompt_ids, list):
-                route_codec.for_sample(routes, len(prompt_ids), len(ids), replica, f"{where}.{route_codec.VLLM_CHOICE_FIELD}")
+                route_codec.for_sample(routes, len(prompt_ids), len(ids), replica, at)
         out.append(Completion(ids, logprobs, fr, versions[-1] if versions else "", versions, replica, spans, routes))
     return out
 
