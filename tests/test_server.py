@@ -317,8 +317,12 @@ def test_bad_requests_are_400_naming_the_field(server):
     assert status == 400 and body["object"] == "error" and "max_tokens" in body["message"]
     status, body = http(server, "/generate", {"input_ids": [1, 2], "sampling_params": {"temperature": -1}})
     assert status == 400 and "temperature" in body["message"]
-    status, body = http(server, "/generate", {"input_ids": [1, 2], "text": "x"})  # schema allows both
-    assert status == 400 and "exactly one" in body["message"]
+    status, body = http(server, "/generate", {"sampling_params": {"max_new_tokens": 1}})
+    assert status == 400 and "'text' and 'input_ids'" in body["message"]
+    # both given: SGLang uses the ids (a text of "x" would be one character token)
+    status, body = http(server, "/generate", {"input_ids": [1, 2, 3], "text": "x",
+                                              "sampling_params": {"max_new_tokens": 1}})
+    assert status == 200 and body["meta_info"]["prompt_tokens"] == 3, body
     status, body = http(server, "/generate", {"input_ids": [1, 100000]})
     assert status == 400 and "100000" in body["message"]
     status, body = http(server, "/generate", {"input_ids": [[1], [2]], "sampling_params": [{}]})

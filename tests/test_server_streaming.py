@@ -205,7 +205,9 @@ def test_sglang_input_token_logprobs_match_a_direct_forward(live, reference):
     status, out = post(url, "/generate", {**body, "logprob_start_len": 3, "return_text_in_logprobs": True})
     assert [g[1] for g in out["meta_info"]["input_token_logprobs"]] == PROMPT[3:]
     assert out["meta_info"]["input_token_logprobs"][0][2] is not None  # the token's text
-    status, err = post(url, "/generate", {**body, "logprob_start_len": len(PROMPT)})
+    status, out = post(url, "/generate", {**body, "logprob_start_len": len(PROMPT)})
+    assert status == 200 and out["meta_info"]["input_token_logprobs"] == [], out  # nothing from there on
+    status, err = post(url, "/generate", {**body, "logprob_start_len": len(PROMPT) + 1})
     assert status == 400 and "logprob_start_len" in err["message"], err
 
 

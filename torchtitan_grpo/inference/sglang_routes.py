@@ -257,7 +257,7 @@ class SGLangGenerateRoutes:
                 self.engine.check_request(prompt, p)
                 if explicit[i] is not None:
                     check_total_tokens(len(prompt), p.max_new_tokens, self.engine.max_context)
-                if starts[i] >= len(prompt):
+                if starts[i] > len(prompt):  # == the length: no prompt logprobs, as SGLang
                     raise RequestError(f"field 'logprob_start_len' is {starts[i]}, past the prompt's last "
                                        f"position ({len(prompt) - 1})")
             except RequestError as e:
@@ -280,18 +280,19 @@ class SGLangGenerateRoutes:
     @staticmethod
     def _single_prompt_input(body: dict) -> bool:
         """``"text": "..."`` or ``"input_ids": [1, 2]`` (not a batch of one)."""
-        if body.get("text") is not None:
-            return isinstance(body["text"], str)
         ids = body.get("input_ids")
-        return isinstance(ids, list) and (not ids or not isinstance(ids[0], list))
+        if ids is not None:  # SGLang takes the ids when both are given
+            return isinstance(ids, list) and (not ids or not isinstance(ids[0], list))
+        return isinstance(body.get("text"), str)
 
     def _prompt_inputs(self, body: dict) -> list[str] | list[list[int]]:
         """The prompts as sent (texts or token ids), their types and lengths
         checked, none tokenised yet: a text is bounded by its length in
         characters and ids by their count, each against the context."""
         text, ids = body.get("text"), body.get("input_ids")
-        if (text is None) == (ids is None):
-            raise BadRequest("exactly one of 'text' and 'input_ids' must be given")
+        if text is None and ids is None:
+            raise BadRequest("one of 'text' and 'input_ids' must be given")
+        # both given: SGLang 0.5.23 uses the ids (docs/CONFORMANCE.md)
         if ids is not None:
             if isinstance(ids, list) and ids and not isinstance(ids[0], list):
                 self._check_ids(ids, "input_ids")
