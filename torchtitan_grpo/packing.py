@@ -161,7 +161,7 @@ def pack_row(sequences: Sequence[Sequence[int]], pad_id: int, device: torch.devi
         targets += [*seq[1:], 0]
     pad = total - used
     tokens += [pad_id] * pad
-    positions += range(pad)
+    positions += [0] * pad  # within the RoPE table whatever training.seq_len is
     docs += [n] * pad
     targets += [0] * pad
     width = max(max(lengths), 2) - 1  # trainer._pack's T - 1
@@ -234,9 +234,9 @@ class DocumentAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, block_mask: BlockMask,
                 scale: float | None = None, enable_gqa: bool = False, **_: object) -> torch.Tensor:
-        if q.is_cuda:
+        if q.is_cuda and q.shape[-1] >= 16:  # the flex kernels' smallest head
             return _flex()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
-        # no flex backward on CPU: the mask made dense (fine at CPU sizes)
+        # no flex backward on CPU: the mask made dense (fine at CPU and toy sizes)
         idx = torch.arange(q.shape[-2], device=q.device)
         dense = block_mask.mask_mod(0, 0, idx[:, None], idx[None, :])
         return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense, scale=scale,
