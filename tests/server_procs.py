@@ -50,14 +50,15 @@ def server_env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 
-def start_server(model_dir: str, log: Path, *extra: str) -> tuple[subprocess.Popen, str]:
-    """Start on a port the server picks itself; return once it printed its URL."""
+def start_server(model_dir: str, log: Path, *extra: str, timeout: float = 90) -> tuple[subprocess.Popen, str]:
+    """Start on a port the server picks itself; return once it printed its URL
+    (``timeout``: a hang guard; benchmarks loading large models raise it)."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "torchtitan_grpo.inference.server", "--model", model_dir, "--port", "0",
          "--num-threads", "1", *extra],
         stdout=subprocess.PIPE, stderr=open(log, "wb"), env=server_env(), cwd=REPO,
     )
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if select.select([proc.stdout], [], [], 0.5)[0]:
             line = proc.stdout.readline().decode()

@@ -265,3 +265,17 @@ def test_packed_vs_padded_tiny_rows_agree(capsys):
     assert all(float(r[4].replace(",", "")) > 0 for r in rows), rows
     for r in rows[1:]:
         assert float(r[7]) == pytest.approx(float(rows[0][7]), abs=1e-5), rows
+
+
+def test_moe_mismatch_bench_cpu(tmp_path):
+    """bench/moe_mismatch.py on a tiny MoE on CPU: float32 on both sides, so
+    the trainer's log-probs equal the server's with replay off and on, the
+    replayed routes are the server's, and a full MoE version is pushed."""
+    r, out = _run([sys.executable, "bench/moe_mismatch.py", "--cpu", "--work", str(tmp_path)])
+    assert r.returncode == 0, out
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in out.splitlines() if line.startswith("| ") and "router replay" not in line}
+    assert set(rows) == {"off", "rollout"}, out
+    for name in rows:
+        assert float(rows[name][0]) < 1e-4 and float(rows[name][3]) == 0.0, out  # mean abs, routes differing
+    assert "push: 69 tensors" in out, out

@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from torchtitan_grpo.inference.batch import KVBatch, make_batch, upload
+from torchtitan_grpo.inference.expert_views import expert_views
 from torchtitan_grpo.inference.static_batch import StaticBatch
 from torchtitan_grpo.inference.loading import eos_token_ids, load_model
 from torchtitan_grpo.inference.requests import (
@@ -123,9 +124,8 @@ class Engine:
         self.eos_token_ids: tuple[int, ...] = eos_token_ids(self.model, self.tokenizer)
         self.pad_token_id: int = int(getattr(hf, "pad_token_id", None) or 0)
         # Weights are addressed by their HF names (state_dict keys, tied aliases included).
-        self._tensors: dict[str, torch.Tensor] = {
-            k: v for k, v in self.model.state_dict(keep_vars=True).items()
-        }
+        self._tensors: dict[str, torch.Tensor] = {  # MoE: per-expert names too (expert_views.py)
+            **self.model.state_dict(keep_vars=True), **expert_views(self.model)}
         self._batch: KVBatch = make_batch(self.model, cfg, self.device, self.pad_token_id)
         self.static_cache = isinstance(self._batch, StaticBatch)
         if self.static_cache:  # the cache holds max_len positions per slot: that is the context now

@@ -152,7 +152,7 @@ def install_weights(params: dict[str, torch.Tensor], named: Sequence[tuple[str, 
         for name, t in named:
             target = params[name]
             if (t.dtype == target.dtype and t.shape == target.shape and t.device == target.device
-                    and t.is_contiguous() and not t.requires_grad):
+                    and t.is_contiguous() and not t.requires_grad and target._base is None):
                 target.data = t  # a tied alias (same Parameter object) follows
             else:
                 target.copy_(t)
@@ -185,7 +185,9 @@ def adoptable(params: dict[str, torch.Tensor], specs: Sequence[TensorSpec], devi
     out = []
     for s in specs:
         p = params.get(s.name)
-        out.append(p is not None and p.dtype == s.dtype and tuple(p.shape) == tuple(s.shape) and p.device == device)
+        # a view (a per-expert slice of a fused MoE weight) is written into, never swapped
+        out.append(p is not None and p.dtype == s.dtype and tuple(p.shape) == tuple(s.shape) and p.device == device
+                   and p._base is None)
     return out
 
 
