@@ -315,8 +315,12 @@ def test_train_step_packed_matches_padded(tiny_model_dir):
     for key in ("loss", "grad_norm", "entropy", "clip_fraction", "kl", "offpolicy/is_weight_mean",
                 "trainer_vs_rollout_logprob_max_abs_diff"):
         assert packed[key] == pytest.approx(padded[key], abs=1e-6, rel=1e-5), key
+    # on CUDA the two attention kernels differ (flex vs SDPA), and AdamW's
+    # normalised first step turns a ~1e-9 gradient difference on a near-zero
+    # gradient into ~2e-6 (seen on an H200); on CPU the same SDPA math runs
+    atol = 1e-5 if torch.cuda.is_available() else 1e-6
     for name, value in padded_w.items():
-        torch.testing.assert_close(packed_w[name], value, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(packed_w[name], value, atol=atol, rtol=1e-5)
 
 
 def test_layouts_it_cannot_run_in_are_refused():
