@@ -20,7 +20,7 @@ from torchtitan_grpo import _titan  # noqa: F401
 from torchtitan_grpo import lora
 from torchtitan_grpo import loss as grpo_losses
 from torchtitan_grpo import model as hf_model
-from torchtitan_grpo import packing
+from torchtitan_grpo import moe_step, packing
 from torchtitan_grpo import parallel
 from torchtitan_grpo import pipeline as pipeline_parallel
 from torchtitan_grpo import token_logprobs
@@ -105,6 +105,8 @@ class Policy:
     amp: contextlib.AbstractContextManager = field(default_factory=contextlib.nullcontext)
     """The forward's autocast (one GPU or DDP: ``training.mixed_precision_param``),
     see :func:`torchtitan_grpo.parallel.mixed_precision`."""
+    aux_loss_coef: float = 0.0
+    """MoE: weight of the router's load-balancing loss (``moe.aux_loss_coef``)."""
 
     def __post_init__(self):
         if not self.model_parts:
@@ -121,6 +123,7 @@ def build_policy(job_config, hf_dir: str, d: Dist) -> Policy:
     packing.check_layout(job_config)
     hf_config = hf_model.load_hf_config(hf_dir)
     model_args = hf_model.model_args_from_hf(name, hf_config, max_seq_len=job_config.training.seq_len)
+    moe_step.configure(job_config, model_args, d.device)
     pipelined = job_config.parallelism.pipeline_parallel_degree > 1
     lora_cfg = getattr(job_config, "lora", None)
     if lora_cfg is not None and lora_cfg.enable:
@@ -158,6 +161,7 @@ def build_policy(job_config, hf_dir: str, d: Dist) -> Policy:
     if lora_cfg is not None and lora_cfg.enable:
         # on the loaded base, before the optimizer: it takes only the adapters (the base is frozen)
         lora.apply_lora(model, lora_cfg)
+    moe_step.prepare(model, job_config)
     model.train()
 
     optimizers = build_optimizers([model], job_config.optimizer, parallel_dims)
@@ -169,7 +173,7 @@ def build_policy(job_config, hf_dir: str, d: Dist) -> Policy:
                 packing.use_document_attention(m)
     return Policy(model, model_args, adapter, optimizers, lr_schedulers, parallel_dims,
                   float(job_config.training.max_norm), reference, [model], pipe,
-                  parallel.mixed_precision(job_config, parallel_dims, d.device))
+                  parallel.mixed_precision(job_config, parallel_dims, d.device), job_config.moe.aux_loss_coef)
 
 
 def hf_weights(policy: Policy) -> dict[str, torch.Tensor]:
@@ -278,9 +282,13 @@ def _logprob_loss(logprobs: torch.Tensor, entropy: torch.Tensor | float, mask: t
     with torch.no_grad():
         ntok = float(mask.sum())
         record = {"loss": float(loss), "clip_fraction": float(m["clip_fraction"]) * ntok, "tokens": ntok,
-                  "lp_diff_max": 0.0, "entropy": 0.0, "mask": mask, "is_metrics": is_m, "loss_metrics": m}
+                  "lp_diff_max": 0.0, "lp_diff_sum": 0.0, "k3_sum": 0.0, "entropy": 0.0, "mask": mask,
+                  "is_metrics": is_m, "loss_metrics": m}
         if ntok:
-            record["lp_diff_max"] = float(((logprobs - old).abs() * mask).max())
+            diff = (logprobs - old) * mask  # log(pi_train / pi_rollout) on the rollout's tokens
+            record["lp_diff_max"] = float(diff.abs().max())
+            record["lp_diff_sum"] = float(diff.abs().sum())
+            record["k3_sum"] = float(((diff.exp() - 1 - diff) * mask).sum())  # k3 estimate of KL(rollout || train)
             record["entropy"] = float(entropy) * ntok
     return loss, record
 
@@ -325,7 +333,7 @@ def _reference_logprobs(reference: torch.nn.Module, tokens: torch.Tensor, temper
 
 def _add_record(sums: dict[str, float], off_stats: offpolicy.OffPolicyStats, record: dict) -> None:
     """Add one micro-batch's record to the step's sums."""
-    for key in ("loss", "clip_fraction", "entropy", "tokens"):
+    for key in ("loss", "clip_fraction", "entropy", "tokens", "lp_diff_sum", "k3_sum"):
         sums[key] += record[key]
     sums["lp_diff_max"] = max(sums["lp_diff_max"], record["lp_diff_max"])
     off_stats.add(record["mask"], record["is_metrics"], record["loss_metrics"])
@@ -347,7 +355,8 @@ def train_step(policy: Policy, local: list[Sample], grpo_cfg, temperature: float
     # CPU, waiting for the GIL or a core (on a GPU a sync may spin: on-CPU).
     cpu0, proc0 = time.thread_time(), time.process_time()
     ctx = _LossContext(grpo_cfg, temperature, max_new_tokens, global_num_samples, global_num_tokens)
-    sums = {"loss": 0.0, "clip_fraction": 0.0, "lp_diff_max": 0.0, "entropy": 0.0, "tokens": 0.0}
+    sums = {"loss": 0.0, "clip_fraction": 0.0, "lp_diff_max": 0.0, "entropy": 0.0, "tokens": 0.0,
+            "lp_diff_sum": 0.0, "k3_sum": 0.0}
     off_stats = offpolicy.OffPolicyStats(grpo_cfg.is_correction, policy.reference is not None)
     if policy.pipeline is None:
         _forward_backward(policy, local, ctx, pad_id, d, sums, off_stats)
@@ -359,7 +368,8 @@ def train_step(policy: Policy, local: list[Sample], grpo_cfg, temperature: float
     policy.lr_schedulers.step()
     policy.optimizers.zero_grad()
 
-    stats = torch.tensor([sums["loss"], sums["clip_fraction"], sums["entropy"], sums["tokens"]], dtype=torch.float64)
+    stats = torch.tensor([sums[k] for k in ("loss", "clip_fraction", "entropy", "tokens", "lp_diff_sum", "k3_sum")],
+                         dtype=torch.float64)
     lp_max = torch.tensor([sums["lp_diff_max"]], dtype=torch.float64)
     if d.world_size > 1:
         stats, lp_max = stats.to(d.device), lp_max.to(d.device)
@@ -370,7 +380,7 @@ def train_step(policy: Policy, local: list[Sample], grpo_cfg, temperature: float
             dist.all_reduce(stats, group=dp_group)
         dist.all_reduce(lp_max, op=dist.ReduceOp.MAX)
     off_metrics = off_stats.reduce(d.world_size, parallel.data_parallel_group(policy.parallel_dims), d.device)
-    loss_sum, clip_sum, ent_sum, ntok = stats.tolist()
+    loss_sum, clip_sum, ent_sum, ntok, diff_sum, k3_sum = stats.tolist()
     return {
         "loss": loss_sum,  # local losses are already globally normalised: their sum is the batch loss
         "clip_fraction": clip_sum / max(ntok, 1.0),
@@ -378,6 +388,8 @@ def train_step(policy: Policy, local: list[Sample], grpo_cfg, temperature: float
         "grad_norm": grad_norm,
         "lr": policy.lr_schedulers.schedulers[0].get_last_lr()[0],
         "trainer_vs_rollout_logprob_max_abs_diff": float(lp_max.item()),
+        "trainer_vs_rollout_logprob_mean_abs_diff": diff_sum / max(ntok, 1.0),
+        "trainer_vs_rollout_k3": k3_sum / max(ntok, 1.0),
         "time/train_s": time.perf_counter() - t0,
         "cpu/train_thread_s": (cpu := time.thread_time() - cpu0),
         "cpu/other_threads_s": max(time.process_time() - proc0 - cpu, 0.0),
@@ -427,22 +439,30 @@ def _forward_backward(policy: Policy, local: list[Sample], ctx: _LossContext, pa
         tokens, mask, old, adv = _pack(chunk, pad_id, d.device)
         if empty:
             mask = torch.zeros_like(mask)
-        ref = None
+        ref, row, offsets = None, None, None
         if packed:
             row = packing.pack_row([[*s.prompt_ids, *s.completion_ids] for s in chunk], pad_id, d.device,
                                    row_multiple)
-            logprobs, entropy = packing.forward_terms(model, row, mask, ctx.temperature, chunk_tokens, policy.amp)
-            if policy.reference is not None:
-                ref = packing.reference_logprobs(policy.reference, row, ctx.temperature, chunk_tokens, policy.amp)
-        else:
-            # sequence parallelism splits T evenly over TP ranks
+            offsets = row.offsets
+        else:  # sequence parallelism splits T evenly over TP ranks
             tokens, mask, old = parallel.pad_to_multiple(
                 tokens, mask, old, parallel.seq_len_multiple(policy.parallel_dims), pad_id)
-            logprobs, entropy = _forward_terms(model, tokens, mask, ctx.temperature, chunk_tokens, policy.amp)
-            if policy.reference is not None:
-                ref = _reference_logprobs(policy.reference, tokens, ctx.temperature, chunk_tokens, policy.amp)
-        loss, record = _logprob_loss(logprobs, entropy, mask, old, adv, ctx, ref)
-        loss.backward()
+        length = (row.tokens if packed else tokens).shape[1]
+        # MoE: the rollout's routes for the forward and the backward's recompute (grpo.router_replay)
+        with moe_step.replayed(model, ctx.grpo_cfg, [] if empty else chunk, length, offsets):
+            if packed:
+                logprobs, entropy = packing.forward_terms(model, row, mask, ctx.temperature, chunk_tokens,
+                                                          policy.amp)
+                if policy.reference is not None:
+                    ref = packing.reference_logprobs(policy.reference, row, ctx.temperature, chunk_tokens,
+                                                     policy.amp)
+            else:
+                logprobs, entropy = _forward_terms(model, tokens, mask, ctx.temperature, chunk_tokens, policy.amp)
+                if policy.reference is not None:
+                    ref = _reference_logprobs(policy.reference, tokens, ctx.temperature, chunk_tokens, policy.amp)
+            loss, record = _logprob_loss(logprobs, entropy, mask, old, adv, ctx, ref)
+            aux = moe_step.aux_term(model, policy.aux_loss_coef, chunk, length, offsets, mask, ctx.num_tokens)
+            (loss + aux).backward()
         _add_record(sums, off_stats, record)
         del logprobs, loss, ref
 
@@ -539,7 +559,7 @@ def _pipeline_forward_backward(policy: Policy, local: list[Sample], ctx: _LossCo
 def _share_last_stage_metrics(pipe: pipeline_parallel.StagePipeline, sums: dict[str, float],
                               off_stats: offpolicy.OffPolicyStats) -> None:
     """Replace every stage's sums by the last stage's (the only one with a loss)."""
-    keys = ("loss", "clip_fraction", "entropy", "tokens", "lp_diff_max")
+    keys = ("loss", "clip_fraction", "entropy", "tokens", "lp_diff_max", "lp_diff_sum", "k3_sum")
     n_off = off_stats.sums.numel()
     values = torch.tensor([sums[k] for k in keys] + off_stats.sums.tolist() + [off_stats.is_max],
                           dtype=torch.float64, device=pipe.device)
@@ -563,7 +583,8 @@ def _clip_grad_norm(policy: Policy) -> float:
     if pipe is None:
         if not params:
             return 0.0
-        norm = clip_grad_norm_(params, policy.max_norm, foreach=True, pp_mesh=None, ep_enabled=False)
+        norm = clip_grad_norm_(params, policy.max_norm, foreach=True, pp_mesh=None,
+                               ep_enabled=bool(getattr(policy.parallel_dims, "ep_enabled", False)))
     else:  # every stage joins the all-reduce over the pipeline
         counted, mirrors = pipe.split_mirrored(params)
         norm = clip_grad_norm_(counted, policy.max_norm, foreach=True, pp_mesh=pipe.pp_mesh, ep_enabled=False)
