@@ -202,12 +202,13 @@ def score(model, samples, device: torch.device, replay_on: bool, micro: int) -> 
             "route_flips": flips / max(slots, 1)}
 
 
-def time_pushes(url: str, model, adapter, device: torch.device, reps: int) -> tuple[int, int, list[float]]:
+def time_pushes(url: str, model, adapter, device: torch.device, server_device: str, reps: int) -> tuple[int, int, list[float]]:
     from torchtitan_grpo import model as tm
     from torchtitan_grpo.aio import LoopThread
     from torchtitan_grpo.weight_sync.pusher import Pusher, PushConfig
 
-    cfg = PushConfig(mode="sync", backend="nccl" if device.type == "cuda" else "gloo", protocol="sglang",
+    backend = "gloo" if device.type != "cuda" else "nccl" if str(device) != server_device else "ipc"  # one GPU: ipc
+    cfg = PushConfig(mode="sync", backend=backend, protocol="sglang",
                      dtype=torch.bfloat16, bucket_bytes=1 << 30, deadline_s=600, master_address="127.0.0.1")
     tensors = tm.hf_state_dict(model, adapter)
     loop = LoopThread()
@@ -271,7 +272,7 @@ def main(argv: list[str] | None = None) -> dict:
         micro = 8 if not a.cpu else 4
         off = score(model, samples, device, False, micro)
         on = score(model, samples, device, True, micro)
-        nbytes, ntensors, times = time_pushes(url, model, adapter, device, a.reps)
+        nbytes, ntensors, times = time_pushes(url, model, adapter, device, a.server_device, a.reps)
     finally:
         stop_server(proc, log)
     push_s = statistics.median(times)
@@ -286,7 +287,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name, r in (("off", off), ("rollout", on)):
         print(f"| {name} | {r['mean_abs']:.5f} | {r['max_abs']:.4f} | {r['k3']:.2e} | {r['route_flips']:.4f} |")
     print(f"mean abs ratio off / on: {off['mean_abs'] / max(on['mean_abs'], 1e-12):.2f}")
-    print(f"push: {ntensors} tensors, {nbytes / 1e9:.2f} GB per version (bf16), median {push_s:.3f} s "
+    print(f"push ({'gloo' if a.cpu else 'nccl' if a.device != a.server_device else 'ipc'}): {ntensors} tensors, {nbytes / 1e9:.2f} GB per version (bf16), median {push_s:.3f} s "
           f"= {nbytes / push_s / 1e9:.1f} GB/s ({a.reps} timed)")
     return {"off": off, "on": on, "push_s": push_s, "bytes": nbytes, "tensors": ntensors}
 

@@ -278,4 +278,4 @@ def test_moe_mismatch_bench_cpu(tmp_path):
     assert set(rows) == {"off", "rollout"}, out
     for name in rows:
         assert float(rows[name][0]) < 1e-4 and float(rows[name][3]) == 0.0, out  # mean abs, routes differing
-    assert "push: 69 tensors" in out, out
+    assert "push (gloo): 69 tensors" in out, out
