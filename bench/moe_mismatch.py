@@ -159,12 +159,16 @@ def generate(url: str, prompts: list[list[int]], new_tokens: int, layers: int, t
 
 
 @torch.no_grad()
-def score(model, samples, device: torch.device, replay_on: bool, micro: int) -> dict[str, float]:
-    """Mismatch of the trainer's log-probs against the rollout's over completion tokens."""
+def score(model, samples, device: torch.device, replay_on: bool, micro: int,
+          flipped: list[torch.Tensor] | None = None) -> dict:
+    """Mismatch of the trainer's log-probs against the rollout's over completion
+    tokens; ``flipped`` (per sample, per completion token: the position feeding
+    it routed differently in some layer with replay off) also restricts it to
+    those tokens. Returns the flags it saw (meaningful with replay off)."""
     from torchtitan_grpo import router_replay
 
     routers = router_replay.moe_routers(model)
-    diffs, k3s, flips, slots = [], [], 0, 0
+    diffs, k3s, flags, flips, slots = [], [], [], 0, 0
     for i in range(0, len(samples), micro):
         chunk = samples[i : i + micro]
         T = max(len(s.prompt_ids) + len(s.completion_ids) for s in chunk)
@@ -179,27 +183,30 @@ def score(model, samples, device: torch.device, replay_on: bool, micro: int) -> 
         with amp(device), router_replay.replay(model, routes if replay_on else None):
             logits = model(tokens)
         logp = torch.log_softmax(logits.float(), dim=-1)
+        # where the trainer's own expert sets differ from the rollout's, any layer: [rows, T]
+        given = routes.to(device).long()
+        differs = torch.zeros(len(chunk), T, dtype=torch.bool, device=device)
+        for layer, router in routers:
+            _, picked = router.last_stats
+            picked = picked.reshape(len(chunk), T, -1).sort(-1).values
+            layer_differs = (picked != given[:, :, layer].sort(-1).values).any(-1) & (given[:, :, layer, 0] >= 0)
+            differs |= layer_differs
+            flips += int(layer_differs.sum())
+            slots += int((given[:, :, layer, 0] >= 0).sum())
+            router.keep_stats, router.last_stats = False, None
         for r, s in enumerate(chunk):
             P, C = len(s.prompt_ids), len(s.completion_ids)
             got = logp[r, P - 1 : P + C - 1].gather(-1, tokens[r, P : P + C, None]).squeeze(-1)
             d = got - torch.tensor(s.rollout_logprobs, device=device)
             diffs.append(d.abs())
             k3s.append(torch.exp(d) - 1 - d)  # log(pi_train / pi_rollout) on rollout samples
-        # the trainer's own expert sets at the completion's input positions vs the rollout's
-        given = routes.to(device).long()  # [rows, T, layers, k]
-        for layer, router in routers:
-            _, picked = router.last_stats
-            picked = picked.reshape(len(chunk), T, -1).sort(-1).values
-            want = given[:, :, layer].sort(-1).values
-            for r, s in enumerate(chunk):
-                P, C = len(s.prompt_ids), len(s.completion_ids)
-                span = slice(P, P + C - 1)
-                flips += int((picked[r, span] != want[r, span]).any(-1).sum())
-                slots += C - 1
-            router.keep_stats, router.last_stats = False, None
+            flags.append(differs[r, P - 1 : P + C - 1].clone())
     d, k3 = torch.cat(diffs), torch.cat(k3s)
+    on = torch.cat(flipped if flipped is not None else flags)
     return {"mean_abs": float(d.mean()), "max_abs": float(d.max()), "k3": float(k3.mean()),
-            "route_flips": flips / max(slots, 1)}
+            "route_flips": flips / max(slots, 1), "flagged": flags, "flipped_tokens": float(on.float().mean()),
+            "flipped_mean_abs": float(d[on].mean()) if on.any() else float("nan"),
+            "steady_mean_abs": float(d[~on].mean()) if (~on).any() else float("nan")}
 
 
 def time_pushes(url: str, model, adapter, device: torch.device, server_device: str, reps: int) -> tuple[int, int, list[float]]:
@@ -271,7 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
         gen_s = time.perf_counter() - t1
         micro = 8 if not a.cpu else 4
         off = score(model, samples, device, False, micro)
-        on = score(model, samples, device, True, micro)
+        on = score(model, samples, device, True, micro, flipped=off["flagged"])
         nbytes, ntensors, times = time_pushes(url, model, adapter, device, a.server_device, a.reps)
     finally:
         stop_server(proc, log)
@@ -282,13 +289,18 @@ def main(argv: list[str] | None = None) -> dict:
           f"{a.train_steps} LM steps (loss {losses[0] if losses else float('nan'):.2f} -> "
           f"{losses[-1] if losses else float('nan'):.2f}, {train_s:.0f} s); {len(samples)} samples x "
           f"{a.new_tokens} tokens at temperature 1 in {gen_s:.1f} s")
-    print("| router replay | mean abs logprob diff | max abs | k3 KL | trainer routes differing |")
-    print("|---|---:|---:|---:|---:|")
+    print(f"tokens whose input position routes differently (replay off, any layer): {off['flipped_tokens']:.4f}")
+    print("| router replay | mean abs logprob diff | max abs | k3 KL | trainer routes differing | "
+          "mean abs, those tokens | mean abs, the others |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name, r in (("off", off), ("rollout", on)):
-        print(f"| {name} | {r['mean_abs']:.5f} | {r['max_abs']:.4f} | {r['k3']:.2e} | {r['route_flips']:.4f} |")
+        print(f"| {name} | {r['mean_abs']:.5f} | {r['max_abs']:.4f} | {r['k3']:.2e} | {r['route_flips']:.4f} | "
+              f"{r['flipped_mean_abs']:.5f} | {r['steady_mean_abs']:.5f} |")
     print(f"mean abs ratio off / on: {off['mean_abs'] / max(on['mean_abs'], 1e-12):.2f}")
     print(f"push ({'gloo' if a.cpu else 'nccl' if a.device != a.server_device else 'ipc'}): {ntensors} tensors, {nbytes / 1e9:.2f} GB per version (bf16), median {push_s:.3f} s "
           f"= {nbytes / push_s / 1e9:.1f} GB/s ({a.reps} timed)")
+    for r in (off, on):
+        r.pop("flagged")
     return {"off": off, "on": on, "push_s": push_s, "bytes": nbytes, "tensors": ntensors}
 
 

@@ -35,10 +35,11 @@ def _forward(policy, seq: list[int], packed: bool) -> torch.Tensor:
     """``[T, V]`` logits of one sequence, as the trainer's micro-batches run it."""
     from torchtitan_grpo import packing
 
-    with torch.no_grad():
+    device = next(policy.model.parameters()).device
+    with torch.no_grad(), policy.amp:  # the trainer's precision (bf16 autocast on a GPU)
         if not packed:
-            return policy.model(torch.tensor([seq]))[0]
-        row = packing.pack_row([seq], 0, "cpu")
+            return policy.model(torch.tensor([seq], device=device))[0]
+        row = packing.pack_row([seq], 0, device)
         return policy.model(row.tokens, **row.model_kwargs())[0, : len(seq)]
 
 
@@ -48,7 +49,7 @@ def _own_routes(policy, seq: list[int], packed: bool) -> np.ndarray:
     for _, r in routers:
         r.keep_stats = True
     _forward(policy, seq, packed)
-    out = np.stack([r.last_stats[1].numpy()[: len(seq)] for _, r in routers], axis=1)  # [T, layers, k]
+    out = np.stack([r.last_stats[1].cpu().numpy()[: len(seq)] for _, r in routers], axis=1)  # [T, layers, k]
     for _, r in routers:
         r.keep_stats, r.last_stats = False, None
     return out[:-1].astype(np.int16)
@@ -75,14 +76,16 @@ def test_train_step_replays_the_rollouts_routes(moe_dir, packed):
     extra = ["--grpo.micro_batch_tokens", "64"] if packed else []
     cfg, policy = _policy(moe_dir, "--grpo.router_replay", "rollout", *extra)
     step = lambda batch: train_step(policy, batch, cfg.grpo, 1.0, 8, 2, 7, 0, init_distributed())  # noqa: E731
+    # float32 on CPU; on a GPU the step's bf16 autocast over a two-row micro-batch vs one row here
+    tol = 1e-5 if next(policy.model.parameters()).device.type == "cpu" else 3e-2
     same = step(_batch(policy, False, packed))  # replaying the trainer's own routes changes nothing
-    assert same["trainer_vs_rollout_logprob_max_abs_diff"] < 1e-5, same
-    assert same["trainer_vs_rollout_k3"] < 1e-9, same
+    assert same["trainer_vs_rollout_logprob_max_abs_diff"] < tol, same
+    assert same["trainer_vs_rollout_k3"] < tol ** 2, same
     moved = step(_batch(policy, True, packed))  # other experts: other log-probs
-    assert moved["trainer_vs_rollout_logprob_mean_abs_diff"] > 1e-3, moved
+    assert moved["trainer_vs_rollout_logprob_mean_abs_diff"] > max(1e-3, 3 * same["trainer_vs_rollout_logprob_mean_abs_diff"]), moved
     cfg_off, policy_off = _policy(moe_dir, *extra)  # replay off ignores the routes
     off = train_step(policy_off, _batch(policy_off, True, packed), cfg_off.grpo, 1.0, 8, 2, 7, 0, init_distributed())
-    assert off["trainer_vs_rollout_logprob_max_abs_diff"] < 1e-5, off
+    assert off["trainer_vs_rollout_logprob_max_abs_diff"] < tol, off
 
 
 def test_aux_loss_adds_gradient_to_the_routers_only_when_on(moe_dir):
