@@ -209,7 +209,8 @@ def score(model, samples, device: torch.device, replay_on: bool, micro: int,
             "steady_mean_abs": float(d[~on].mean()) if (~on).any() else float("nan")}
 
 
-def time_pushes(url: str, model, adapter, device: torch.device, server_device: str, reps: int) -> tuple[int, int, list[float]]:
+def time_pushes(url: str, model, adapter, device: torch.device, server_device: str,
+                reps: int) -> tuple[int, int, list[float]]:
     from torchtitan_grpo import model as tm
     from torchtitan_grpo.aio import LoopThread
     from torchtitan_grpo.weight_sync.pusher import Pusher, PushConfig
@@ -297,7 +298,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"| {name} | {r['mean_abs']:.5f} | {r['max_abs']:.4f} | {r['k3']:.2e} | {r['route_flips']:.4f} | "
               f"{r['flipped_mean_abs']:.5f} | {r['steady_mean_abs']:.5f} |")
     print(f"mean abs ratio off / on: {off['mean_abs'] / max(on['mean_abs'], 1e-12):.2f}")
-    print(f"push ({'gloo' if a.cpu else 'nccl' if a.device != a.server_device else 'ipc'}): {ntensors} tensors, {nbytes / 1e9:.2f} GB per version (bf16), median {push_s:.3f} s "
+    transport = "gloo" if a.cpu else "nccl" if a.device != a.server_device else "ipc"
+    print(f"push ({transport}): {ntensors} tensors, {nbytes / 1e9:.2f} GB per version (bf16), median {push_s:.3f} s "
           f"= {nbytes / push_s / 1e9:.1f} GB/s ({a.reps} timed)")
     for r in (off, on):
         r.pop("flagged")

@@ -82,7 +82,8 @@ def test_train_step_replays_the_rollouts_routes(moe_dir, packed):
     assert same["trainer_vs_rollout_logprob_max_abs_diff"] < tol, same
     assert same["trainer_vs_rollout_k3"] < tol ** 2, same
     moved = step(_batch(policy, True, packed))  # other experts: other log-probs
-    assert moved["trainer_vs_rollout_logprob_mean_abs_diff"] > max(1e-3, 3 * same["trainer_vs_rollout_logprob_mean_abs_diff"]), moved
+    floor = max(1e-3, 3 * same["trainer_vs_rollout_logprob_mean_abs_diff"])
+    assert moved["trainer_vs_rollout_logprob_mean_abs_diff"] > floor, moved
     cfg_off, policy_off = _policy(moe_dir, *extra)  # replay off ignores the routes
     off = train_step(policy_off, _batch(policy_off, True, packed), cfg_off.grpo, 1.0, 8, 2, 7, 0, init_distributed())
     assert off["trainer_vs_rollout_logprob_max_abs_diff"] < tol, off
