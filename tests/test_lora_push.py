@@ -233,3 +233,14 @@ def test_adapter_push_needs_lora(tiny_model_dir):
     with pytest.raises(ConfigError, match="weight_sync.lora_push"):
         parse_config(["--job.config_file", demo, "--model.hf_assets_path", tiny_model_dir,
                       "--weight_sync.lora_push", "adapter"])
+
+
+def test_adapter_push_in_the_loop_is_refused_until_wired(tiny_model_dir):
+    """The loop still pushes merged weights: asking it for adapters is one clear error, not a silent merge."""
+    from torchtitan_grpo.config import parse_config
+    from torchtitan_grpo.config_checks import ConfigError
+
+    demo = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train_configs", "demo_cpu.toml")
+    with pytest.raises(ConfigError, match="not wired into the training loop"):
+        parse_config(["--job.config_file", demo, "--model.hf_assets_path", tiny_model_dir, "--lora.enable",
+                      "--weight_sync.lora_push", "adapter"])

@@ -377,9 +377,11 @@ class WeightSync:
 
     lora_push: Literal["merged", "adapter"] = "merged"
     """With [lora]: "merged" pushes base + (alpha / rank) B A as full weights
-    under the usual HF names (any server); "adapter" pushes only the adapter
-    (SGLang's and vLLM's LoRA-loading routes; the built-in server merges it
-    into its own copy of the base, which it keeps for the next version)."""
+    under the usual HF names (any server). "adapter" (only the adapter, over
+    SGLang's and vLLM's LoRA routes; the built-in server merges it into its own
+    copy of the base) has its transport built and measured
+    (weight_sync/adapter_push.py, bench/lora_push.py) but is refused until the
+    loop pushes through it."""
 
     master_address: str = "127.0.0.1"
     """Address the trainer's weight-group stores listen on (reachable by every replica)."""
