@@ -377,11 +377,20 @@ class WeightSync:
 
     lora_push: Literal["merged", "adapter"] = "merged"
     """With [lora]: "merged" pushes base + (alpha / rank) B A as full weights
-    under the usual HF names (any server). "adapter" (only the adapter, over
-    SGLang's and vLLM's LoRA routes; the built-in server merges it into its own
-    copy of the base) has its transport built and measured
-    (weight_sync/adapter_push.py, bench/lora_push.py) but is refused until the
-    loop pushes through it."""
+    under the usual HF names (any server). "adapter" pushes only the adapter
+    (a peft folder per version in weight_sync.disk_folder, loaded through
+    SGLang's or vLLM's LoRA routes, which the servers must enable; the built-in
+    server merges it into its own copy of the base): requests then name the
+    adapter. One trainer process, as [lora] itself."""
+
+    delta: bool = False
+    """Built-in servers only: send each replica only the bf16 (or fp32)
+    elements that changed since the version it holds (indices + new values,
+    a tensor whose change is dense goes whole), checked bit-equal on receive
+    by a per-tensor checksum; a replica whose version the trainer holds no
+    copy of (new, restarted, more than one version behind) gets the full
+    weights (weight_sync/delta_push.py, docs/PERFORMANCE.md "Delta push").
+    SGLang and vLLM have no route for it."""
 
     master_address: str = "127.0.0.1"
     """Address the trainer's weight-group stores listen on (reachable by every replica)."""
