@@ -321,6 +321,13 @@ class WeightSync:
     disk_folder: str = ""
     """transport "disk": a folder every replica can read (default <dump_folder>/pushed_weights)."""
 
+    fanout: Literal["per_replica", "broadcast"] = "per_replica"
+    """Transports gloo and nccl, SGLang protocol: how one version reaches N
+    replicas. "per_replica": a weight group per replica, so the trainer sends
+    every byte N times; "broadcast": one group over the trainer and every
+    admitted replica, each bucket sent once; a replica that is slow or down
+    leaves it and catches up on its own group (weight_sync/fanout.py)."""
+
     bucket_size_mb: int = 1024
     """SGLang protocol: tensors are flattened into buckets of about this size,
     one update request and one broadcast each (vLLM's packed chunks keep

@@ -86,6 +86,9 @@ class PushConfig:
     """backend "adapter" (``weight_sync.lora_push = "adapter"``): the peft
     ``adapter_config.json`` written beside each version's adapter tensors
     (``adapter_push.adapter_config``)."""
+    fanout: str = "per_replica"
+    """Over a weight group: "per_replica" (a group per replica) or "broadcast"
+    (one group over the trainer and the admitted replicas, ``fanout``)."""
     large_tensor_bytes: int = 16 << 20
     """Tensors of at least this many bytes are staged with a copy of their own,
     the others with one ``_foreach_copy_`` per bucket: a launch per tensor
