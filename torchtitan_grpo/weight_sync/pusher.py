@@ -70,6 +70,7 @@ TRANSPORTS: dict[str, str | type[Transport]] = {
     "ipc": "ipc_push.IpcPush",
     "disk": "disk_push.DiskPush",
     "adapter": "adapter_push.AdapterPush",  # weight_sync.lora_push = "adapter": LoRA adapters, not weights
+    "broadcast": "fanout.BroadcastFanout",  # weight_sync.fanout = "broadcast": one group over every replica
 }
 """Every transport, by name: ``"<module of weight_sync>.<class>"`` (imported
 when picked) or the class itself. A new transport is a module of its own and
@@ -79,6 +80,7 @@ a line here."""
 def make_transport(cfg: PushConfig, device: torch.device) -> Transport:
     """``TRANSPORTS[backend]``, or for a weight group (gloo, nccl) ``TRANSPORTS[protocol]``."""
     name = cfg.protocol if cfg.backend in ("gloo", "nccl") else cfg.backend
+    name = "broadcast" if cfg.backend in ("gloo", "nccl") and cfg.fanout == "broadcast" else name
     if name not in TRANSPORTS:
         raise ValueError(f"no weight-push transport {name!r} (backend {cfg.backend!r}, protocol "
                          f"{cfg.protocol!r}); known: {', '.join(TRANSPORTS)}")
