@@ -72,6 +72,7 @@ from torchtitan_grpo.inference.httputil import (
     authorized,
     read_json,
 )
+from torchtitan_grpo.inference.delta_receive import DeltaRoutes
 from torchtitan_grpo.inference.lora_receive import LoraRoutes
 from torchtitan_grpo.inference.requests import ModelLoadError, RequestError
 from torchtitan_grpo.inference.server_config import ServerConfig
@@ -142,6 +143,7 @@ def build_app(engine: Engine, cfg: ServerConfig) -> tuple[web.Application, SGLan
     chat.register(app)
     # LoRA adapters (both protocols' routes), merged on receive; vLLM's routes answer to their names
     LoraRoutes(engine, limits, [completions.served_names, chat.served_names]).register(app)
+    DeltaRoutes(engine).register(app)  # weight_sync.delta: changed elements against the served version
     vllm_weights = VLLMWeightRoutes(engine, cfg, gate, limits)
     vllm_weights.register(app)
     vllm_generate = VLLMGenerateRoute(engine, gate, limits)

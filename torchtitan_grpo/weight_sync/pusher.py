@@ -70,6 +70,7 @@ TRANSPORTS: dict[str, str | type[Transport]] = {
     "ipc": "ipc_push.IpcPush",
     "disk": "disk_push.DiskPush",
     "adapter": "adapter_push.AdapterPush",  # weight_sync.lora_push = "adapter": LoRA adapters, not weights
+    "delta": "delta_push.DeltaPush",  # weight_sync.delta: changed elements against the replica's version
     "broadcast": "fanout.BroadcastFanout",  # weight_sync.fanout = "broadcast": one group over every replica
 }
 """Every transport, by name: ``"<module of weight_sync>.<class>"`` (imported
