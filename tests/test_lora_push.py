@@ -235,12 +235,32 @@ def test_adapter_push_needs_lora(tiny_model_dir):
                       "--weight_sync.lora_push", "adapter"])
 
 
-def test_adapter_push_in_the_loop_is_refused_until_wired(tiny_model_dir):
-    """The loop still pushes merged weights: asking it for adapters is one clear error, not a silent merge."""
-    from torchtitan_grpo.config import parse_config
-    from torchtitan_grpo.config_checks import ConfigError
+def test_demo_trains_lora_with_the_adapter_push_on_policy(tmp_path, tiny_model_dir):
+    """The CPU demo with [lora] and weight_sync.lora_push = "adapter": each
+    version travels as a peft folder, the built-in server merges it, and the
+    next rollouts are the trainer's own policy (sync push, serial loop): a
+    server left on the base or on a stale merge would show in the mismatch."""
+    import json
+    import subprocess
+    import sys
 
-    demo = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train_configs", "demo_cpu.toml")
-    with pytest.raises(ConfigError, match="not wired into the training loop"):
-        parse_config(["--job.config_file", demo, "--model.hf_assets_path", tiny_model_dir, "--lora.enable",
-                      "--weight_sync.lora_push", "adapter"])
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    dump = str(tmp_path / "run")
+    cmd = [sys.executable, os.path.join(root, "grpo_train.py"), "--job.config_file",
+           os.path.join(root, "train_configs", "demo_cpu.toml"), "--model.hf_assets_path", tiny_model_dir,
+           "--job.dump_folder", dump, "--training.steps", "3", "--lora.enable", "--lora.rank", "4",
+           "--optimizer.lr", "0.05", "--weight_sync.lora_push", "adapter", "--weight_sync.mode", "sync",
+           "--rollout.pipeline_depth", "0", "--rollout.reward_fn", "tests.reward_fixtures:varies_with_text"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=root)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    with open(os.path.join(dump, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert [m["step"] for m in rows] == [1, 2, 3]
+    assert any(m["grad_norm"] > 0 for m in rows[:-1]), rows  # the adapters moved
+    for m in rows:
+        assert m["trainer_vs_rollout_logprob_max_abs_diff"] <= 1e-4, m
+        assert m["weight_version"] == m["step"] and m["push/replica0_version_lag"] == 0, m
+    folders = sorted(os.listdir(os.path.join(dump, "pushed_weights")))
+    assert folders and all(os.path.isfile(os.path.join(dump, "pushed_weights", v, "adapter_config.json"))
+                           for v in folders), folders

@@ -22,9 +22,9 @@ class LoRA:
     ``[out, rank]`` (zero at start, so step 0 is the base model) trained.
 
     Inference servers receive merged full weights (``W + (alpha / rank) B A``)
-    under the usual HF names, so every backend works unchanged (the adapter-only
-    transport, ``weight_sync.adapter_push``, is not wired into the loop yet:
-    ``weight_sync.lora_push = "adapter"`` is refused). The HF export holds the merged model and,
+    under the usual HF names, so every backend works unchanged, or with
+    ``weight_sync.lora_push = "adapter"`` only the adapter, through the
+    engines' LoRA routes (``weight_sync.adapter_push``). The HF export holds the merged model and,
     in ``lora_adapter/``, the adapter in the format peft loads. One trainer
     process only (no FSDP, DDP, TP or PP yet)."""
 
@@ -55,11 +55,9 @@ def validate_lora(cfg, check) -> None:
         check(push == "merged", "weight_sync.lora_push", '"adapter" needs lora.enable = true (there is no adapter '
               "to push)", push)
         return
-    # The transport, the servers' routes and the pool's adapter naming are built and tested
-    # (weight_sync/adapter_push.py, inference/lora_receive.py, tests/test_lora_push.py); the
-    # training loop's snapshot and the session do not route through them yet.
-    check(push == "merged", "weight_sync.lora_push", '"adapter" is not wired into the training loop yet (the '
-          'adapter transport is; bench/lora_push.py measures it): use "merged"', push)
+    if push == "adapter":
+        check(cfg.weight_sync.mode != "off", "weight_sync.lora_push", '"adapter" with weight_sync.mode = "off" '
+              "pushes nothing", push)
     check(lo.rank >= 1, "lora.rank", "must be >= 1", lo.rank)
     check(lo.alpha > 0, "lora.alpha", "must be > 0", lo.alpha)
     check(0 <= lo.dropout < 1, "lora.dropout", "must be in [0, 1)", lo.dropout)

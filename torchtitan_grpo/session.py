@@ -24,6 +24,7 @@ from torchtitan_grpo.rollout.client_process import RolloutProcess, SpawnedClient
 from torchtitan_grpo.rollout.evaluation import EvalResult, Evaluator, format_eval_line
 from torchtitan_grpo.rollout.producer import ProducerSpec, RolloutProducer, build_producer
 from torchtitan_grpo.trainer import Dist
+from torchtitan_grpo.weight_sync import adapter_push
 from torchtitan_grpo.weight_sync.gather import push_dtype
 from torchtitan_grpo.weight_sync.pusher import NoPush, Pusher, PushConfig, WeightPusher
 
@@ -176,6 +177,20 @@ def _stop_ids(tok) -> tuple[int, ...]:
     return (tok.eos_token_id,) if tok.eos_token_id is not None else ()
 
 
+def _name_adapters_to(pusher, pool) -> None:
+    """With the adapter push, ``pool`` names each replica's newest adapter in its requests too."""
+    transport = getattr(pusher, "transport", None)
+    if not hasattr(transport, "on_adapter"):
+        return
+    before = transport.on_adapter
+
+    def both(url: str, name: str) -> None:
+        before(url, name)
+        pool.set_adapter(url, name)
+
+    transport.on_adapter = both
+
+
 def _evaluator(cfg, tok, loop: LoopThread, pool: InferencePool | None, urls: list[str], pool_config: PoolConfig,
                pusher: WeightPusher, stack: contextlib.ExitStack) -> Evaluator:
     """``[eval]``'s evaluator on rank 0's event loop. ``pool`` None: the
@@ -189,6 +204,7 @@ def _evaluator(cfg, tok, loop: LoopThread, pool: InferencePool | None, urls: lis
         pool = InferencePool(urls, pool_config)
         loop.run(pool.start())
         stack.callback(lambda: loop.run(pool.close(), timeout=10))
+        _name_adapters_to(pusher, pool)
     scorer = task_scorer(tok, r.task, r.reward_fn, group_size=e.samples_per_prompt, prompt_key=r.prompt_key,
                          scale_rewards=False, reward_timeout_s=r.reward_timeout_s, use_chat_template=r.use_chat_template)
     greedy = e.temperature == 0
@@ -269,11 +285,15 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
             pool = client.pool
         else:
             pool = InferencePool(urls, pool_config)
+        adapter_cfg = None  # weight_sync.lora_push = "adapter": only the LoRA adapter travels
+        if cfg.lora.enable and w.lora_push == "adapter":
+            adapter_cfg = adapter_push.config_from_lora(cfg.lora, hf_dir)
         if w.mode == "off":
             pusher: WeightPusher = NoPush()
         else:
             pusher = Pusher(loop, urls, PushConfig(
-                mode=w.mode, backend=w.transport, master_address=w.master_address,
+                mode=w.mode, backend="adapter" if adapter_cfg else w.transport, adapter_config=adapter_cfg,
+                master_address=w.master_address,
                 bucket_bytes=w.bucket_size_mb << 20, num_staging_buffers=w.num_staging_buffers,
                 deadline_s=w.replica_deadline_s, init_timeout_s=w.init_timeout_s, pause_mode=pause_mode,
                 protocol="vllm" if i.backend == "vllm" else "sglang",
@@ -284,6 +304,8 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
             stack.callback(pusher.close)
             pool.on_join = pusher.add_replica  # replicas from inference.replica_file get weights too
             pool.on_down = pusher.replica_down  # a replica known to be down leaves the push at once
+            if adapter_cfg:  # requests name the adapter a replica serves once it serves it
+                _name_adapters_to(pusher, pool)
         if client is not None:
             pool.start()
         else:

@@ -44,7 +44,7 @@ from torchtitan_grpo.weight_sync.sglang_push import tag_version
 from torchtitan_grpo.weight_sync.staging import Staged
 from torchtitan_grpo.weight_sync.transport import Replica, Transport
 
-__all__ = ["ADAPTER_PREFIX", "AdapterPush", "adapter_config", "adapter_name", "adapter_tensors"]
+__all__ = ["ADAPTER_PREFIX", "AdapterPush", "adapter_config", "adapter_name", "adapter_tensors", "config_from_lora"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,24 @@ def adapter_config(model: torch.nn.Module, sd_adapter, base_path: str) -> dict:
     from torchtitan_grpo.lora_peft import _adapter_config, peft_adapter_tensors
 
     return _adapter_config(model, peft_adapter_tensors(model, sd_adapter), base_path)
+
+
+# TorchTitan's projection names ([lora] target_modules) -> the HF module names peft targets
+_HF_TARGETS = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj",
+               "w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+
+
+def config_from_lora(lora_cfg, base_path: str) -> dict:
+    """The peft ``adapter_config.json`` the trainer's adapters will have, from
+    the ``[lora]`` section alone (the session builds the pusher before the
+    model exists); the same fields :func:`adapter_config` reads off a model."""
+    alpha = float(lora_cfg.alpha)
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": os.path.abspath(base_path),
+            "r": int(lora_cfg.rank), "lora_alpha": int(alpha) if alpha.is_integer() else alpha,
+            "lora_dropout": float(lora_cfg.dropout),
+            "target_modules": sorted(_HF_TARGETS[m] for m in lora_cfg.target_modules),
+            "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+            "init_lora_weights": True, "modules_to_save": None, "inference_mode": True}
 
 
 class AdapterPush(Transport):

@@ -428,8 +428,10 @@ class DirectPush:
     them; ``optimizers`` gets a step pre-hook that makes the next optimizer
     step wait for it on the GPU (the trainer's thread never waits)."""
 
-    def __init__(self, model_parts: list[nn.Module], adapter, pusher, sync: bool, optimizers=None):
+    def __init__(self, model_parts: list[nn.Module], adapter, pusher, sync: bool, optimizers=None,
+                 adapter_only: bool = False):
         self.model_parts, self.adapter, self.pusher, self.sync = model_parts, adapter, pusher, sync
+        self.adapter_only = adapter_only  # weight_sync.lora_push = "adapter": the peft tensors, not the weights
         self._aliases: list[list[tuple[str, nn.Parameter]] | None] | None = None
         self._copy_stream: torch.cuda.Stream | None = None
         self._copied: torch.cuda.Event | None = None
@@ -457,6 +459,10 @@ class DirectPush:
         from torchtitan_grpo.lora import has_lora, merged_hf_state
         from torchtitan_grpo.model import hf_aliases, hf_state_dict
 
+        if self.adapter_only:
+            from torchtitan_grpo.weight_sync.adapter_push import adapter_tensors
+
+            return {k: v for part in self.model_parts for k, v in adapter_tensors(part, self.adapter).items()}
         if self._aliases is None:  # with LoRA no name aliases a parameter: the merged weights are new tensors
             self._aliases = [None if has_lora(part) else hf_aliases(part, self.adapter) for part in self.model_parts]
         out: dict[str, torch.Tensor] = {}
@@ -523,7 +529,8 @@ def trainer_push(model_parts: list[nn.Module], adapter, parallel_dims, device: t
     ``optimizers`` the trainer's (one rank, staging "host": see DirectPush)."""
     sync = weight_sync.mode == "sync"
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return DirectPush(model_parts, adapter, pusher, sync, optimizers)
+        return DirectPush(model_parts, adapter, pusher, sync, optimizers,
+                          adapter_only=getattr(weight_sync, "lora_push", "merged") == "adapter")
     from torchtitan_grpo.lora import has_lora
 
     if any(has_lora(part) for part in model_parts):  # build_policy refuses it first; the gather does not merge
