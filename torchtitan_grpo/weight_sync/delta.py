@@ -82,6 +82,8 @@ class TensorDelta:
     index: torch.Tensor | None = None
     crc: int = 0
     """CRC-32 of the whole new tensor (deltas only: a full tensor is its own check)."""
+    changed: int = -1
+    """Elements whose bits changed (-1: not compared, no base); not sent."""
 
     @property
     def full(self) -> bool:
@@ -112,8 +114,9 @@ def encode(name: str, base: torch.Tensor | None, new: torch.Tensor,
     small = torch.int32 if b.numel() <= _INT32_MAX else torch.int64
     limit = density_limit(new, small) if max_density is None else max_density
     if n > limit * b.numel():
+        whole.changed = n
         return whole
-    return TensorDelta(name, new.dtype, tuple(new.shape), b[index], index.to(small), crc32(new))
+    return TensorDelta(name, new.dtype, tuple(new.shape), b[index], index.to(small), crc32(new), n)
 
 
 def apply(base: torch.Tensor, d: TensorDelta) -> torch.Tensor:
