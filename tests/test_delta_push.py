@@ -276,12 +276,20 @@ def test_a_corrupt_delta_is_refused_in_one_line_and_the_previous_version_serves(
 
 
 def test_delta_is_refused_for_sglang_and_vllm_naming_the_key():
-    from torchtitan_grpo.weight_sync.delta_push import refusal
+    from types import SimpleNamespace
+
+    from torchtitan_grpo.config_checks import ConfigError, _check
+    from torchtitan_grpo.weight_sync.delta_push import validate_delta
+
+    def cfg(backend: str, on: bool):
+        return SimpleNamespace(weight_sync=SimpleNamespace(delta=on), inference=SimpleNamespace(backend=backend))
 
     for backend in ("sglang", "vllm"):
-        msg = refusal(backend, True)
-        assert "weight_sync.delta" in msg and backend in msg and "\n" not in msg
-    assert refusal("builtin", True) is None and refusal("sglang", False) is None
+        with pytest.raises(ConfigError, match=f"weight_sync.delta = True: needs inference.backend = .builtin. "
+                                              f"\\(got '{backend}'\\)") as e:
+            validate_delta(cfg(backend, True), _check)
+        assert "\n" not in str(e.value)
+    validate_delta(cfg("sglang", False), _check)  # off: nothing to check
 
 
 def test_the_transport_refuses_a_replica_that_is_not_the_built_in_server():

@@ -147,6 +147,9 @@ def validate(cfg) -> None:
         _check(bool(c.hf_export_folder), "checkpoint.hf_export_folder", "must not be empty", c.hf_export_folder)
     validate_eval(cfg, _check)
     validate_lora(cfg, _check)
+    from torchtitan_grpo.weight_sync.delta_push import validate_delta  # its transport's module: imported on use
+
+    validate_delta(cfg, _check)
 
 
 def _check_model_dir(cfg) -> None:
