@@ -167,4 +167,4 @@ def test_make_batch_picks_by_kv_cache_and_device(model):
     own = model.config.max_position_embeddings
     assert make_batch(model, cfg(kv_cache="static"), CPU, 0).max_len == min(own, 2048)
     with pytest.raises(ValueError, match="kv_cache must be one of"):
-        make_batch(model, cfg(kv_cache="paged"), CPU, 0)
+        make_batch(model, cfg(kv_cache="ring"), CPU, 0)

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
-from torchtitan_grpo.inference import moe_routes, static_batch
+from torchtitan_grpo.inference import moe_routes, paged_batch, static_batch
 from torchtitan_grpo.inference.to_device import upload  # noqa: F401  (engine.py and sampling.py take it from here)
 
 
@@ -64,7 +64,7 @@ class KVBatch(Protocol):
         ...
 
 
-KV_CACHES = ("auto", "static", "dynamic")
+KV_CACHES = ("auto", "static", "paged", "dynamic")
 DEFAULT_STATIC_LEN = 2048
 """Positions per slot of the static cache when ``max_model_len`` is not set
 (and the model's own context is longer): the cache is allocated up front,
@@ -74,6 +74,7 @@ slots x positions, so the default stays modest."""
 def make_batch(model: Any, cfg: Any, device: torch.device, pad_token_id: int) -> KVBatch:
     """The batch an engine configured by ``cfg`` (an ``EngineConfig``) runs on:
     ``kv_cache`` "static" (preallocated slots, CUDA-graph decode on a GPU),
+    "paged" (the same on a block pool sized by a memory budget, ``paged_batch.py``),
     "dynamic" (the HF forward on a growing cache) or "auto" (static on a GPU
     for the model families it supports, else dynamic)."""
     if cfg.kv_cache not in KV_CACHES:
@@ -85,7 +86,9 @@ def make_batch(model: Any, cfg: Any, device: torch.device, pad_token_id: int) ->
     if kind == "dynamic":
         return DynamicBatch(model, device, cfg.max_batch_size, pad_token_id, routes=cfg.return_routed_experts)
     if unsupported is not None:
-        raise ValueError(f"kv_cache static: {unsupported}; use kv_cache dynamic")
+        raise ValueError(f"kv_cache {kind}: {unsupported}; use kv_cache dynamic")
+    if kind == "paged":
+        return paged_batch.make_paged(model, cfg, device)
     own = int(getattr(model.config, "max_position_embeddings", None) or DEFAULT_STATIC_LEN)
     max_len = cfg.max_model_len or min(own, DEFAULT_STATIC_LEN)
     if max_len < 2:

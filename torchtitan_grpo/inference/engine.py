@@ -12,7 +12,9 @@ together and joined to the running batch) and leave as soon as they finish.
 Samples of one request share one prefill. The engine decides what runs and
 keeps the books; how the KV cache is laid out and the model run on it is the
 batch's business (``batch.py``: an HF ``DynamicCache``, or on a GPU
-``static_batch.py``'s preallocated slots with CUDA-graph decode), and picking
+``static_batch.py``'s preallocated slots with CUDA-graph decode, or
+``paged_batch.py``'s block pool, which also says what to admit and what to
+retract when blocks run out), and picking
 tokens is ``sampling.py``'s.
 Everyone else talks to the worker through a condition variable:
 ``submit`` queues sequences, ``pause``/``abort_all`` run small actions on the
@@ -43,7 +45,9 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from torchtitan_grpo.inference.batch import KVBatch, make_batch, upload
+from torchtitan_grpo.inference.engine_weights import EngineWeights
 from torchtitan_grpo.inference.expert_views import expert_views
+from torchtitan_grpo.inference.paged_batch import PagedBatch
 from torchtitan_grpo.inference.static_batch import StaticBatch
 from torchtitan_grpo.inference.loading import eos_token_ids, load_model
 from torchtitan_grpo.inference.requests import (
@@ -61,8 +65,6 @@ from torchtitan_grpo.inference.requests import (
     sample_result,
 )
 from torchtitan_grpo.inference.sampling import Launched, launch_sample
-from torchtitan_grpo.inference.weights import adoptable, check_specs, install_weights
-from torchtitan_grpo.weight_sync.buckets import TensorSpec
 
 logger = logging.getLogger(__name__)
 
@@ -85,13 +87,21 @@ class EngineConfig:
     kv_cache: str = "auto"
     """"static": a preallocated cache of ``max_batch_size`` slots x
     ``max_model_len`` positions, decode steps replayed as CUDA graphs on a
-    GPU (``static_batch.py``); "dynamic": the HF forward on a growing cache
-    (any HF causal LM); "auto": static on a GPU for Llama / Qwen2 / Qwen3 /
-    Mistral, dynamic otherwise (and on CPU)."""
+    GPU (``static_batch.py``); "paged": the same decode on a pool of blocks
+    sized by a memory budget, sequences admitted by free blocks and retracted
+    when it runs out (``paged_batch.py``); "dynamic": the HF forward on a
+    growing cache (any HF causal LM); "auto": static on a GPU for Llama /
+    Qwen2 / Qwen3 / Mistral, dynamic otherwise (and on CPU)."""
     max_model_len: int = 0
-    """Static cache: positions per sequence, prompt and output together (a
-    longer prompt is refused, generation stops there with "length"); 0 = the
-    model's context, at most 2048."""
+    """Static / paged cache: positions per sequence, prompt and output together
+    (a longer prompt is refused, generation stops there with "length"); 0 =
+    the model's context, at most 2048 (static) or what the pool holds (paged)."""
+    kv_cache_memory_gb: float = 0.0
+    """Paged cache: the pool's size in GiB (0: by ``kv_cache_memory_fraction``)."""
+    kv_cache_memory_fraction: float = 0.0
+    """Paged cache: the pool's share of the GPU memory free after the weights
+    (0: ``kv_pool.DEFAULT_MEMORY_FRACTION``; on a CPU the pool holds
+    ``max_batch_size`` x ``max_model_len`` positions instead)."""
     cuda_graphs: bool = True
     """Static cache on a GPU: replay decode steps as CUDA graphs (off: the
     same kernels launched one by one, for debugging)."""
@@ -109,7 +119,7 @@ class EngineConfig:
     """Capture every MoE layer's routed experts per position (``moe_routes.py``)."""
 
 
-class Engine:
+class Engine(EngineWeights):
     """An HF causal LM with continuous batching, pause/resume and hot weight swaps."""
 
     def __init__(self, cfg: EngineConfig):
@@ -127,7 +137,10 @@ class Engine:
         self._tensors: dict[str, torch.Tensor] = {  # MoE: per-expert names too (expert_views.py)
             **self.model.state_dict(keep_vars=True), **expert_views(self.model)}
         self._batch: KVBatch = make_batch(self.model, cfg, self.device, self.pad_token_id)
-        self.static_cache = isinstance(self._batch, StaticBatch)
+        self.static_cache = isinstance(self._batch, StaticBatch)  # PagedBatch too: graphs read the parameters
+        self.paged = isinstance(self._batch, PagedBatch)
+        self.retractions = 0
+        """Sequences retracted for KV blocks so far (paged cache)."""
         if self.static_cache:  # the cache holds max_len positions per slot: that is the context now
             self.max_context = min(self.max_context, self._batch.max_len)
             with torch.no_grad():
@@ -203,6 +216,9 @@ class Engine:
         """Raise :class:`RequestError` if :meth:`submit` would refuse this request
         (lets a route validate a whole batch before queueing any of it)."""
         check_prompt(prompt_ids, params, self.max_context, self.vocab_size, self.tokenizer is not None)
+        why = self._batch.refusal(len(prompt_ids), params.max_new_tokens) if self.paged else None
+        if why is not None:
+            raise RequestError(why)
 
     def check_prompt_text(self, text: str, field: str = "text") -> None:
         """Raise :class:`RequestError` naming ``field`` if ``text`` is too long
@@ -254,76 +270,6 @@ class Engine:
                 "num_tokens": sum(len(s.req.prompt_ids) + len(s.output_ids) for s in self._rows),
                 "num_output_tokens": sum(len(s.output_ids) for s in self._live_sequences()),
             }
-
-    # ---- public weights API --------------------------------------------- #
-
-    @property
-    def weight_version(self) -> str:
-        return self._weight_version
-
-    def set_weight_version(self, version: str) -> None:
-        """Serve ``version`` from now on; live samples remember where it changed."""
-        with self._cv:
-            self._set_version_locked(version)
-
-    def param_spec(self, name: str) -> TensorSpec | None:
-        t = self._tensors.get(name)
-        return None if t is None else TensorSpec(name, t.dtype, tuple(t.shape))
-
-    def param_names(self) -> list[str]:
-        return list(self._tensors)
-
-    def check_weights(self, specs: Sequence[TensorSpec]) -> None:
-        """Raise :class:`WeightUpdateError` naming the first tensor that does not
-        fit the model (unknown name, shape mismatch, duplicate)."""
-        check_specs(self._tensors, specs)
-
-    def check_received(self, specs: Sequence[TensorSpec], device: torch.device) -> list[bool]:
-        """:meth:`check_weights`, and for tensors received as ``specs`` on
-        ``device`` which will become their parameter's storage (``adoptable``)."""
-        self.check_weights(specs)
-        if self.static_cache:
-            # Captured graphs read the parameters' storage: copy into it, never swap it.
-            return [False] * len(specs)
-        return adoptable(self._tensors, specs, device)
-
-    def load_weights(
-        self, named: Sequence[tuple[str, torch.Tensor]], weight_version: str | None = None,
-        checked: bool = False, adopt: Sequence[bool] | None = None,
-    ) -> None:
-        """Copy ``named`` tensors into the model, all or nothing.
-
-        Everything is validated before the first copy (``checked``: the caller
-        already ran :meth:`check_weights` on them, as a weight-update session
-        does per request; ``adopt``: and :meth:`check_received` decided which
-        to adopt). The copy waits for :meth:`exclusive` (no forward pass in
-        flight: batch drained, or paused).
-        """
-        if not checked:
-            self.check_weights([TensorSpec.of(n, t) for n, t in named])
-        with self.exclusive(), self._param_lock:
-            if self.static_cache:
-                adopt = [False] * len(named)  # copy into the storage the captured graphs read
-            install_weights(self._tensors, named, adopt)
-            self._batch.weights_changed()
-            if weight_version is not None:
-                with self._cv:
-                    self._set_version_locked(weight_version)
-
-    def prompt_logits(self, ids: Sequence[int]) -> torch.Tensor:
-        """[len(ids), vocab] logits of one forward over ``ids`` with the live
-        weights (prompt logprobs); any thread, beside the worker's steps."""
-        with torch.inference_mode(), self._param_lock:
-            return self.model(input_ids=torch.tensor([list(ids)], device=self.device), use_cache=False).logits[0]
-
-    def get_weights(self, name: str, truncate_size: int = 100) -> list:
-        """A parameter as nested float lists, its first ``truncate_size`` rows."""
-        t = self._tensors.get(name)
-        if t is None:
-            raise RequestError(f"unknown parameter {name!r}")
-        with self._param_lock:
-            value = t.detach().to("cpu", torch.float32)
-        return value.reshape(1).tolist() if value.dim() == 0 else value[: max(truncate_size, 0)].tolist()
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:
@@ -444,7 +390,7 @@ class Engine:
             return None
         admit: list[_Sequence] = []
         if not self._updates_waiting and (self._batch.can_merge or not self._rows):
-            room = self._batch.room()
+            room = self._batch.admissible(self._pending) if self.paged else self._batch.room()
             while self._pending and len(admit) < room:
                 admit.append(self._pending.popleft())
         if not admit and not self._rows:
@@ -503,6 +449,10 @@ class Engine:
         self._prune()
 
     def _decode_step(self) -> None:
+        if self.paged and self._batch.rows_to_retract():
+            self._retract()
+            if not self._rows:
+                return
         rows = list(self._rows)
         logits = self._batch.decode(self._last)
         self._debug_decode_delay()
@@ -518,6 +468,25 @@ class Engine:
             self._prune()
         if not (self._overlap and self._may_run_ahead()):
             self._flush()
+
+    def _retract(self) -> None:
+        """Paged cache out of blocks: record the step in flight, then the
+        newest rows give their blocks back and go to the front of the queue
+        (oldest first), to be re-prefilled from prompt + output (SGLang's
+        retract); their tokens, logprobs and versions stay on them."""
+        self._flush()
+        n = self._batch.rows_to_retract()
+        if not n:
+            return
+        with self._cv:
+            back = self._rows[-n:]
+            if n == len(self._rows):
+                self._clear_batch()
+            else:
+                self._batch.keep(list(range(len(self._rows) - n)))
+                self._last = self._last[: len(self._rows)]
+            self._pending.extendleft(reversed(back))
+            self.retractions += n
 
     def _may_run_ahead(self) -> bool:
         """Whether the next step may be launched before the one in flight is

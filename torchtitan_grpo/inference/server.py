@@ -183,13 +183,20 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     p.add_argument("--max-batch-size", type=int, default=64, help="most sequences decoded together")
-    p.add_argument("--kv-cache", default="auto", choices=["auto", "static", "dynamic"],
-                   help="static: preallocated KV slots, CUDA-graph decode (Llama/Qwen2/Qwen3/Mistral); dynamic: "
-                        "the HF forward on a growing cache (any model); auto (default): static on a GPU when the "
-                        "model supports it, else dynamic")
+    p.add_argument("--kv-cache", default="auto", choices=["auto", "static", "paged", "dynamic"],
+                   help="static: preallocated KV slots, CUDA-graph decode (Llama/Qwen2/Qwen3/Mistral); paged: the "
+                        "same decode on a pool of KV blocks sized by --kv-cache-memory-*, sequences retracted and "
+                        "resumed when it runs out; dynamic: the HF forward on a growing cache (any model); auto "
+                        "(default): static on a GPU when the model supports it, else dynamic")
     p.add_argument("--max-model-len", type=int, default=0,
-                   help="static cache: positions per sequence, prompt + output (vLLM's flag); 0 = the model's "
-                        "context, at most 2048. The cache takes max-batch-size x max-model-len positions up front")
+                   help="static/paged cache: positions per sequence, prompt + output (vLLM's flag); 0 = the model's "
+                        "context (static: at most 2048, as it takes max-batch-size x max-model-len positions up "
+                        "front; paged: at most what the pool holds)")
+    p.add_argument("--kv-cache-memory-gb", type=float, default=0.0, metavar="GIB",
+                   help="paged cache: the KV pool's size in GiB (default: by --kv-cache-memory-fraction)")
+    p.add_argument("--kv-cache-memory-fraction", type=float, default=0.0, metavar="F",
+                   help="paged cache: the KV pool's share of the GPU memory free after the weights are loaded "
+                        "(default 0.8, less one decode step's gathered KV)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="static cache on a GPU: launch the decode step's kernels one by one (debugging)")
     p.add_argument("--disable-overlap-schedule", action="store_true",
@@ -221,6 +228,10 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         p.error("--max-batch-size must be >= 1")
     if a.max_model_len < 0 or a.max_model_len == 1:
         p.error("--max-model-len must be 0 (the model's context, at most 2048) or >= 2")
+    if not a.kv_cache_memory_gb >= 0:
+        p.error("--kv-cache-memory-gb must be >= 0")
+    if not 0 <= a.kv_cache_memory_fraction < 1:
+        p.error("--kv-cache-memory-fraction must be in [0, 1)")
     if a.debug_update_delay_s < 0:
         p.error("--debug-update-delay-s must be >= 0")
     if not a.debug_decode_delay_s >= 0:  # (NaN too)
@@ -234,6 +245,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     return ServerConfig(
         model=a.model, host=a.host, port=a.port, device=a.device, dtype=a.dtype, seed=a.seed,
         max_batch_size=a.max_batch_size, kv_cache=a.kv_cache, max_model_len=a.max_model_len,
+        kv_cache_memory_gb=a.kv_cache_memory_gb, kv_cache_memory_fraction=a.kv_cache_memory_fraction,
         cuda_graphs=not a.no_cuda_graphs, overlap_schedule=not a.disable_overlap_schedule,
         api_key=a.api_key or os.environ.get(API_KEY_ENV) or None,
         weight_group_timeout_s=a.weight_group_timeout, num_threads=a.num_threads,
@@ -246,6 +258,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
 def engine_config(cfg: ServerConfig) -> EngineConfig:
     return EngineConfig(cfg.model, cfg.device, cfg.dtype, cfg.seed, cfg.max_batch_size,
                         kv_cache=cfg.kv_cache, max_model_len=cfg.max_model_len, cuda_graphs=cfg.cuda_graphs,
+                        kv_cache_memory_gb=cfg.kv_cache_memory_gb,
+                        kv_cache_memory_fraction=cfg.kv_cache_memory_fraction,
                         overlap_schedule=None if cfg.overlap_schedule else False,
                         debug_decode_delay_s=cfg.debug_decode_delay_s,
                         return_routed_experts=cfg.enable_return_routed_experts)

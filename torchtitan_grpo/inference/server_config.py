@@ -17,10 +17,15 @@ class ServerConfig:
     seed: int = 0
     max_batch_size: int = 64
     kv_cache: str = "auto"
-    """``--kv-cache``: static, dynamic or auto (``EngineConfig.kv_cache``)."""
+    """``--kv-cache``: static, paged, dynamic or auto (``EngineConfig.kv_cache``)."""
     max_model_len: int = 0
-    """``--max-model-len``: positions per sequence of a static cache (0: the
-    model's context, at most 2048)."""
+    """``--max-model-len``: positions per sequence of a static or paged cache
+    (0: the model's context, at most 2048 static, what the pool holds paged)."""
+    kv_cache_memory_gb: float = 0.0
+    """``--kv-cache-memory-gb``: the paged cache's pool in GiB."""
+    kv_cache_memory_fraction: float = 0.0
+    """``--kv-cache-memory-fraction``: the paged pool's share of the GPU memory
+    free after the weights (0: ``kv_pool.DEFAULT_MEMORY_FRACTION``)."""
     cuda_graphs: bool = True
     """Off with ``--no-cuda-graphs``."""
     overlap_schedule: bool = True

@@ -147,9 +147,7 @@ class StaticBatch:
         self.head_dim = int(getattr(attn, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         self.scaling = float(attn.scaling)
         dtype = inner.embed_tokens.weight.dtype
-        shape = (slots, max_len, self.n_kv, self.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in self._layers]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in self._layers]
+        self.k, self.v = self._new_cache(dtype)
         with torch.no_grad():
             pos = torch.arange(max_len, device=device)[None]
             probe = torch.zeros((1, 1), dtype=dtype, device=device)
@@ -184,6 +182,12 @@ class StaticBatch:
                                      device=device) if routes and n_moe else None
         self._fuse_weights()
         self._param_ptrs = self._ptrs()
+
+    def _new_cache(self, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per-layer K and V caches (``paged_batch.py`` allocates blocks instead)."""
+        shape = (self.slots, self.max_len, self.n_kv, self.head_dim)
+        new = lambda: [torch.zeros(shape, dtype=dtype, device=self.device) for _ in self._layers]  # noqa: E731
+        return new(), new()
 
     def _fuse_weights(self) -> None:
         self._fused = []
