@@ -660,7 +660,7 @@ def test_pad_to_multiple_only_appends_masked_positions():
     assert pad_to_multiple(t2, m2, o2, 2, PAD)[0] is t2  # already a multiple: untouched
 
 
-@pytest.mark.parametrize("key", ["context_parallel_degree", "expert_tensor_parallel_degree"])
+@pytest.mark.parametrize("key", ["expert_tensor_parallel_degree"])  # CP: test_context_parallel
 def test_unsupported_parallelisms_are_rejected(key):
     from torchtitan_grpo.parallel import build_parallel_dims
 

@@ -60,12 +60,8 @@ def check_config(p, world_size: int) -> tuple[int, int]:
     with HSDP replicas around it. Not: EP with TP (TorchTitan's EP then borrows
     TP ranks, with wrong router gradients), expert tensor parallelism
     (``expert_tensor_parallel_degree``), EP with pipeline stages (untested
-    with the trainer's own stage split), context parallelism.
+    with the trainer's own stage split). CP: :mod:`torchtitan_grpo.context_parallel`.
     """
-    if p.context_parallel_degree != 1:
-        raise NotImplementedError(
-            f"parallelism.context_parallel_degree={p.context_parallel_degree}: the GRPO trainer supports "
-            "dp_shard, dp_replicate, tensor, pipeline and expert parallelism only")
     ep, etp = p.expert_parallel_degree, p.expert_tensor_parallel_degree
     if ep < 1:
         raise ValueError(f"parallelism.expert_parallel_degree={ep}: must be >= 1")

@@ -9,13 +9,13 @@ The layout comes from the job config's ``[parallelism]`` section:
 * ``pipeline_parallel_degree``: PP, one stage per PP rank, built by
   :mod:`torchtitan_grpo.pipeline` (which applies the layout above to each
   stage through :func:`apply_layout`);
-
 * ``expert_parallel_degree``: EP of MoE experts, its ranks borrowed from
   dp_shard (:mod:`torchtitan_grpo.expert_parallel`, which also runs MoE on
   CPU);
+* ``context_parallel_degree``: CP, the sequence split over ranks
+  (:mod:`torchtitan_grpo.context_parallel`);
 
-and their products (HSDP, FSDP + TP, PP x FSDP/HSDP/TP, EP x FSDP/HSDP).
-Context parallelism is rejected with a message.
+and their products (HSDP, FSDP + TP, PP x FSDP/HSDP/TP, EP x FSDP/HSDP, CP x FSDP/HSDP).
 
 On top of the train spec's ``parallelize_fn`` this module adds what a GRPO
 step needs, and what TorchTitan 0.2.2 lacks, on CPU (gloo) above all:
@@ -67,7 +67,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchtitan_grpo import _titan  # noqa: F401  (before torchtitan)
-from torchtitan_grpo import expert_parallel
+from torchtitan_grpo import context_parallel, expert_parallel
 from torchtitan_grpo.pipeline_config import check_config
 
 logger = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ def build_parallel_dims(job_config, world_size: int, device: torch.device | str)
     dims = ParallelDims(
         dp_replicate=p.data_parallel_replicate_degree,
         dp_shard=p.data_parallel_shard_degree,
-        cp=1,
+        cp=context_parallel.check_config(p, world_size),
         tp=p.tensor_parallel_degree,
         pp=p.pipeline_parallel_degree,
         ep=ep,
@@ -152,11 +152,11 @@ def data_parallel_group(parallel_dims) -> dist.ProcessGroup | None:
 def seq_len_multiple(parallel_dims) -> int:
     """Token sequences fed to the model must have a length divisible by this.
 
-    Sequence parallelism splits the sequence dimension evenly over TP ranks.
+    Sequence parallelism splits it over TP ranks, CP into ``2 * cp`` chunks (head-tail).
     """
     if parallel_dims is None or parallel_dims.world_size == 1:
         return 1
-    return parallel_dims.tp
+    return parallel_dims.seq_len_divisor if parallel_dims.cp_enabled else parallel_dims.tp
 
 
 def pad_to_multiple(
@@ -496,9 +496,8 @@ def parallelize(model: nn.Module, job_config, world_size: int, device: torch.dev
     """Apply the ``[parallelism]`` layout to ``model`` in place.
 
     ``model`` is on ``device`` (FSDP and TP keep its values) or on meta
-    (then allocate it with :func:`materialize` and load
-    the weights afterwards: each rank then allocates only its shards). Call it on every rank, after the default process
-    group is initialised (gloo on CPU, NCCL on GPUs).
+    (then allocate it with :func:`materialize` and load the weights afterwards: each rank then
+    allocates only its shards). Call it on every rank, after the default process group is initialised.
 
     Returns ``(model, parallel_dims)``; ``parallel_dims`` is what TorchTitan's
     optimizer builder and :func:`data_parallel_rank_and_degree` expect. For
@@ -543,6 +542,7 @@ def apply_layout(model: nn.Module, job_config, parallel_dims, device: torch.devi
         )
 
     expert_parallel.prepare_model(model, parallel_dims, device)
+    context_parallel.prepare_model(model, parallel_dims, device)
     cfg = _job_config_for(job_config, parallel_dims, device)
     spec = get_train_spec(job_config.model.name)
     tied = _is_tied(model)

@@ -20,7 +20,7 @@ from torchtitan_grpo import _titan  # noqa: F401
 from torchtitan_grpo import lora
 from torchtitan_grpo import loss as grpo_losses
 from torchtitan_grpo import model as hf_model
-from torchtitan_grpo import moe_step, packing
+from torchtitan_grpo import context_parallel, moe_step, packing
 from torchtitan_grpo import parallel
 from torchtitan_grpo import pipeline as pipeline_parallel
 from torchtitan_grpo import token_logprobs
@@ -422,6 +422,7 @@ def _forward_backward(policy: Policy, local: list[Sample], ctx: _LossContext, pa
     packed = _micro_batch_tokens(ctx.grpo_cfg) > 0
     row_multiple = packing.CUDA_ROW_MULTIPLE if d.device.type == "cuda" else 1
     chunk_tokens = _logprob_chunk_tokens(policy, ctx.grpo_cfg)
+    forward, ref_forward = context_parallel.forwards(policy.parallel_dims, _forward_terms, _reference_logprobs)
     micro = _micro_batches(local, ctx.grpo_cfg)
     # Ranks with fewer local samples still run the same number of forward/backward
     # passes (on an empty micro-batch), or FSDP's collectives would deadlock.
@@ -444,7 +445,7 @@ def _forward_backward(policy: Policy, local: list[Sample], ctx: _LossContext, pa
             row = packing.pack_row([[*s.prompt_ids, *s.completion_ids] for s in chunk], pad_id, d.device,
                                    row_multiple)
             offsets = row.offsets
-        else:  # sequence parallelism splits T evenly over TP ranks
+        else:  # sequence parallelism splits T evenly over TP ranks, CP into 2 x cp chunks
             tokens, mask, old = parallel.pad_to_multiple(
                 tokens, mask, old, parallel.seq_len_multiple(policy.parallel_dims), pad_id)
         length = (row.tokens if packed else tokens).shape[1]
@@ -457,9 +458,9 @@ def _forward_backward(policy: Policy, local: list[Sample], ctx: _LossContext, pa
                     ref = packing.reference_logprobs(policy.reference, row, ctx.temperature, chunk_tokens,
                                                      policy.amp)
             else:
-                logprobs, entropy = _forward_terms(model, tokens, mask, ctx.temperature, chunk_tokens, policy.amp)
+                logprobs, entropy = forward(model, tokens, mask, ctx.temperature, chunk_tokens, policy.amp)
                 if policy.reference is not None:
-                    ref = _reference_logprobs(policy.reference, tokens, ctx.temperature, chunk_tokens, policy.amp)
+                    ref = ref_forward(policy.reference, tokens, ctx.temperature, chunk_tokens, policy.amp)
             loss, record = _logprob_loss(logprobs, entropy, mask, old, adv, ctx, ref)
             aux = moe_step.aux_term(model, policy.aux_loss_coef, chunk, length, offsets, mask, ctx.num_tokens)
             (loss + aux).backward()

@@ -1,0 +1,202 @@
+"""Context parallelism (torchtitan_grpo.context_parallel) against one process.
+
+One torchrun launch of 2 ranks runs CP 2 alone (the sequence of every
+micro-batch split over both ranks; FSDP over the CP ranks, as TorchTitan
+lays CP out). CP 2 x FSDP 2 needs 4 ranks and is not launched here. Each case
+builds the policy (``trainer.build_policy``) and takes one
+``trainer.train_step`` on the parity tests' fixed batch (7 samples of uneven
+lengths, micro-batches of 2, each padded to a multiple of 2 x cp); the loss,
+grad norm, every full gradient (as clipping sees it), the weights after AdamW
+and the entropy metric must equal the single process's (fp32, <= 1e-6).
+The cases cover every ``grpo.loss_agg``, the full-logits and the chunked
+log-prob head, token and sequence IS weights, the KL reference's forward and
+tied embeddings.
+
+On CPU the ring attention runs through the CPU flash kernel routed by
+``enable_cpu_ring_attention`` (gloo); on GPUs (one per rank) through
+PyTorch's own CUDA ring kernels (``scripts/device_cp.sh``).
+
+Run ``python tests/test_context_parallel.py worker --out DIR --model qwen3=DIR --model qwen3_tied=DIR``
+under torchrun for the launch alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import torchtitan_grpo  # noqa: E402,F401  (before torchtitan)
+
+torch.set_num_threads(1)
+
+TOL = 1e-6
+CP = 2
+# name -> (model, loss_agg, logprob_chunk_tokens, is_correction, kl_coef)
+CASES = {
+    "seq_mean_token_mean": ("qwen3", "seq_mean_token_mean", 0, "none", 0.0),
+    "token_mean_chunked": ("qwen3", "token_mean", 8, "token", 0.0),
+    "sum_norm_kl_tied": ("qwen3_tied", "seq_mean_token_sum_norm", 0, "sequence", 0.1),
+}
+
+
+def write_models(root: str) -> dict[str, str]:
+    from torchtitan_grpo.demo_assets import TinyQwen3, ensure_tiny_qwen3
+
+    return {"qwen3": ensure_tiny_qwen3(os.path.join(root, "qwen3")),
+            "qwen3_tied": ensure_tiny_qwen3(os.path.join(root, "qwen3_tied"),
+                                            TinyQwen3(tie_word_embeddings=True, seed=1))}
+
+
+def case_config(name: str, cp: int, extra: tuple[str, ...] = ()):
+    from tests.test_parallel_parity import MICRO_BATCH, job_config
+
+    model, loss_agg, chunk, is_mode, kl = CASES[name]
+    return job_config(model, (1, 1, 1), (
+        "--job.custom_config_module", "torchtitan_grpo.config",
+        "--parallelism.context_parallel_degree", str(cp),
+        "--grpo.micro_batch_size", str(MICRO_BATCH),
+        "--grpo.loss_agg", loss_agg,
+        "--grpo.logprob_chunk_tokens", str(chunk),
+        "--grpo.is_correction", is_mode,
+        "--grpo.kl_coef", str(kl),
+        "--lr_scheduler.warmup_steps", "1",
+        *extra))
+
+
+def run_case(model_dir: str, name: str, cp: int, world_size: int) -> dict:
+    """``build_policy`` + one ``train_step``; full tensors of what matters (a collective)."""
+    import torch.distributed as dist
+
+    from tests.test_parallel_parity import MAX_NEW_TOKENS, PAD, _device, _gathered, fixed_batch
+    from torchtitan_grpo import trainer
+
+    device = _device()
+    rank = dist.get_rank() if world_size > 1 else 0
+    d = trainer.Dist(rank, world_size, int(os.environ.get("LOCAL_RANK", "0")), device)
+    cfg = case_config(name, cp)
+    policy = trainer.build_policy(cfg, model_dir, d)
+    seen: list[int] = []  # sequence lengths the embedding saw: T / cp under CP
+    hook = policy.model.tok_embeddings.register_forward_pre_hook(lambda _m, args: seen.append(args[0].shape[1]))
+    grads: dict[str, torch.Tensor] = {}
+    clip = trainer._clip_grad_norm
+
+    def snapshot_then_clip(p):
+        grads.update(_gathered(p, grads=True))
+        return clip(p)
+
+    batch = fixed_batch()
+    trainer._clip_grad_norm = snapshot_then_clip
+    try:
+        metrics = trainer.train_step(policy, batch, cfg.grpo, 1.0, MAX_NEW_TOKENS, len(batch),
+                                     sum(len(s.completion_ids) for s in batch), PAD, d)
+    finally:
+        trainer._clip_grad_norm = clip
+        hook.remove()
+    return {"metrics": metrics, "grads": grads, "params": _gathered(policy), "seen": seen}
+
+
+def _worker(out_dir: str, model_dirs: dict[str, str]) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from tests.test_parallel_parity import _device
+
+    device = _device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=300))
+    try:
+        for name, case in CASES.items():
+            t0 = time.perf_counter()
+            result = run_case(model_dirs[case[0]], name, CP, dist.get_world_size())
+            result["seconds"] = time.perf_counter() - t0
+            if dist.get_rank() == 0:
+                torch.save(result, os.path.join(out_dir, f"{name}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ tests
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Every case's single-process result, and CP 2's from one torchrun x2."""
+    from tests.test_parallel_parity import run_torchrun
+
+    root = tmp_path_factory.mktemp("context_parallel")
+    dirs = write_models(str(root / "models"))
+    out = root / "results"
+    out.mkdir()
+    error = None
+    try:
+        run_torchrun(CP, [os.path.abspath(__file__), "worker", "--out", str(out),
+                          *[f"--model={k}={v}" for k, v in dirs.items()]], 600)
+    except RuntimeError as e:  # reported by every test that reads the launch
+        error = str(e)
+    refs = {name: run_case(dirs[case[0]], name, 1, 1) for name, case in CASES.items()}
+    return refs, out, error
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
+    return max(float((a[k].cpu() - b[k].cpu()).abs().max()) for k in a)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_cp_step_matches_single_process(launched, name):
+    refs, out, error = launched
+    if error is not None:
+        pytest.fail(error)
+    ref, got = refs[name], torch.load(out / f"{name}.pt", weights_only=False)
+    assert abs(ref["metrics"]["loss"]) > 1e-3 and ref["metrics"]["grad_norm"] > 1e-3  # a step that moves
+    # each CP rank's forward saw half of each padded micro-batch (so the ring ran, not a copy)
+    assert len(got["seen"]) == len(ref["seen"]) and all(
+        g * CP == r + (-r % (2 * CP)) for g, r in zip(got["seen"], ref["seen"])), (got["seen"], ref["seen"])
+    for key in ("loss", "grad_norm", "entropy", "clip_fraction", "trainer_vs_rollout_logprob_max_abs_diff"):
+        want = ref["metrics"][key]  # relative beyond 1 (grad norm, entropy: sums of many fp32 terms)
+        assert abs(got["metrics"][key] - want) <= TOL * max(1.0, abs(want)), (key, got["metrics"][key], want)
+    assert _max_diff(ref["grads"], got["grads"]) <= TOL
+    assert _max_diff(ref["params"], got["params"]) <= TOL
+
+
+@pytest.mark.parametrize("key, value", [("tensor_parallel_degree", 2), ("pipeline_parallel_degree", 2),
+                                        ("expert_parallel_degree", 2),
+                                        ("context_parallel_load_balancer", "ptrr")])
+def test_unsupported_cp_combinations_are_refused(key, value):
+    from torchtitan_grpo.parallel import build_parallel_dims
+
+    cfg = case_config("seq_mean_token_mean", CP)
+    setattr(cfg.parallelism, key, value)
+    cfg.parallelism.data_parallel_shard_degree = 2  # EP borrows dp_shard ranks (its own check comes first)
+    with pytest.raises(NotImplementedError, match=f"parallelism.{key}"):
+        build_parallel_dims(cfg, 8, "cpu")
+
+
+def test_packed_micro_batches_are_refused_with_cp():
+    from torchtitan_grpo import packing
+
+    cfg = case_config("seq_mean_token_mean", CP, ("--grpo.micro_batch_tokens", "64"))
+    with pytest.raises(ValueError, match="grpo.micro_batch_tokens.*context_parallel_degree"):
+        packing.check_layout(cfg)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["worker"])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--model", action="append", default=[], help="NAME=DIR")
+    a = parser.parse_args()
+    _worker(a.out, dict(m.split("=", 1) for m in a.model))
