@@ -279,3 +279,37 @@ def test_moe_mismatch_bench_cpu(tmp_path):
     for name in rows:
         assert float(rows[name][0]) < 1e-4 and float(rows[name][3]) == 0.0, out  # mean abs, routes differing
     assert "push (gloo): 69 tensors" in out, out
+
+
+def test_fanout_bench_cpu():
+    """bench/fanout.py --cpu: both fan-outs over 1 and 2 replica processes;
+    the trainer's bytes (counted at its broadcasts) double with per_replica
+    and stay flat with broadcast, and every replica serves the last version."""
+    r, out = _run([sys.executable, "bench/fanout.py", "--cpu", "--reps", "1"])
+    assert r.returncode == 0, out[-4000:]
+    lines = r.stdout.splitlines()
+    header = lines.index(next(line for line in lines if line.startswith("| set | fanout |")))
+    heads = [c.strip() for c in lines[header].strip("|").split("|")]
+    rows = [dict(zip(heads, (c.strip() for c in line.strip("|").split("|"))))
+            for line in lines[header + 2:] if line.startswith("| ")]
+    sent = {(row["fanout"], int(row["replicas"])): float(row["trainer GB"]) for row in rows}
+    assert set(sent) == {(f, n) for f in ("per_replica", "broadcast") for n in (1, 2)}, rows
+    assert all(row["check"] == "ok" for row in rows), rows
+    assert sent["per_replica", 2] == pytest.approx(2 * sent["per_replica", 1], rel=1e-6)
+    assert sent["broadcast", 2] == pytest.approx(sent["broadcast", 1], rel=1e-6) > 0
+
+
+def test_delta_push_bench_tiny():
+    """bench/delta_push.py --tiny: real GRPO steps of the demo's tiny Qwen3,
+    each version pushed through the delta transport: the first whole, the
+    next against the one before, and the server's weights read back equal
+    the trainer's bf16 cast."""
+    r, out = _run([sys.executable, "bench/delta_push.py", "--tiny", "--steps", "2", "--lrs", "1e-3"])
+    assert r.returncode == 0 and "PASS" in r.stdout, out[-4000:]
+    lines = r.stdout.splitlines()
+    header = len(lines) - 1 - lines[::-1].index(next(x for x in lines if x.startswith("| lr | version |")))
+    heads = [c.strip() for c in lines[header].strip("|").split("|")]
+    rows = [dict(zip(heads, (c.strip() for c in x.strip("|").split("|"))))
+            for x in lines[header + 2:] if x.startswith("| ")]
+    assert [(row["version"], row["sent"]) for row in rows] == [("1", "full"), ("2", "delta")], rows
+    assert 0 < float(rows[1]["changed %"]) <= 100 and rows[1]["check"] == "ok", rows
