@@ -20,14 +20,19 @@ CHARS = [chr(c) for c in range(32, 127)]
 
 DEMO_MODEL_DIR = "./outputs/tiny-qwen3"
 """The demo configs' own ``model.hf_assets_path`` (relative to the working
-directory): the only path ``grpo.tiny_model_if_missing`` creates. A path the
-user gives is never created; write a tiny model there first with
-``python -m torchtitan_grpo.demo_assets DIR``."""
+directory): with :data:`DEMO_MOE_MODEL_DIR`, the only paths
+``grpo.tiny_model_if_missing`` creates. A path the user gives is never
+created; write a tiny model there first with
+``python -m torchtitan_grpo.demo_assets DIR [--moe]``."""
+
+DEMO_MOE_MODEL_DIR = "./outputs/tiny-qwen3-moe"
+"""The MoE demo's (train_configs/demo_moe_cpu.toml) own path: what is written
+there is always the tiny Qwen3-MoE, whoever asks (the path names the model)."""
 
 
 def is_demo_model_dir(path: str) -> bool:
-    """Whether ``path`` is :data:`DEMO_MODEL_DIR` (however it is spelled)."""
-    return os.path.abspath(path) == os.path.abspath(DEMO_MODEL_DIR)
+    """Whether ``path`` is one of the demos' own paths (however it is spelled)."""
+    return os.path.abspath(path) in (os.path.abspath(DEMO_MODEL_DIR), os.path.abspath(DEMO_MOE_MODEL_DIR))
 
 
 @dataclass
@@ -128,9 +133,15 @@ def ensure_tiny_qwen3(out_dir: str, shape: TinyQwen3 | None = None) -> str:
 
     Several ranks may call this at once: each writes into its own temporary
     directory and the first rename wins, so nobody reads a half-written model.
+    At :data:`DEMO_MOE_MODEL_DIR` a dense shape becomes the MoE one (same
+    fields and seed): the start-up asks for the dense demo's shape whatever
+    the path.
     """
     if os.path.exists(os.path.join(out_dir, "config.json")):
         return out_dir
+    shape = shape or TinyQwen3()
+    if os.path.abspath(out_dir) == os.path.abspath(DEMO_MOE_MODEL_DIR) and not isinstance(shape, TinyQwen3Moe):
+        shape = TinyQwen3Moe(**asdict(shape))
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     tmp = f"{os.path.abspath(out_dir)}.tmp-{os.getpid()}"

@@ -11,6 +11,10 @@
   gradients) it is the token-weighted mean over the step.
 * Start-up checks naming the key, and TorchTitan's grouped expert GEMMs on
   GPUs that compute in bf16 anyway.
+* The step's metric ``moe/replayed_tokens`` (:func:`step_metrics`): the
+  positions the routers took from the rollout, summed over data-parallel
+  ranks; the proof that routes reached the trainer (a run whose samples lost
+  their routes would replay nothing, silently).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from torchtitan_grpo import qwen3_moe, router_replay
@@ -53,6 +58,11 @@ def prepare(model: nn.Module, job_config) -> None:
         qwen3_moe.enable_aux_loss(model)
 
 
+_REPLAYED = "_grpo_replayed_tokens"
+"""Attribute of the model counting the positions replayed since the last
+:func:`step_metrics` (on the module: one count per policy, whatever wraps it)."""
+
+
 @contextlib.contextmanager
 def replayed(model: nn.Module, grpo_cfg, samples: Sequence, length: int,
              offsets: Sequence[int] | None = None) -> Iterator[None]:
@@ -65,6 +75,8 @@ def replayed(model: nn.Module, grpo_cfg, samples: Sequence, length: int,
         placements = None if offsets is None else [(0, off) for off in offsets]
         routes = router_replay.routes_tensor(samples, rows=1 if offsets is not None else 0, length=length,
                                              placements=placements)
+        if routes is not None:  # positions with routes (-1 everywhere: routed normally)
+            setattr(model, _REPLAYED, getattr(model, _REPLAYED, 0) + int((routes[..., 0, 0] >= 0).sum()))
     with router_replay.replay(model, routes):
         yield
 
@@ -87,3 +99,18 @@ def aux_term(model: nn.Module, coef: float, samples: Sequence, length: int, offs
         valid = ((t[None, :] >= starts[:, None]) & (t[None, :] < (starts + lengths)[:, None])).any(0, keepdim=True)
     share = mask.sum() / max(num_tokens, 1)
     return coef * qwen3_moe.aux_loss(model, valid) * share
+
+
+def step_metrics(model: nn.Module, grpo_cfg, group: dist.ProcessGroup | None,
+                 device: torch.device) -> dict[str, float]:
+    """``{"moe/replayed_tokens": n}`` for the step just run (and the count
+    reset): the input positions whose experts came from the rollout, summed
+    over the data-parallel ``group`` (a collective there: every rank calls
+    it). ``{}`` without ``grpo.router_replay = "rollout"``."""
+    if grpo_cfg.router_replay != "rollout":
+        return {}
+    count = torch.tensor([getattr(model, _REPLAYED, 0)], dtype=torch.float64, device=device)
+    setattr(model, _REPLAYED, 0)
+    if group is not None:
+        dist.all_reduce(count, group=group)
+    return {"moe/replayed_tokens": float(count.item())}
