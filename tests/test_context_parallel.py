@@ -16,8 +16,9 @@ On CPU the ring attention runs through the CPU flash kernel routed by
 ``enable_cpu_ring_attention`` (gloo); on GPUs (one per rank) through
 PyTorch's own CUDA ring kernels (``scripts/device_cp.sh``).
 
-Run ``python tests/test_context_parallel.py worker --out DIR --model qwen3=DIR --model qwen3_tied=DIR``
-under torchrun for the launch alone.
+Alone (scripts/device_cp.sh): ``python tests/test_context_parallel.py models
+--out DIR`` writes the checkpoints and prints the ``--model`` flags; ``worker
+--out DIR FLAGS`` under torchrun x2, then ``check --out DIR FLAGS``.
 """
 
 from __future__ import annotations
@@ -155,21 +156,34 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k].cpu() - b[k].cpu()).abs().max()) for k in a)
 
 
+def check(ref: dict, got: dict) -> list[str]:
+    """What differs between the single process (``ref``) and CP (``got``)
+    beyond TOL; empty when they agree. Metrics relative beyond 1 (grad
+    norm, entropy: sums of many fp32 terms)."""
+    bad = []
+    if not (abs(ref["metrics"]["loss"]) > 1e-3 and ref["metrics"]["grad_norm"] > 1e-3):
+        bad.append("the reference step does not move")
+    # each CP rank's forward saw half of each padded micro-batch (so the ring ran, not a copy)
+    if len(got["seen"]) != len(ref["seen"]) or any(
+            g * CP != r + (-r % (2 * CP)) for g, r in zip(got["seen"], ref["seen"])):
+        bad.append(f"local lengths {got['seen']} for {ref['seen']}")
+    for key in ("loss", "grad_norm", "entropy", "clip_fraction", "trainer_vs_rollout_logprob_max_abs_diff"):
+        want, have = ref["metrics"][key], got["metrics"][key]
+        if not abs(have - want) <= TOL * max(1.0, abs(want)):
+            bad.append(f"{key} {have} vs {want}")
+    for key in ("grads", "params"):
+        diff = _max_diff(ref[key], got[key])
+        if not diff <= TOL:
+            bad.append(f"{key} max diff {diff:.3g}")
+    return bad
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_cp_step_matches_single_process(launched, name):
     refs, out, error = launched
     if error is not None:
         pytest.fail(error)
-    ref, got = refs[name], torch.load(out / f"{name}.pt", weights_only=False)
-    assert abs(ref["metrics"]["loss"]) > 1e-3 and ref["metrics"]["grad_norm"] > 1e-3  # a step that moves
-    # each CP rank's forward saw half of each padded micro-batch (so the ring ran, not a copy)
-    assert len(got["seen"]) == len(ref["seen"]) and all(
-        g * CP == r + (-r % (2 * CP)) for g, r in zip(got["seen"], ref["seen"])), (got["seen"], ref["seen"])
-    for key in ("loss", "grad_norm", "entropy", "clip_fraction", "trainer_vs_rollout_logprob_max_abs_diff"):
-        want = ref["metrics"][key]  # relative beyond 1 (grad norm, entropy: sums of many fp32 terms)
-        assert abs(got["metrics"][key] - want) <= TOL * max(1.0, abs(want)), (key, got["metrics"][key], want)
-    assert _max_diff(ref["grads"], got["grads"]) <= TOL
-    assert _max_diff(ref["params"], got["params"]) <= TOL
+    assert check(refs[name], torch.load(out / f"{name}.pt", weights_only=False)) == []
 
 
 @pytest.mark.parametrize("key, value", [("tensor_parallel_degree", 2), ("pipeline_parallel_degree", 2),
@@ -193,10 +207,30 @@ def test_packed_micro_batches_are_refused_with_cp():
         packing.check_layout(cfg)
 
 
+def _check(out_dir: str, model_dirs: dict[str, str]) -> int:
+    """The worker's results against one process here; one line per case."""
+    failed = 0
+    for name, case in CASES.items():
+        ref = run_case(model_dirs[case[0]], name, 1, 1)
+        got = torch.load(os.path.join(out_dir, f"{name}.pt"), weights_only=False)
+        bad = check(ref, got)
+        failed += bool(bad)
+        diffs = {k: abs(got["metrics"][k] - ref["metrics"][k]) for k in ("loss", "grad_norm")}
+        print(f"{name}: {'FAIL ' + '; '.join(bad) if bad else 'PASS'} | loss diff {diffs['loss']:.2g} grad_norm "
+              f"diff {diffs['grad_norm']:.2g} grads {_max_diff(ref['grads'], got['grads']):.2g} "
+              f"params {_max_diff(ref['params'], got['params']):.2g} | cp step {got['seconds']:.1f} s")
+    return failed
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["worker"])
+    parser.add_argument("mode", choices=["worker", "check", "models"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--model", action="append", default=[], help="NAME=DIR")
     a = parser.parse_args()
-    _worker(a.out, dict(m.split("=", 1) for m in a.model))
+    if a.mode == "models":  # write the checkpoints under --out, print the --model flags
+        print(" ".join(f"--model={k}={v}" for k, v in write_models(a.out).items()))
+    elif a.mode == "worker":
+        _worker(a.out, dict(m.split("=", 1) for m in a.model))
+    else:
+        sys.exit(1 if _check(a.out, dict(m.split("=", 1) for m in a.model)) else 0)
