@@ -397,7 +397,7 @@ class WeightSync:
     by a per-tensor checksum; a replica whose version the trainer holds no
     copy of (new, restarted, more than one version behind) gets the full
     weights (weight_sync/delta_push.py, docs/PERFORMANCE.md "Delta push").
-    SGLang and vLLM have no route for it."""
+    Not for SGLang or vLLM (docs/PROTOCOL_NOTES.md "Delta push")."""
 
     master_address: str = "127.0.0.1"
     """Address the trainer's weight-group stores listen on (reachable by every replica)."""

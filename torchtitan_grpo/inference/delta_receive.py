@@ -1,7 +1,7 @@
 """The built-in server's end of a delta push (``weight_sync.delta = true``).
 
-``POST /update_weights_delta`` (a built-in extension: neither SGLang nor vLLM
-has such a route) takes one version as a body of ``weight_sync.delta``
+``POST /update_weights_delta`` (a built-in extension; what SGLang and vLLM
+offer instead: docs/PROTOCOL_NOTES.md "Delta push") takes one version as a body of ``weight_sync.delta``
 (:func:`~torchtitan_grpo.weight_sync.delta.encode_body`): per tensor either
 its changed elements against the version this server serves
 (``base_version``) or the whole tensor. Each changed tensor is applied to a

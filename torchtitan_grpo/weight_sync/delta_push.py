@@ -52,7 +52,8 @@ def validate_delta(cfg, check) -> None:
     if not w.delta:
         return
     check(i.backend == "builtin", "weight_sync.delta", f'needs inference.backend = "builtin" (got {i.backend!r}): '
-          "SGLang and vLLM have no route that applies a delta (docs/PROTOCOL_NOTES.md)", w.delta)
+          "SGLang's weight routes take whole tensors, and vLLM's sparse_nccl backend is not spoken by this push "
+          '(docs/PROTOCOL_NOTES.md "Delta push")', w.delta)
     # The transport and the server's route are built and tested (tests/test_delta_push.py,
     # bench/delta_push.py); session.py does not pick it yet (backend "delta" when w.delta).
     check(False, "weight_sync.delta", "is not wired into the training loop yet (the delta transport is: "
@@ -83,8 +84,8 @@ class DeltaPush(Transport):
 
     async def connect(self, r: Replica) -> None:
         if not (await self.probe_builtin(r)).builtin:
-            raise PushError(f"weight_sync.delta: {r.url} is not the built-in server (SGLang and vLLM have no "
-                            "delta route): set weight_sync.delta = false")
+            raise PushError(f"weight_sync.delta: {r.url} is not the built-in server, whose route the delta "
+                            "push uses: set weight_sync.delta = false")
         r.builtin = True
 
     async def tag(self, replicas: list[Replica], version: int) -> None:
