@@ -52,7 +52,7 @@ def test_moe_demo_learns_with_router_replay(tmp_path):
     model = tmp_path / "outputs" / "tiny-qwen3-moe"
     assert "writing a tiny random Qwen3 model and tokenizer to ./outputs/tiny-qwen3-moe" in r.stdout
     config = json.loads((model / "config.json").read_text())
-    assert config["model_type"] == "qwen3_moe" and config["num_experts"] == 8, config
+    assert config["model_type"] == "qwen3_moe" and config["num_local_experts"] == 8, config
     rows = _metrics(dump)
     assert [m["step"] for m in rows] == list(range(1, 101))
     first = sum(m["reward/mean"] for m in rows[:10]) / 10
