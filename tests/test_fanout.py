@@ -156,3 +156,16 @@ def test_a_frozen_replica_is_dropped_catches_up_alone_and_re_enters_with_a_late_
         pusher.close()
         for s in (a, b, c, late):
             stop_process(s.proc)
+
+
+@pytest.mark.parametrize("args", [["--weight_sync.transport", "disk"], ["--weight_sync.transport", "ipc"]])
+def test_broadcast_fanout_without_a_weight_group_is_refused(tiny_model_dir, args):
+    import os
+
+    from torchtitan_grpo.config import parse_config
+    from torchtitan_grpo.config_checks import ConfigError
+
+    demo = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train_configs", "demo_cpu.toml")
+    with pytest.raises(ConfigError, match="weight_sync.fanout"):
+        parse_config(["--job.config_file", demo, "--model.hf_assets_path", tiny_model_dir,
+                      "--weight_sync.fanout", "broadcast", *args])

@@ -116,6 +116,10 @@ def validate(cfg) -> None:
            'must be "device" with weight_sync.transport = "ipc" (replicas map the staging buffers)', w.staging)
     _check(w.staging in ("device", "host"), "weight_sync.staging", 'must be "device" or "host"', w.staging)
     _check(w.num_staging_buffers >= 1, "weight_sync.num_staging_buffers", "must be >= 1", w.num_staging_buffers)
+    fanout = getattr(w, "fanout", "per_replica")
+    _check(fanout == "per_replica" or (w.transport in ("gloo", "nccl") and i.backend != "vllm"), "weight_sync.fanout",
+           '"broadcast" needs a weight group (weight_sync.transport "gloo" or "nccl") and the SGLang protocol '
+           "(inference.backend builtin or sglang)", fanout)
     _check(w.replica_deadline_s > 0, "weight_sync.replica_deadline_s", "must be > 0", w.replica_deadline_s)
     if w.transport == "nccl" and not (i.urls or i.replica_file):
         key, devices = server_devices(cfg)

@@ -293,7 +293,7 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
         else:
             pusher = Pusher(loop, urls, PushConfig(
                 mode=w.mode, backend="adapter" if adapter_cfg else w.transport, adapter_config=adapter_cfg,
-                master_address=w.master_address,
+                fanout=w.fanout, master_address=w.master_address,
                 bucket_bytes=w.bucket_size_mb << 20, num_staging_buffers=w.num_staging_buffers,
                 deadline_s=w.replica_deadline_s, init_timeout_s=w.init_timeout_s, pause_mode=pause_mode,
                 protocol="vllm" if i.backend == "vllm" else "sglang",

@@ -393,7 +393,8 @@ def train_step(policy: Policy, local: list[Sample], grpo_cfg, temperature: float
         "time/train_s": time.perf_counter() - t0,
         "cpu/train_thread_s": (cpu := time.thread_time() - cpu0),
         "cpu/other_threads_s": max(time.process_time() - proc0 - cpu, 0.0),
-    } | off_metrics
+    } | off_metrics | moe_step.step_metrics(policy.model, grpo_cfg, parallel.data_parallel_group(policy.parallel_dims),
+                                            d.device)
 
 
 def _micro_batch_tokens(grpo_cfg) -> int:
