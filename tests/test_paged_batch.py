@@ -316,3 +316,17 @@ def test_cuda_graph_replay_equals_eager_and_retracts(tiny_model_dir, model):
     # Another batch composition runs other GEMM shapes: fp32 on a GPU rounds differently.
     _same(outs[(True, 0)], outs[(False, 0)], atol=1e-4)
     _same(outs[(True, 13)], outs[(False, 0)], atol=1e-4)
+
+
+def test_inference_kv_cache_paged_reaches_the_started_servers(tiny_model_dir):
+    """[inference] kv_cache = "paged" and kv_cache_memory_gb become the started servers' flags."""
+    import os
+
+    from torchtitan_grpo.config import parse_config
+    from torchtitan_grpo.session import server_engine_args
+
+    demo = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train_configs", "demo_cpu.toml")
+    cfg = parse_config(["--job.config_file", demo, "--model.hf_assets_path", tiny_model_dir,
+                        "--inference.kv_cache", "paged", "--inference.kv_cache_memory_gb", "1.5"])
+    args = server_engine_args(cfg.inference)
+    assert args[:2] == ("--kv-cache", "paged") and args[-2:] == ("--kv-cache-memory-gb", "1.5"), args

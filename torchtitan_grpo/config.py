@@ -252,12 +252,21 @@ class Inference:
     server_threads: int = 1
     """torch threads per started built-in server (CPU)."""
 
-    kv_cache: Literal["auto", "static", "dynamic"] = "auto"
+    kv_cache: Literal["auto", "static", "dynamic", "paged"] = "auto"
     """KV cache of started built-in servers (their ``--kv-cache``): "static"
     preallocates ``max_model_len`` positions for each of 64 sequences and
     replays decode steps as CUDA graphs (Llama / Qwen2 / Qwen3 / Mistral);
-    "dynamic" runs the HF forward on a growing cache (any model, the CPU
-    default); "auto" picks static on a GPU when the model allows it."""
+    "paged": the same models and graphs over a pool of 16-position blocks
+    sized by kv_cache_memory_gb (or 0.8 of the GPU memory free after the
+    weights), sequences admitted by free blocks and retracted when it runs
+    out (long samples: max_model_len up to the model's context); "dynamic"
+    runs the HF forward on a growing cache (any model, the CPU default);
+    "auto" picks static on a GPU when the model allows it."""
+
+    kv_cache_memory_gb: float = 0.0
+    """kv_cache "paged": GiB of KV blocks per started server (0: the server's
+    default, a fraction of the GPU memory free after its weights: set this
+    when a trainer shares the GPU)."""
 
     max_model_len: int = 0
     """Static cache of started built-in servers: positions per sequence,

@@ -116,6 +116,8 @@ def validate(cfg) -> None:
            'must be "device" with weight_sync.transport = "ipc" (replicas map the staging buffers)', w.staging)
     _check(w.staging in ("device", "host"), "weight_sync.staging", 'must be "device" or "host"', w.staging)
     _check(w.num_staging_buffers >= 1, "weight_sync.num_staging_buffers", "must be >= 1", w.num_staging_buffers)
+    _check(i.kv_cache_memory_gb >= 0, "inference.kv_cache_memory_gb", "must be >= 0 (0: the server's default)",
+           i.kv_cache_memory_gb)
     fanout = getattr(w, "fanout", "per_replica")
     _check(fanout == "per_replica" or (w.transport in ("gloo", "nccl") and i.backend != "vllm"), "weight_sync.fanout",
            '"broadcast" needs a weight group (weight_sync.transport "gloo" or "nccl") and the SGLang protocol '
