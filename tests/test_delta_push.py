@@ -41,7 +41,7 @@ def _special(dtype: torch.dtype, n: int, g: torch.Generator) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("fraction", [0.0, 0.001, 0.05, 0.5, 1.0])
+@pytest.mark.parametrize("fraction", [0.0, 0.001, 0.02, 0.05, 0.5, 0.99, 1.0])
 def test_codec_round_trip_is_bit_equal(dtype, fraction):
     g = torch.Generator().manual_seed(int(fraction * 1000) + dtype.itemsize)
     base = _special(dtype, 20_000, g).reshape(100, 200)
@@ -57,10 +57,12 @@ def test_codec_round_trip_is_bit_equal(dtype, fraction):
     d = delta.encode("w", base, new)
     changed = int(torch.ne(delta.bits(base), delta.bits(new)).sum())
     assert d.changed == changed
-    limit = delta.density_limit(new)
-    assert d.full == (changed > limit * new.numel())
+    item, numel = new.element_size(), new.numel()
+    smaller = min(4 * changed, (numel + 7) // 8) + item * changed  # indices or a bitmap, and the values
+    assert d.full == (smaller >= numel * item)
     if not d.full:
-        assert d.nbytes < new.numel() * new.element_size() and d.index.dtype == torch.int32
+        assert d.nbytes == smaller < numel * item
+        assert d.bitmap == (changed > numel / 32)  # a bitmap once it is smaller than int32 indices
     header, (got,) = delta.decode_body(bytearray(delta.encode_body("2", "1", [d])))
     assert header["version"] == "2" and header["base_version"] == "1"
     assert _same_bits(delta.apply(base, got), new)
@@ -82,9 +84,19 @@ def test_codec_refuses_a_wrong_base_and_malformed_bodies():
                        (b"XXXX" + body[4:], "not a delta body")]:
         with pytest.raises(delta.DeltaError, match=match):
             delta.decode_body(bytearray(bad))
+    assert not d.bitmap
     out_of_range = delta.TensorDelta("w", d.dtype, d.shape, d.values, d.index + 64 * 64, d.crc)
     with pytest.raises(delta.DeltaError, match="out of range"):
         delta.decode_body(bytearray(delta.encode_body("2", "1", [out_of_range])))
+    dense = base.clone()
+    dense[:8] += 1  # 1 in 8 elements: positions as a bitmap
+    b = delta.encode("w", base, dense)
+    assert b.bitmap
+    extra = b.index.clone()
+    extra[-1] |= 1  # one more marked element than values sent
+    with pytest.raises(delta.DeltaError, match="the bitmap marks"):
+        delta.decode_body(bytearray(delta.encode_body("2", "1", [delta.TensorDelta(
+            "w", b.dtype, b.shape, b.values, extra, b.crc)])))
 
 
 # ----------------------------------------------------------------- with a server
@@ -92,7 +104,7 @@ def test_codec_refuses_a_wrong_base_and_malformed_bodies():
 
 def _versions(model_dir: str, n: int) -> list[dict[str, torch.Tensor]]:
     """``n`` float32 versions, each a sparse random step away from the one
-    before (2% of the elements of every tensor, at least one; 90% of one
+    before (2% of the elements of every tensor, at least one; all of one
     tensor, which then goes whole; none of another, which is not sent)."""
     w = {k: v.float() for k, v in load_file(os.path.join(model_dir, "model.safetensors")).items()}
     g = torch.Generator().manual_seed(7)
@@ -104,7 +116,7 @@ def _versions(model_dir: str, n: int) -> list[dict[str, torch.Tensor]]:
             if i == 1:
                 continue  # unchanged: not sent at all
             flat = w[k].view(-1)
-            pos = torch.randperm(flat.numel(), generator=g)[: max(1, int(flat.numel() * (0.9 if i == 2 else 0.02)))]
+            pos = torch.randperm(flat.numel(), generator=g)[: max(1, int(flat.numel() * (1.0 if i == 2 else 0.02)))]
             flat[pos] += 0.25 + torch.rand(len(pos), generator=g)  # large enough to change every bf16 picked
         out.append(w)
     return out

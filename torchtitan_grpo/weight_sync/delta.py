@@ -2,11 +2,13 @@
 changes as one binary body (``weight_sync.delta``; issue 41).
 
 A changed tensor is sent as the positions of the elements whose *bits*
-changed (int32 indices, int64 past 2**31 elements) and their new bits. Bits,
-not values: ``-0.0 == 0.0`` and ``nan != nan`` would lose a sign change and
-resend every NaN. Where that costs at least as many bytes as the tensor
-itself (``density_limit``: a third of the elements for bf16, half for fp32)
-the whole tensor is sent instead; an unchanged tensor is not sent at all.
+changed and their new bits. Bits, not values: ``-0.0 == 0.0`` and
+``nan != nan`` would lose a sign change and resend every NaN. The positions
+go as int32 indices (int64 past 2**31 elements) or, where that is smaller
+(more than 1 in 32 elements changed), as a bitmap of one bit per element.
+Where the delta costs at least as many bytes as the tensor itself (bf16:
+past ~94% of its elements changed) the whole tensor is sent instead; an
+unchanged tensor is not sent at all.
 
 Why indices + values and not an XOR of the raw bits compressed: measured on
 SmolLM2-135M after real GRPO steps (bench/delta_push.py, docs/PERFORMANCE.md
@@ -21,8 +23,9 @@ version the delta was made against fails there, never silently.
 
 Body: ``MAGIC``, an 8-byte little-endian header length, a JSON header
 (``version``, ``base_version``, per tensor ``name``, ``dtype``, ``shape``,
-``count`` (changed elements; -1: the whole tensor), ``index`` dtype and
-``crc``), then per tensor its index bytes and its value bytes, in header order.
+``count`` (changed elements; -1: the whole tensor), ``index`` ("int32",
+"int64" or "bitmap") and ``crc``), then per tensor its position bytes and its
+value bytes, in header order.
 """
 
 from __future__ import annotations
@@ -35,12 +38,13 @@ from typing import Iterable
 
 import torch
 
-__all__ = ["DeltaError", "DeltaMismatch", "TensorDelta", "apply", "crc32", "decode_body", "density_limit",
-           "encode", "encode_body"]
+__all__ = ["DeltaError", "DeltaMismatch", "TensorDelta", "apply", "crc32", "decode_body", "delta_nbytes",
+           "encode", "encode_body", "pack_bits", "unpack_bits"]
 
 MAGIC = b"TGD1"
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_INDEX = {"int32": torch.int32, "int64": torch.int64}
+_INDEX = {"int32": torch.int32, "int64": torch.int64, "bitmap": torch.uint8}
+_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 _INT32_MAX = 2**31 - 1
 
 
@@ -63,11 +67,25 @@ def crc32(t: torch.Tensor) -> int:
     return zlib.crc32(bits(t).cpu().numpy())
 
 
-def density_limit(t: torch.Tensor, index_dtype: torch.dtype = torch.int32) -> float:
-    """Changed fraction at which the indices + values take as many bytes as the
-    tensor itself: 1/3 for bf16 with int32 indices, 1/2 for fp32."""
-    item = t.element_size()
-    return item / (item + torch.empty((), dtype=index_dtype).element_size())
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """A flat bool mask as a bitmap: bit ``i % 8`` of byte ``i // 8`` is ``mask[i]``."""
+    pad = (-mask.numel()) % 8
+    m = torch.cat([mask, mask.new_zeros(pad)]) if pad else mask
+    return (m.view(-1, 8).to(torch.uint8) * _BIT_WEIGHTS.to(m.device)).sum(1, dtype=torch.uint8)
+
+
+def unpack_bits(bitmap: torch.Tensor, numel: int) -> torch.Tensor:
+    """The flat bool mask of ``numel`` elements that ``bitmap`` holds."""
+    w = _BIT_WEIGHTS.to(bitmap.device)
+    return (bitmap.view(-1, 1).bitwise_and(w) != 0).view(-1)[:numel]
+
+
+def delta_nbytes(numel: int, changed: int, itemsize: int) -> tuple[int, bool]:
+    """(bytes of a delta with ``changed`` of ``numel`` elements changed,
+    whether its positions go as a bitmap): the smaller of the two encodings."""
+    index = changed * (4 if numel <= _INT32_MAX else 8)
+    bitmap = (numel + 7) // 8
+    return min(index, bitmap) + changed * itemsize, bitmap < index
 
 
 @dataclass
@@ -80,6 +98,7 @@ class TensorDelta:
     values: torch.Tensor
     """The new bits: at ``index``, or the whole tensor flattened."""
     index: torch.Tensor | None = None
+    """The changed positions: int32/int64 indices, or a uint8 bitmap (one bit per element)."""
     crc: int = 0
     """CRC-32 of the whole new tensor (deltas only: a full tensor is its own check)."""
     changed: int = -1
@@ -90,6 +109,16 @@ class TensorDelta:
         return self.index is None
 
     @property
+    def bitmap(self) -> bool:
+        return self.index is not None and self.index.dtype == torch.uint8
+
+    def positions(self) -> torch.Tensor:
+        """The changed flat positions (int64), in increasing order for a bitmap."""
+        if self.bitmap:
+            return unpack_bits(self.index, _numel(self.shape)).nonzero().view(-1)
+        return self.index.to(torch.int64)
+
+    @property
     def nbytes(self) -> int:
         return self.values.numel() * self.values.element_size() + (
             0 if self.index is None else self.index.numel() * self.index.element_size())
@@ -98,25 +127,26 @@ class TensorDelta:
 def encode(name: str, base: torch.Tensor | None, new: torch.Tensor,
            max_density: float | None = None) -> TensorDelta | None:
     """``new`` against ``base`` (same dtype and shape): None if no bit changed,
-    the whole tensor if ``base`` is None or more than ``max_density`` of its
-    elements changed (default: ``density_limit``, where the delta stops
-    being smaller), else the changed elements."""
+    the whole tensor if ``base`` is None, if more than ``max_density`` of its
+    elements changed, or (default) where the delta would not be smaller
+    (``delta_nbytes``); else the changed elements."""
     b = bits(new)
     whole = TensorDelta(name, new.dtype, tuple(new.shape), b)
     if base is None:
         return whole
     if base.dtype != new.dtype or base.shape != new.shape:
         raise DeltaError(f"{name}: base is {base.dtype} {list(base.shape)}, new is {new.dtype} {list(new.shape)}")
-    index = torch.ne(bits(base), b).nonzero().reshape(-1)
-    n = index.numel()
+    mask = torch.ne(bits(base), b)
+    index = mask.nonzero().reshape(-1)
+    n, numel = index.numel(), b.numel()
     if n == 0:
         return None
-    small = torch.int32 if b.numel() <= _INT32_MAX else torch.int64
-    limit = density_limit(new, small) if max_density is None else max_density
-    if n > limit * b.numel():
+    nbytes, as_bitmap = delta_nbytes(numel, n, new.element_size())
+    if nbytes >= numel * new.element_size() or (max_density is not None and n > max_density * numel):
         whole.changed = n
         return whole
-    return TensorDelta(name, new.dtype, tuple(new.shape), b[index], index.to(small), crc32(new), n)
+    positions = pack_bits(mask) if as_bitmap else index.to(torch.int32 if numel <= _INT32_MAX else torch.int64)
+    return TensorDelta(name, new.dtype, tuple(new.shape), b[index], positions, crc32(new), n)
 
 
 def apply(base: torch.Tensor, d: TensorDelta) -> torch.Tensor:
@@ -130,7 +160,7 @@ def apply(base: torch.Tensor, d: TensorDelta) -> torch.Tensor:
         raise DeltaError(f"{d.name}: delta for shape {list(d.shape)}, the model's is {list(base.shape)}")
     out = base.detach().to(d.dtype, copy=True).contiguous()
     flat = bits(out)
-    flat[d.index.to(device, torch.int64)] = d.values.to(device)
+    flat[d.positions().to(device)] = d.values.to(device)
     if crc32(out) != d.crc:
         raise DeltaMismatch(f"{d.name}: applied to this replica's copy, the result is not the trainer's "
                             "tensor (CRC-32 differs): the base is not the version the delta was made against")
@@ -144,12 +174,20 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for k in shape:
+        n *= int(k)
+    return n
+
+
 def encode_body(version: str, base_version: str | None, deltas: Iterable[TensorDelta]) -> bytes:
     """One version's changes as one HTTP body (see the module's docstring)."""
     deltas = list(deltas)
     header = {"version": version, "base_version": base_version, "tensors": [
         {"name": d.name, "dtype": _dtype_name(d.dtype), "shape": list(d.shape),
-         "count": -1 if d.full else d.index.numel(), "index": None if d.full else _dtype_name(d.index.dtype),
+         "count": -1 if d.full else d.values.numel(),
+         "index": None if d.full else "bitmap" if d.bitmap else _dtype_name(d.index.dtype),
          "crc": d.crc} for d in deltas]}
     head = json.dumps(header).encode()
     parts = [MAGIC, struct.pack("<Q", len(head)), head]
@@ -195,16 +233,20 @@ def decode_body(body: bytes | bytearray) -> tuple[dict, list[TensorDelta]]:
             raise DeltaError(f"tensor entry {str(s)[:120]} of the delta body is malformed") from None
         if not isinstance(dtype, torch.dtype) or dtype.itemsize not in _BITS:
             raise DeltaError(f"{name}: dtype {s['dtype']!r} cannot be sent as a delta")
-        numel = 1
-        for k in shape:
-            numel *= int(k)
+        numel = _numel(shape)
         index = None
         if count >= 0:
             if count > numel:
                 raise DeltaError(f"{name}: {count} changed elements declared for a tensor of {numel}")
-            index, at = _take(view, at, index_dtype, count, name)
-            if count and (int(index.min()) < 0 or int(index.max()) >= numel):
-                raise DeltaError(f"{name}: an index is out of range for a tensor of {numel} elements")
+            if index_dtype == torch.uint8:  # a bitmap: its set bits are the count, none past the tensor
+                index, at = _take(view, at, index_dtype, (numel + 7) // 8, name)
+                mask = unpack_bits(index, (numel + 7) // 8 * 8)
+                if int(mask.sum()) != count or bool(mask[numel:].any()):
+                    raise DeltaError(f"{name}: the bitmap marks {int(mask.sum())} elements, {count} declared")
+            else:
+                index, at = _take(view, at, index_dtype, count, name)
+                if count and (int(index.min()) < 0 or int(index.max()) >= numel):
+                    raise DeltaError(f"{name}: an index is out of range for a tensor of {numel} elements")
         values, at = _take(view, at, _BITS[dtype.itemsize], numel if count < 0 else count, name)
         out.append(TensorDelta(name, dtype, shape, values, index, crc))
     if at != len(view):
