@@ -20,8 +20,9 @@ digits task, for tests/test_bench_scripts.py.
 Per version: the fraction of bf16 elements whose bits changed, the delta's
 bytes against the full weights', the trainer's encode seconds, the POST
 (transfer + the server's apply and load) and the server's apply seconds; and
-for the codec choice, the other candidate on the same versions: the XOR of
-the old and new bits compressed with zlib (level 1), its bytes and seconds.
+for the codec choice, the other candidates on the same versions: int32
+indices only (no bitmap), and the XOR of the old and new bits compressed
+with zlib (level 1), its bytes and seconds.
 After the last version of each lr, ``check`` compares weights read back from
 the server (/get_weights_by_name) with the trainer's bf16 cast, bit for bit.
 """
@@ -109,11 +110,17 @@ def xor_zlib(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> tupl
     return size, time.perf_counter() - t0
 
 
-def changed_fraction(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> float:
+def changed_fraction(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> tuple[float, int]:
+    """(fraction of elements whose bits changed, bytes of the delta with int32
+    indices only, no bitmap: each tensor the smaller of indices + values and whole)."""
     from torchtitan_grpo.weight_sync.delta import bits
 
-    changed = sum(int(torch.ne(bits(old[k]), bits(t)).sum()) for k, t in new.items())
-    return changed / sum(t.numel() for t in new.values())
+    changed = index_only = 0
+    for k, t in new.items():
+        n = int(torch.ne(bits(old[k]), bits(t)).sum())
+        changed += n
+        index_only += min(n * (4 + t.element_size()), t.numel() * t.element_size()) if n else 0
+    return changed / sum(t.numel() for t in new.values()), index_only
 
 
 def served_equal(url: str, want: dict[str, torch.Tensor], names: list[str]) -> bool:
@@ -166,7 +173,7 @@ def run_lr(args, lr: float, url: str, rows, scorer, tok, log_dir: str) -> list[d
                    "grad_norm": m["grad_norm"], **{k: h[k] for k in ("base", "bytes", "full_bytes", "encode_s",
                                                                     "post_s", "apply_s")}}
             if prev is not None:
-                row["changed"] = changed_fraction(prev, new)
+                row["changed"], row["index_only"] = changed_fraction(prev, new)
                 row["xor_bytes"], row["xor_s"] = xor_zlib(prev, new)
             prev = new
             out.append(row)
@@ -183,7 +190,8 @@ def run_lr(args, lr: float, url: str, rows, scorer, tok, log_dir: str) -> list[d
 def format_row(r: dict) -> str:
     mb = 1e6
     changed = f"{100 * r['changed']:.3f}" if "changed" in r else "-"
-    xor = f"{r['xor_bytes'] / mb:.2f} | {r['xor_s']:.2f}" if "xor_bytes" in r else "- | -"
+    xor = (f"{r['index_only'] / mb:.2f} | {r['xor_bytes'] / mb:.2f} | {r['xor_s']:.2f}" if "xor_bytes" in r
+           else "- | - | -")
     return (f"| {r['lr']:g} | {r['version']} | {'full' if r['base'] is None else 'delta'} | {changed} | "
             f"{r['bytes'] / mb:.2f} | {r['full_bytes'] / mb:.2f} | {r['bytes'] / r['full_bytes']:.4f} | "
             f"{r['encode_s']:.3f} | {r['post_s']:.3f} | {r['apply_s']:.3f} | {xor} | {r['reward']:.3f} | "
@@ -191,7 +199,7 @@ def format_row(r: dict) -> str:
 
 
 HEADER = ("| lr | version | sent | changed % | sent MB | full MB | sent / full | encode s | post s | apply s "
-          "| xor+zlib MB | xor+zlib s | reward | check |\n" + "|---" * 14 + "|")
+          "| indices-only MB | xor+zlib MB | xor+zlib s | reward | check |\n" + "|---" * 15 + "|")
 
 
 def main(argv: list[str] | None = None) -> int:
