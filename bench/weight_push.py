@@ -168,8 +168,11 @@ class TensorEngine:
         self.weight_version = "default"
         self.paused = None
         self.alive = True
+        # what the routes read off a model at start-up (the LoRA and delta receivers: names -> tensors)
         self.model = SimpleNamespace(config=SimpleNamespace(model_type="qwen3"),
-                                     parameters=lambda: iter(params.values()))
+                                     parameters=lambda: iter(params.values()),
+                                     state_dict=lambda keep_vars=False: dict(params),
+                                     named_modules=lambda: iter(()))
 
     check_weights = Engine.check_weights  # they read only ``_tensors`` (name -> parameter)
     check_received = Engine.check_received

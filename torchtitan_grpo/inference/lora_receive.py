@@ -131,7 +131,15 @@ class LoraMerger:
         """Weight name -> W0, taken the first time an adapter touches it."""
         self.merged: set[str] = set()
         """Weights that differ from W0 now (the current adapter's)."""
-        self._params = dict(engine.model.state_dict(keep_vars=True))
+        self._params_cache: dict[str, torch.Tensor] | None = None
+
+    @property
+    def _params(self) -> dict[str, torch.Tensor]:
+        """The model's tensors by HF name, read at the first adapter (a server
+        that never loads one never walks its model for them)."""
+        if self._params_cache is None:
+            self._params_cache = dict(self.engine.model.state_dict(keep_vars=True))
+        return self._params_cache
 
     def load(self, name: str, path: str, version: str | None = None) -> None:
         """Merge the adapter at ``path`` as ``name``: all or nothing. On any

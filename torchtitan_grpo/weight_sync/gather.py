@@ -55,9 +55,10 @@ _MESHES = {
 
 def _degrees(parallel_dims) -> dict[str, int]:
     p = parallel_dims
+    ep, etp = getattr(p, "ep", 1), getattr(p, "etp", 1)  # layouts described without experts have none
     return {"pp": p.pp, "dp_replicate": p.dp_replicate, "fsdp": p.dp_shard * p.cp, "tp": p.tp,
-            "batch": p.dp_replicate * p.dp_shard, "cp": p.cp, "ep": p.ep, "etp": p.etp,
-            "efsdp": p.dp_shard * p.cp * p.tp // (p.ep * p.etp)}
+            "batch": p.dp_replicate * p.dp_shard, "cp": p.cp, "ep": ep, "etp": etp,
+            "efsdp": p.dp_shard * p.cp * p.tp // (ep * etp)}
 
 
 def sidecar_mesh(parallel_dims, device_type: str, backend: str) -> dict[str, DeviceMesh]:
