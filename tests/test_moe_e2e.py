@@ -50,7 +50,7 @@ def test_moe_demo_learns_with_router_replay(tmp_path):
     r = _torchrun(1, str(tmp_path), "--job.dump_folder", dump)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     model = tmp_path / "outputs" / "tiny-qwen3-moe"
-    assert "writing a tiny random Qwen3 model and tokenizer to ./outputs/tiny-qwen3-moe" in r.stdout
+    assert "writing a tiny random Qwen3-MoE model and tokenizer to ./outputs/tiny-qwen3-moe" in r.stdout
     config = json.loads((model / "config.json").read_text())
     assert config["model_type"] == "qwen3_moe" and config["num_local_experts"] == 8, config
     rows = _metrics(dump)

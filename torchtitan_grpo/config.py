@@ -109,11 +109,12 @@ class GRPO:
     logits. Tensor and pipeline parallelism always use full logits."""
 
     tiny_model_if_missing: bool = False
-    """If model.hf_assets_path is the demo's own ./outputs/tiny-qwen3 and has
-    no config.json, write a tiny random Qwen3 checkpoint and a character
-    tokenizer there (the demo; nothing is downloaded). Any other missing path
-    is an error at start-up: write a demo model elsewhere with
-    ``python -m torchtitan_grpo.demo_assets DIR``."""
+    """If model.hf_assets_path is one of the demos' own ./outputs/tiny-qwen3
+    (dense) or ./outputs/tiny-qwen3-moe (Qwen3-MoE) and has no config.json,
+    write that tiny random checkpoint and a character tokenizer there (the
+    demos; nothing is downloaded). Any other missing path is an error at
+    start-up: write a demo model elsewhere with ``python -m
+    torchtitan_grpo.demo_assets DIR [--moe]``."""
 
     seed: int = 0
     """Seed for the prompt order, sampling seeds and model init."""

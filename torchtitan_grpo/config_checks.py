@@ -163,7 +163,7 @@ def _check_model_dir(cfg) -> None:
     demo's own default path and grpo.tiny_model_if_missing will write the tiny
     model there. A path the user gave is never created: a typo must not train
     a random model."""
-    from torchtitan_grpo.demo_assets import DEMO_MODEL_DIR, is_demo_model_dir
+    from torchtitan_grpo.demo_assets import DEMO_MODEL_DIR, DEMO_MOE_MODEL_DIR, is_demo_model_dir
 
     path = cfg.model.hf_assets_path
     if path.lower().endswith(".gguf"):  # dequantised into the dump folder at start-up (convert.py)
@@ -176,9 +176,9 @@ def _check_model_dir(cfg) -> None:
         _check(False, "model.hf_assets_path", f"{what}: it must be an HF checkpoint directory (config.json, "
                                               "safetensors, tokenizer files)", path)
     _check(is_demo_model_dir(path), "model.hf_assets_path",
-           f"{what}; grpo.tiny_model_if_missing writes the tiny demo model only at the demo's own {DEMO_MODEL_DIR}, "
-           "never at a path given to it: fix the path, or write the demo model there first "
-           "(python -m torchtitan_grpo.demo_assets DIR)", path)
+           f"{what}; grpo.tiny_model_if_missing writes the tiny demo models only at the demos' own {DEMO_MODEL_DIR} "
+           f"and {DEMO_MOE_MODEL_DIR}, never at a path given to it: fix the path, or write the demo model there "
+           "first (python -m torchtitan_grpo.demo_assets DIR [--moe])", path)
 
 
 def check_reachable(cfg, timeout_s: float = 10.0) -> None:

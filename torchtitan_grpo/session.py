@@ -45,9 +45,10 @@ def prepare_model_dir(cfg, d: Dist) -> str:
         path = resolve_model_dir(path, cfg.job.dump_folder, convert=d.is_main)
     elif cfg.grpo.tiny_model_if_missing and not os.path.isfile(os.path.join(path, "config.json")):
         if d.is_main:
-            from torchtitan_grpo.demo_assets import TinyQwen3, ensure_tiny_qwen3
+            from torchtitan_grpo.demo_assets import DEMO_MOE_MODEL_DIR, TinyQwen3, ensure_tiny_qwen3
 
-            logger.info("writing a tiny random Qwen3 model and tokenizer to %s", path)
+            moe = os.path.normpath(path) == os.path.normpath(DEMO_MOE_MODEL_DIR)
+            logger.info("writing a tiny random Qwen3%s model and tokenizer to %s", "-MoE" if moe else "", path)
             ensure_tiny_qwen3(path, TinyQwen3(seed=cfg.grpo.seed))
     if d.world_size > 1:
         dist.barrier()
