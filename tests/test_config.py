@@ -79,8 +79,8 @@ def test_a_missing_model_path_given_by_the_user_is_an_error_not_a_new_model(tmp_
     is a config error naming the key, and nothing is written there."""
     missing = tmp_path / "nonexistent" / "model"
     with pytest.raises(ConfigError, match=r"^config key model\.hf_assets_path = '.*nonexistent/model': does not exist; "
-                                          r"grpo\.tiny_model_if_missing writes the tiny demo model only at the "
-                                          r"demo's own \./outputs/tiny-qwen3"):
+                                          r"grpo\.tiny_model_if_missing writes the tiny demo models only at the "
+                                          r"demos' own \./outputs/tiny-qwen3 and \./outputs/tiny-qwen3-moe"):
         parse_config(["--job.config_file", DEMO, "--model.hf_assets_path", str(missing)])
     assert not missing.exists() and not missing.parent.exists()
     empty = tmp_path / "empty"
