@@ -52,10 +52,20 @@ class DeltaRoutes:
 
     def __init__(self, engine):
         self.engine = engine
-        self._params = {**engine.model.state_dict(keep_vars=True), **expert_views(engine.model)}
-        # A version is at most every tensor whole in fp32, or its deltas (never larger: encode's limit).
-        self.max_body = sum(p.numel() for p in self._params.values()) * 8 + (64 << 20)
         self._lock = asyncio.Lock()
+        self._tensors: dict[str, torch.Tensor] | None = None
+
+    @property
+    def params(self) -> dict[str, torch.Tensor]:
+        """The model's tensors by HF name, read at the first update (not when the app is built)."""
+        if self._tensors is None:
+            self._tensors = {**self.engine.model.state_dict(keep_vars=True), **expert_views(self.engine.model)}
+        return self._tensors
+
+    @property
+    def max_body(self) -> int:
+        """A version is at most every tensor whole in 8-byte elements (a delta is never larger)."""
+        return sum(p.numel() for p in self.params.values()) * 8 + (64 << 20)
 
     def register(self, app: web.Application) -> None:
         app.router.add_post(DELTA_ROUTE, self.update)
@@ -83,7 +93,7 @@ class DeltaRoutes:
                             f"{self.engine.weight_version!r}")
         named = []
         for d in tensors:
-            p = self._params.get(d.name)
+            p = self.params.get(d.name)
             if p is None:
                 raise delta.DeltaError(f"unknown parameter {d.name!r}: the model has no tensor of that name")
             if tuple(p.shape) != d.shape:
