@@ -295,7 +295,9 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
             pusher: WeightPusher = NoPush()
         else:
             pusher = Pusher(loop, urls, PushConfig(
-                mode=w.mode, backend="adapter" if adapter_cfg else w.transport, adapter_config=adapter_cfg,
+                # the LoRA adapter alone, the changed elements (weight_sync.delta), or whole tensors
+                mode=w.mode, backend="adapter" if adapter_cfg else "delta" if w.delta else w.transport,
+                adapter_config=adapter_cfg,
                 fanout=w.fanout, master_address=w.master_address,
                 bucket_bytes=w.bucket_size_mb << 20, num_staging_buffers=w.num_staging_buffers,
                 deadline_s=w.replica_deadline_s, init_timeout_s=w.init_timeout_s, pause_mode=pause_mode,

@@ -54,10 +54,11 @@ def validate_delta(cfg, check) -> None:
     check(i.backend == "builtin", "weight_sync.delta", f'needs inference.backend = "builtin" (got {i.backend!r}): '
           "SGLang's weight routes take whole tensors, and vLLM's sparse_nccl backend is not spoken by this push "
           '(docs/PROTOCOL_NOTES.md "Delta push")', w.delta)
-    # The transport and the server's route are built and tested (tests/test_delta_push.py,
-    # bench/delta_push.py); session.py does not pick it yet (backend "delta" when w.delta).
-    check(False, "weight_sync.delta", "is not wired into the training loop yet (the delta transport is: "
-          "weight_sync/delta_push.py, bench/delta_push.py): use false", w.delta)
+    check(getattr(w, "fanout", "per_replica") == "per_replica", "weight_sync.delta",
+          'goes to each replica on its own: not with weight_sync.fanout = "broadcast"', w.delta)
+    lora = getattr(cfg, "lora", None)
+    check(not (lora is not None and lora.enable and w.lora_push == "adapter"), "weight_sync.delta",
+          'has nothing to add to weight_sync.lora_push = "adapter" (the adapter is the change): use one', w.delta)
 
 
 class DeltaPush(Transport):
@@ -90,6 +91,15 @@ class DeltaPush(Transport):
 
     async def tag(self, replicas: list[Replica], version: int) -> None:
         await tag_version(self, replicas, version)
+
+    def metrics(self) -> dict[str, float]:
+        """The newest transfer's changed-element and byte shares (of the whole
+        version), for the step's metrics; {} before the first."""
+        if not self.history:
+            return {}
+        last = self.history[-1]
+        return {"push/delta_changed_frac": last["changed"] / max(last["elements"], 1),
+                "push/delta_bytes_frac": last["bytes"] / max(last["full_bytes"], 1)}
 
     async def send(self, r: Replica, staged: Staged) -> None:
         base = r.version if r.version in self._bases else None

@@ -278,6 +278,8 @@ class Pusher:
             self.wait_for(version)
             m["time/push_s"] = time.perf_counter() - t0
             m["push/GBps"] = self.bytes_per_version / m["time/push_s"] / 1e9
+        # a transport's own figures (the delta push: what share its last transfer sent)
+        m |= getattr(self.transport, "metrics", dict)()
         return m | lag_metrics(self.replicas, version, self.bytes_per_version)
 
     def _publish(self, staged: Staged, version: int) -> None:
