@@ -227,7 +227,7 @@ def test_config_keys_reach_the_launched_servers(capsys):
     with pytest.raises(ConfigError, match=r"inference\.max_model_len"):
         parse_config(["--job.config_file", demo, "--inference.max_model_len", "1"])
     with pytest.raises(SystemExit):  # a Literal: the command-line parser refuses it, naming the flag
-        parse_config(["--job.config_file", demo, "--inference.kv_cache", "paged"])
+        parse_config(["--job.config_file", demo, "--inference.kv_cache", "ring"])
     assert "--inference.kv-cache" in capsys.readouterr().err.replace("_", "-")
     cfg = parse_config(["--job.config_file", demo, "--inference.kv_cache", "static", "--inference.max_model_len", "96"])
     assert (cfg.inference.kv_cache, cfg.inference.max_model_len) == ("static", 96)

@@ -36,11 +36,10 @@ from aiohttp import web
 
 from torchtitan_grpo.inference.expert_views import expert_views
 from torchtitan_grpo.inference.requests import WeightUpdateError
+from torchtitan_grpo.protocol.builtin import DELTA_ROUTE  # the wire format both ends share
 from torchtitan_grpo.weight_sync import delta
 
 __all__ = ["DELTA_ROUTE", "DeltaRoutes"]
-
-DELTA_ROUTE = "/update_weights_delta"
 
 
 class NeedsFull(Exception):

@@ -48,3 +48,8 @@ def traits(model_info: Any, protocol: str) -> BuiltinTraits:
         return BuiltinTraits()
     ack_key = SGLANG_ACK_POSTED if protocol == "sglang" else VLLM_ACK_POSTED
     return BuiltinTraits(True, model_info.get(ack_key) is True, model_info.get(END_WEIGHT_VERSION) is True)
+
+
+DELTA_ROUTE = "/update_weights_delta"
+"""weight_sync.delta: the built-in server's route taking a version as changed
+elements against the one it serves (``inference/delta_receive.py``)."""

@@ -32,7 +32,7 @@ import time
 import aiohttp
 import torch
 
-from torchtitan_grpo.inference.delta_receive import DELTA_ROUTE
+from torchtitan_grpo.protocol.builtin import DELTA_ROUTE
 from torchtitan_grpo.weight_sync import buckets as bk
 from torchtitan_grpo.weight_sync import delta
 from torchtitan_grpo.weight_sync.control import PushError, read_reply
