@@ -32,11 +32,10 @@ import logging
 from typing import Any, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from torchtitan_grpo.inference import kv_pool, moe_routes
 from torchtitan_grpo.inference.kv_pool import BLOCK_SIZE, BlockPool, blocks_for
-from torchtitan_grpo.inference.static_batch import _BATCH_BUCKETS, StaticBatch, _bucket, _norm
+from torchtitan_grpo.inference.static_batch import _BATCH_BUCKETS, StaticBatch, _bucket
 from torchtitan_grpo.inference.to_device import upload
 
 logger = logging.getLogger(__name__)
@@ -176,20 +175,7 @@ class PagedBatch(StaticBatch):
         each one's blocks) and return their last-position logits in ``seqs`` order."""
         if len(seqs) > self.room():
             raise RuntimeError(f"paged KV batch: {len(seqs)} sequences for {self.room()} free rows")
-        groups: dict[tuple, int] = {}
-        ctxs: list[list[int]] = []
-        row_of: list[int] = []
-        for s in seqs:
-            key = (id(s.req),) if not s.output_ids else (id(s.req), s.index)
-            if key not in groups:
-                ctx = s.context()
-                if len(ctx) >= self.max_len:
-                    raise RuntimeError(f"context of {len(ctx)} tokens does not fit max_len {self.max_len}")
-                groups[key] = len(ctxs)
-                ctxs.append(ctx)
-            else:
-                s.cached_tokens = len(s.req.prompt_ids)
-            row_of.append(groups[key])
+        ctxs, row_of = self._contexts(seqs)
         need = sum(blocks_for(len(ctxs[r]), self.block_size) for r in row_of)
         if need > self.pool.num_free:
             raise RuntimeError(f"paged KV batch: {need} blocks to prefill, {self.pool.num_free} free")
@@ -202,14 +188,7 @@ class PagedBatch(StaticBatch):
             src_p.append(p)
             dst.append(torch.tensor(blks)[p // self.block_size] * self.block_size + p % self.block_size)
         to_dev = lambda parts: torch.cat(parts).to(self.device)  # noqa: E731
-        self._sink = [] if self._route_buf is not None else None
-        logits = self._prefill(ctxs, to_dev(src_r), to_dev(src_p), to_dev(dst))
-        if self._sink is not None:
-            width = max(len(c) for c in ctxs)
-            routes = torch.stack(self._sink, dim=1).view(len(ctxs), width, *self._route_buf.shape[1:])
-            for s, r in zip(seqs, row_of):
-                moe_routes.start(s, routes[r, : len(ctxs[r])])
-            self._sink = None
+        logits = self._prefill_with_routes(seqs, ctxs, row_of, (to_dev(src_r), to_dev(src_p), to_dev(dst)))
         base, wide = len(self.rows), max(len(b) for b in blocks)
         table = torch.zeros((len(seqs), wide), dtype=torch.long)
         for j, blks in enumerate(blocks):
@@ -251,65 +230,30 @@ class PagedBatch(StaticBatch):
 
     # ---- the forward ----------------------------------------------------- #
 
-    def _prefill(self, ctxs: list[list[int]], src_r: torch.Tensor, src_p: torch.Tensor,
-                 dst: torch.Tensor) -> torch.Tensor:
-        """Right-padded and causal, as the static batch's; K and V of position
-        ``src_p`` of context ``src_r`` are written to flat pool index ``dst``."""
-        n = len(ctxs)
-        width = max(len(c) for c in ctxs)
-        ids = torch.zeros((n, width), dtype=torch.long)
-        for i, c in enumerate(ctxs):
-            ids[i, : len(c)] = torch.tensor(c)
-        ids = ids.to(self.device)
-        cos, sin = self._cos[:width][None], self._sin[:width][None]
-        h = self._inner.embed_tokens(ids)
-        for li, layer in enumerate(self._layers):
-            q, k, v = self._attn_qkv(li, _norm(layer.input_layernorm, h), cos, sin)
-            self.k[li].view(-1, self.n_kv, self.head_dim)[dst] = k[src_r, src_p]
-            self.v[li].view(-1, self.n_kv, self.head_dim)[dst] = v[src_r, src_p]
-            o = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                is_causal=True, scale=self.scaling, enable_gqa=self.n_kv != self.n_heads,
-            )
-            h = self._mlp(li, h, o.transpose(1, 2).reshape(n, width, -1))
-        last = torch.tensor([len(c) - 1 for c in ctxs], device=self.device)
-        h = _norm(self._inner.norm, h[torch.arange(n, device=self.device), last])
-        return self.model.lm_head(h)
+    def _store_prefill_kv(self, li: int, k: torch.Tensor, v: torch.Tensor,
+                          where: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        """K and V of position ``src_p`` of context ``src_r`` go to flat pool
+        index ``dst`` (``where = (src_r, src_p, dst)``: every sequence's copy)."""
+        src_r, src_p, dst = where
+        self.k[li].view(-1, self.n_kv, self.head_dim)[dst] = k[src_r, src_p]
+        self.v[li].view(-1, self.n_kv, self.head_dim)[dst] = v[src_r, src_p]
 
-    def _step(self, b: int, nb: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """One decode step of rows ``[0, b)`` over their first ``nb`` blocks
-        (logits into ``out`` if given)."""
-        bs, n_kv, hd = self.block_size, self.n_kv, self.head_dim
-        width = nb * bs
-        ids, pos = self._tokens[:b], self._pos[:b]
+    def _decode_where(self, b: int, nb: int, pos: torch.Tensor) -> tuple[Any, int]:
+        """A step over the rows' first ``nb`` blocks: each row's flat pool index
+        for its new position (its block, its offset) and its block table."""
+        bs = self.block_size
         table = self._table[:b, :nb]
-        cos, sin = self._cos[pos], self._sin[pos]
-        mask = (torch.arange(width, device=self.device)[None] <= pos[:, None])[:, None, None, :]
-        # Flat pool index of each row's new position (its block, its offset).
         slot = table.gather(1, torch.div(pos, bs, rounding_mode="floor")[:, None])[:, 0] * bs + pos % bs
-        h = self._inner.embed_tokens(ids)
-        self._sink = [] if self._route_buf is not None else None
-        for li, layer in enumerate(self._layers):
-            q, k, v = self._attn_qkv(li, _norm(layer.input_layernorm, h), cos, sin)
-            self.k[li].view(-1, n_kv, hd)[slot] = k
-            self.v[li].view(-1, n_kv, hd)[slot] = v
-            keys = self.k[li][table].view(b, width, n_kv, hd)
-            values = self.v[li][table].view(b, width, n_kv, hd)
-            # GQA as the static batch: a KV head's query heads are its rows.
-            o = F.scaled_dot_product_attention(
-                q.view(b, n_kv, self.n_heads // n_kv, hd), keys.transpose(1, 2), values.transpose(1, 2),
-                attn_mask=mask, scale=self.scaling,
-            )
-            h = self._mlp(li, h, o.reshape(b, -1))
-        if self._sink is not None:  # inside the graph: a copy into the fixed buffer
-            self._route_buf[:b].copy_(torch.stack(self._sink, dim=1))
-            self._sink = None
-        h = _norm(self._inner.norm, h)
-        head = self.model.lm_head
-        if out is None or head.bias is not None:
-            logits = head(h)
-            return logits if out is None else out.copy_(logits)
-        return torch.mm(h, head.weight.t(), out=out)
+        return (slot, table), nb * bs
+
+    def _decode_kv(self, li: int, k: torch.Tensor, v: torch.Tensor, b: int, width: int,
+                   where: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new position into its block; the rows' blocks gathered in table order."""
+        slot, table = where
+        n_kv, hd = self.n_kv, self.head_dim
+        self.k[li].view(-1, n_kv, hd)[slot] = k
+        self.v[li].view(-1, n_kv, hd)[slot] = v
+        return self.k[li][table].view(b, width, n_kv, hd), self.v[li][table].view(b, width, n_kv, hd)
 
     def shapes(self) -> list[tuple[int, int]]:
         """Every (rows, blocks) pair a decode step can run, largest first (no

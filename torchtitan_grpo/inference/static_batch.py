@@ -229,33 +229,10 @@ class StaticBatch:
         KV) and return their last-position logits in ``seqs`` order."""
         if len(seqs) > len(self._free):
             raise RuntimeError(f"static KV batch: {len(seqs)} sequences for {len(self._free)} free slots")
-        groups: dict[tuple, int] = {}
-        ctxs: list[list[int]] = []
-        owner: list[int] = []  # per unique context: the slot its prefill writes
-        row_of: list[int] = []
-        slots: list[int] = []
-        for s in seqs:
-            slot = self._free.pop(0)
-            slots.append(slot)
-            key = (id(s.req),) if not s.output_ids else (id(s.req), s.index)
-            if key not in groups:
-                ctx = s.context()
-                if len(ctx) >= self.max_len:
-                    raise RuntimeError(f"context of {len(ctx)} tokens does not fit max_len {self.max_len}")
-                groups[key] = len(ctxs)
-                ctxs.append(ctx)
-                owner.append(slot)
-            else:
-                s.cached_tokens = len(s.req.prompt_ids)
-            row_of.append(groups[key])
-        self._sink = [] if self._route_buf is not None else None
-        logits = self._prefill(ctxs, owner)
-        if self._sink is not None:
-            width = max(len(c) for c in ctxs)
-            routes = torch.stack(self._sink, dim=1).view(len(ctxs), width, *self._route_buf.shape[1:])
-            for s, r in zip(seqs, row_of):
-                moe_routes.start(s, routes[r, : len(ctxs[r])])
-            self._sink = None
+        ctxs, row_of = self._contexts(seqs)
+        slots = [self._free.pop(0) for _ in seqs]
+        owner = [slots[row_of.index(r)] for r in range(len(ctxs))]  # per context: the slot its prefill writes
+        logits = self._prefill_with_routes(seqs, ctxs, row_of, torch.tensor(owner, device=self.device))
         # Siblings share the owner's KV: copy it into their own slots.
         src = [owner[r] for r in row_of]
         copies = [(d, s) for d, s in zip(slots, src) if d != s]
@@ -336,21 +313,60 @@ class StaticBatch:
         gate, up = F.linear(_norm(layer.post_attention_layernorm, h), wgu, bgu).chunk(2, dim=-1)
         return h + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
 
-    def _prefill(self, ctxs: list[list[int]], owner: list[int]) -> torch.Tensor:
-        """Right-padded, causal: a real token never sees a pad (pads come after it)."""
+    def _contexts(self, seqs: list[Any]) -> tuple[list[list[int]], list[int]]:
+        """``(contexts, row_of)``: one context per distinct prompt (samples of one
+        request with no output yet share their request's; those that share one
+        are marked ``cached_tokens``) and each sequence's context index."""
+        groups: dict[tuple, int] = {}
+        ctxs: list[list[int]] = []
+        row_of: list[int] = []
+        for s in seqs:
+            key = (id(s.req),) if not s.output_ids else (id(s.req), s.index)
+            if key not in groups:
+                ctx = s.context()
+                if len(ctx) >= self.max_len:
+                    raise RuntimeError(f"context of {len(ctx)} tokens does not fit max_len {self.max_len}")
+                groups[key] = len(ctxs)
+                ctxs.append(ctx)
+            else:
+                s.cached_tokens = len(s.req.prompt_ids)
+            row_of.append(groups[key])
+        return ctxs, row_of
+
+    def _prefill_with_routes(self, seqs: list[Any], ctxs: list[list[int]], row_of: list[int],
+                             where: Any) -> torch.Tensor:
+        """:meth:`_prefill`, and with routed experts on, each sequence's prompt routes."""
+        self._sink = [] if self._route_buf is not None else None
+        logits = self._prefill(ctxs, where)
+        if self._sink is not None:
+            width = max(len(c) for c in ctxs)
+            routes = torch.stack(self._sink, dim=1).view(len(ctxs), width, *self._route_buf.shape[1:])
+            for s, r in zip(seqs, row_of):
+                moe_routes.start(s, routes[r, : len(ctxs[r])])
+            self._sink = None
+        return logits
+
+    def _store_prefill_kv(self, li: int, k: torch.Tensor, v: torch.Tensor, where: torch.Tensor) -> None:
+        """Write layer ``li``'s prefill K and V ``[contexts, width, kv_heads, head_dim]``:
+        context ``i`` into slot ``where[i]``."""
+        width = k.shape[1]
+        self.k[li][where, :width] = k
+        self.v[li][where, :width] = v
+
+    def _prefill(self, ctxs: list[list[int]], where: Any) -> torch.Tensor:
+        """Right-padded, causal: a real token never sees a pad (pads come after it).
+        ``where``: where the contexts' K and V go (:meth:`_store_prefill_kv`)."""
         n = len(ctxs)
         width = max(len(c) for c in ctxs)
         ids = torch.zeros((n, width), dtype=torch.long)
         for i, c in enumerate(ctxs):
             ids[i, : len(c)] = torch.tensor(c)
         ids = ids.to(self.device)
-        slot = torch.tensor(owner, device=self.device)
         cos, sin = self._cos[:width][None], self._sin[:width][None]
         h = self._inner.embed_tokens(ids)
         for li, layer in enumerate(self._layers):
             q, k, v = self._attn_qkv(li, _norm(layer.input_layernorm, h), cos, sin)
-            self.k[li][slot, :width] = k
-            self.v[li][slot, :width] = v
+            self._store_prefill_kv(li, k, v, where)
             o = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                 is_causal=True, scale=self.scaling, enable_gqa=self.n_kv != self.n_heads,
@@ -364,20 +380,19 @@ class StaticBatch:
         """One decode step of slots ``[0, b)`` over cache positions ``[0, n)``
         (logits into ``out`` if given)."""
         ids, pos = self._tokens[:b], self._pos[:b]
-        rows = torch.arange(b, device=self.device)
+        where, width = self._decode_where(b, n, pos)
         cos, sin = self._cos[pos], self._sin[pos]
-        mask = (torch.arange(n, device=self.device)[None] <= pos[:, None])[:, None, None, :]
+        mask = (torch.arange(width, device=self.device)[None] <= pos[:, None])[:, None, None, :]
         h = self._inner.embed_tokens(ids)
         self._sink = [] if self._route_buf is not None else None
         for li, layer in enumerate(self._layers):
             q, k, v = self._attn_qkv(li, _norm(layer.input_layernorm, h), cos, sin)
-            self.k[li][rows, pos] = k
-            self.v[li][rows, pos] = v
+            keys, values = self._decode_kv(li, k, v, b, width, where)
             # GQA without copying K/V per query head: the heads of one KV head
             # are its query rows (HF's repeat_kv order: head h reads kv h // group).
             o = F.scaled_dot_product_attention(
                 q.view(b, self.n_kv, self.n_heads // self.n_kv, self.head_dim),
-                self.k[li][:b, :n].transpose(1, 2), self.v[li][:b, :n].transpose(1, 2),
+                keys.transpose(1, 2), values.transpose(1, 2),
                 attn_mask=mask, scale=self.scaling,
             )
             h = self._mlp(li, h, o.reshape(b, -1))
@@ -390,6 +405,20 @@ class StaticBatch:
             logits = head(h)
             return logits if out is None else out.copy_(logits)
         return torch.mm(h, head.weight.t(), out=out)
+
+    def _decode_where(self, b: int, n: int, pos: torch.Tensor) -> tuple[Any, int]:
+        """``(where the step's K/V go, positions it attends over)`` for a step of
+        ``b`` rows over ``n`` cache positions: row ``i`` is slot ``i``, at ``pos[i]``."""
+        return (torch.arange(b, device=self.device), pos), n
+
+    def _decode_kv(self, li: int, k: torch.Tensor, v: torch.Tensor, b: int, width: int,
+                   where: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the step's K/V of layer ``li`` and return the rows' keys and values
+        ``[b, width, kv_heads, head_dim]`` to attend over."""
+        rows, pos = where
+        self.k[li][rows, pos] = k
+        self.v[li][rows, pos] = v
+        return self.k[li][:b, :width], self.v[li][:b, :width]
 
     def shapes(self) -> list[tuple[int, int]]:
         """Every (slots, positions) pair a decode step can run, largest first."""
