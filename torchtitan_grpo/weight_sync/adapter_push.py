@@ -30,7 +30,6 @@ import asyncio
 import json
 import logging
 import os
-import shutil
 from typing import Callable
 
 import torch
@@ -38,7 +37,7 @@ import torch
 from torchtitan_grpo.protocol import sglang as sglang_proto
 from torchtitan_grpo.protocol import vllm as vllm_proto
 from torchtitan_grpo.reasons import reason
-from torchtitan_grpo.weight_sync import buckets as bk
+from torchtitan_grpo.weight_sync.disk_push import version_folder
 from torchtitan_grpo.weight_sync.push_config import PushConfig
 from torchtitan_grpo.weight_sync.sglang_push import tag_version
 from torchtitan_grpo.weight_sync.staging import Staged
@@ -49,8 +48,6 @@ __all__ = ["ADAPTER_PREFIX", "AdapterPush", "adapter_config", "adapter_name", "a
 logger = logging.getLogger(__name__)
 
 ADAPTER_PREFIX = "grpo-lora"
-KEEP_VERSIONS = 2
-"""Version folders kept on disk: the newest and the one a slow replica may still be loading."""
 
 
 def adapter_name(version: int) -> str:
@@ -162,34 +159,12 @@ class AdapterPush(Transport):
                 logger.warning("unloading adapter %s from %s failed: %s", name, r.url, reason(e))
 
     async def _on_disk(self, staged: Staged) -> str:
-        """Write ``staged`` once as a peft folder (the first sender to need it,
-        off the event loop) and return it; older folders are pruned."""
+        """Write ``staged`` once as a peft folder and return it (``disk_push.version_folder``)."""
         from safetensors.torch import save_file
 
-        async with self._lock:
-            v = staged.version
-            if v not in self._written:
-                path = os.path.join(self.cfg.disk_folder, f"v{v}")
+        def save(tensors: dict[str, torch.Tensor], tmp: str) -> None:
+            save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
+            with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
+                json.dump(self.cfg.adapter_config, f, indent=2)
 
-                def write():
-                    staged.await_written()
-                    for done in staged.ready or []:  # staging "host": the copies from the GPU
-                        done.synchronize()
-                    tensors = {}
-                    for bucket, buf in zip(staged.plan, staged.buffers):
-                        for spec, t in zip(bucket, bk.unpack(buf.cpu(), bucket)):
-                            tensors[spec.name] = t.clone()
-                    tmp = path + ".tmp"
-                    shutil.rmtree(tmp, ignore_errors=True)
-                    os.makedirs(tmp)
-                    save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
-                    with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
-                        json.dump(self.cfg.adapter_config, f, indent=2)
-                    shutil.rmtree(path, ignore_errors=True)
-                    os.replace(tmp, path)  # replicas never see a half-written version
-
-                await asyncio.get_running_loop().run_in_executor(None, write)
-                self._written[v] = path
-                for old in sorted(self._written)[:-KEEP_VERSIONS]:
-                    shutil.rmtree(self._written.pop(old), ignore_errors=True)
-            return self._written[v]
+        return await version_folder(self._lock, self._written, self.cfg.disk_folder, staged, save)

@@ -13,6 +13,9 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+from typing import Callable
+
+import torch
 
 from torchtitan_grpo.weight_sync import buckets as bk
 from torchtitan_grpo.weight_sync.control import Requests
@@ -61,30 +64,49 @@ class DiskPush(Transport):
             await self.post(r, "/end_weight_update", {}, self.cfg.deadline_s)
 
     async def _on_disk(self, staged: Staged) -> str:
-        """Write ``staged`` once (the first sender to need it does it, off the
-        event loop) and return its folder; older folders are pruned."""
+        """Write ``staged`` once as safetensors and return its folder (:func:`version_folder`)."""
         from safetensors.torch import save_file
 
-        async with self._lock:
-            v = staged.version
-            if v not in self._written:
-                path = os.path.join(self.cfg.disk_folder, f"v{v}")
+        def save(tensors: dict[str, torch.Tensor], tmp: str) -> None:
+            save_file(tensors, os.path.join(tmp, "model.safetensors"))
 
-                def write():
-                    staged.await_written()
-                    for done in staged.ready or []:  # staging "host": the copies from the GPU
-                        done.synchronize()
-                    tensors = {}
-                    for bucket, buf in zip(staged.plan, staged.buffers):
-                        for spec, t in zip(bucket, bk.unpack(buf.cpu(), bucket)):
-                            tensors[spec.name] = t.clone()
-                    tmp = path + ".tmp"
-                    os.makedirs(tmp, exist_ok=True)
-                    save_file(tensors, os.path.join(tmp, "model.safetensors"))
-                    os.replace(tmp, path)  # replicas never see a half-written version
+        return await version_folder(self._lock, self._written, self.cfg.disk_folder, staged, save)
 
-                await asyncio.get_running_loop().run_in_executor(None, write)
-                self._written[v] = path
-                for old in sorted(self._written)[:-KEEP_VERSIONS]:
-                    shutil.rmtree(self._written.pop(old), ignore_errors=True)
-            return self._written[v]
+
+def staged_tensors(staged: Staged) -> dict[str, torch.Tensor]:
+    """Host copies of a staged version's tensors by name, once it is written."""
+    staged.await_written()
+    for done in staged.ready or []:  # staging "host": the copies from the GPU
+        done.synchronize()
+    tensors = {}
+    for bucket, buf in zip(staged.plan, staged.buffers):
+        for spec, t in zip(bucket, bk.unpack(buf.cpu(), bucket)):
+            tensors[spec.name] = t.clone()
+    return tensors
+
+
+async def version_folder(lock: asyncio.Lock, written: dict[int, str], folder: str, staged: Staged,
+                         save: Callable[[dict[str, torch.Tensor], str], None]) -> str:
+    """``<folder>/v<version>`` of ``staged``, written once (the first sender to
+    need it does it, off the event loop, by ``save(tensors, tmp_folder)``) and
+    renamed into place, so replicas never see a half-written version; only the
+    newest ``KEEP_VERSIONS`` folders are kept (``written``: version -> folder)."""
+    async with lock:
+        v = staged.version
+        if v not in written:
+            path = os.path.join(folder, f"v{v}")
+
+            def write():
+                tensors = staged_tensors(staged)
+                tmp = path + ".tmp"
+                shutil.rmtree(tmp, ignore_errors=True)  # a crashed writer's leftovers
+                os.makedirs(tmp)
+                save(tensors, tmp)
+                shutil.rmtree(path, ignore_errors=True)
+                os.replace(tmp, path)
+
+            await asyncio.get_running_loop().run_in_executor(None, write)
+            written[v] = path
+            for old in sorted(written)[:-KEEP_VERSIONS]:
+                shutil.rmtree(written.pop(old), ignore_errors=True)
+        return written[v]
