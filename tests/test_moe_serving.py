@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import base64
 import os
-from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -22,6 +21,7 @@ import torch
 
 from torchtitan_grpo.inference import route_codec, sglang, vllm
 from torchtitan_grpo.inference.types import MalformedResponse, SamplingParams
+from tests.kv_stubs import Req as _Req, Seq as _Seq
 
 LAYERS, TOP_K, EXPERTS = 2, 2, 8
 PROMPT = [5, 9, 14, 3, 22, 7]
@@ -81,23 +81,6 @@ def same_routes(got: np.ndarray, want: np.ndarray) -> None:
 
 
 # ---- the static batch's grouped experts ------------------------------------ #
-
-
-@dataclass
-class _Req:
-    prompt_ids: list[int]
-
-
-@dataclass(eq=False)
-class _Seq:
-    req: _Req
-    index: int = 0
-    output_ids: list[int] = field(default_factory=list)
-    cached_tokens: int = 0
-    route_chunks: list | None = None
-
-    def context(self) -> list[int]:
-        return self.req.prompt_ids + self.output_ids
 
 
 def test_static_batch_moe_logits_and_routes_match_hf(hf):

@@ -9,7 +9,6 @@ engine must retract and resume sequences.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -18,27 +17,10 @@ from torchtitan_grpo.inference.kv_pool import NULL_BLOCK, BlockPool, bytes_per_t
 from torchtitan_grpo.inference.paged_batch import PagedBatch
 from torchtitan_grpo.inference.requests import RequestError, SamplingParams
 from torchtitan_grpo.inference.static_batch import StaticBatch
+from tests.kv_stubs import Req as _Req, Seq as _Seq
 
 CPU = torch.device("cpu")
 BS = 16
-
-
-@dataclass
-class _Req:
-    prompt_ids: list[int]
-
-
-@dataclass(eq=False)
-class _Seq:
-    req: _Req
-    index: int = 0
-    output_ids: list[int] = field(default_factory=list)
-    cached_tokens: int = 0
-    route_chunks: list | None = None
-    params: SamplingParams = field(default_factory=lambda: SamplingParams(max_new_tokens=48))
-
-    def context(self) -> list[int]:
-        return self.req.prompt_ids + self.output_ids
 
 
 @pytest.fixture(scope="module")

@@ -7,28 +7,11 @@ equal the HF forward of that row's whole context on its own.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
 import torch
 
 from torchtitan_grpo.inference.static_batch import StaticBatch, supports
-
-
-@dataclass
-class _Req:
-    prompt_ids: list[int]
-
-
-@dataclass(eq=False)
-class _Seq:
-    req: _Req
-    index: int = 0
-    output_ids: list[int] = field(default_factory=list)
-    cached_tokens: int = 0
-
-    def context(self) -> list[int]:
-        return self.req.prompt_ids + self.output_ids
+from tests.kv_stubs import Req as _Req, Seq as _Seq
 
 
 @pytest.fixture(scope="module")
