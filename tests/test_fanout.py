@@ -18,6 +18,7 @@ from torchtitan_grpo.inference.launcher import ServerSpec, start_servers, stop_p
 from torchtitan_grpo.weight_sync import group as group_mod
 from torchtitan_grpo.weight_sync.fanout import BroadcastFanout
 from torchtitan_grpo.weight_sync.pusher import Pusher, PushConfig
+from tests.test_pusher import _version, _wait
 
 pytestmark = pytest.mark.slow
 
@@ -37,21 +38,6 @@ def _served(url: str, name: str) -> torch.Tensor:
 
 def _serves_exactly(url: str, w: dict[str, torch.Tensor]) -> bool:
     return all(torch.equal(_served(url, n), t.reshape(_served(url, n).shape)) for n, t in w.items())
-
-
-def _version(url: str) -> str:
-    return requests.get(url + "/model_info", timeout=10).json()["weight_version"]
-
-
-def _wait(pred, timeout: float, what: str):
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
