@@ -43,6 +43,7 @@ from torchtitan_grpo.inference.pool import InferencePool
 from torchtitan_grpo.inference.types import SamplingParams
 from torchtitan_grpo.rollout.groups import GroupScorer, ScoredGroup, batch_metrics
 from torchtitan_grpo.rollout.ledger import PromptLedger
+from torchtitan_grpo.rollout.prompt_budget import check_budgets, group_budget
 from torchtitan_grpo.rollout.sample import Sample
 
 logger = logging.getLogger("torchtitan_grpo")
@@ -195,7 +196,8 @@ class RolloutProducer:
             # repeat (prompt k of step s before pipelining: the same seeds as then).
             step, k = divmod(index, self.prompts_per_step)
             params = SamplingParams(**{**self.sampling.__dict__,
-                                       "seed": (self.seed * 1_000_003 + (step + 1) * 9973 + k) % (2**31)})
+                                       "seed": (self.seed * 1_000_003 + (step + 1) * 9973 + k) % (2**31),
+                                       "max_new_tokens": group_budget(row, self.sampling.max_new_tokens)})
             completions = await self.pool.generate(ids, self.scorer.group_size, params)
             group = await asyncio.to_thread(self.scorer.score, index, row, ids, completions)
         except asyncio.CancelledError:
@@ -290,8 +292,9 @@ def build_producer(spec: ProducerSpec, loop: LoopThread, pool: InferencePool, to
     if spec.task == "digits":
         prompts = tasks.DigitsPrompts(spec.prompts_per_step, spec.seed)
     else:
-        prompts = tasks.PromptIterator(tasks.load_prompts(spec.dataset_path, spec.prompt_key),
-                                       spec.prompts_per_step, spec.seed)
+        rows = tasks.load_prompts(spec.dataset_path, spec.prompt_key)
+        check_budgets(rows, f"rollout.dataset_path {spec.dataset_path!r}")  # per-row max_new_tokens
+        prompts = tasks.PromptIterator(rows, spec.prompts_per_step, spec.seed)
     ledger = PromptLedger(prompts)
     if spec.resume_prompts is not None:
         ledger.load_state_dict(spec.resume_prompts)

@@ -1,0 +1,101 @@
+"""Per-prompt generation budgets: a dataset row's ``max_new_tokens``, capped
+by ``rollout.max_new_tokens`` (rollout/prompt_budget.py, the producer)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from torchtitan_grpo.aio import LoopThread
+from torchtitan_grpo.inference.types import Completion, SamplingParams
+from torchtitan_grpo.rollout.groups import GroupScorer
+from torchtitan_grpo.rollout.ledger import PromptLedger
+from torchtitan_grpo.rollout.offpolicy import select_samples
+from torchtitan_grpo.rollout.prompt_budget import check_budgets, group_budget
+from torchtitan_grpo.rollout.producer import ProducerSpec, RolloutProducer, build_producer
+from torchtitan_grpo.rollout.tasks import PromptIterator
+
+CAP = 6  # rollout.max_new_tokens
+NATURAL = 4  # the stand-in engine's completions end (EOS) after this many tokens
+
+
+class CharTokenizer:
+    chat_template = None
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+class BudgetPool:
+    """Answers like an engine: up to ``NATURAL`` tokens, cut at the request's
+    ``max_new_tokens`` with finish reason "length"; records each prompt's budget."""
+
+    def __init__(self):
+        self.budgets: dict[str, int] = {}
+
+    async def generate(self, ids, n, params: SamplingParams):
+        self.budgets["".join(chr(i) for i in ids)] = params.max_new_tokens
+        k = min(NATURAL, params.max_new_tokens)
+        reason = "length" if params.max_new_tokens <= NATURAL else "stop"
+        return [Completion([97 + j] * k, [-0.5] * k, reason, "0", ["0"]) for j in range(n)]
+
+    def metrics(self):
+        return {}
+
+
+def test_a_row_budget_is_capped_by_the_config_and_defaults_to_it():
+    assert group_budget({"prompt": "x", "max_new_tokens": 3}, CAP) == 3
+    assert group_budget({"prompt": "x", "max_new_tokens": 50}, CAP) == CAP
+    assert group_budget({"prompt": "x"}, CAP) == CAP
+    assert group_budget({"prompt": "x", "max_new_tokens": None}, CAP) == CAP  # a column missing from this row
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "16", True])
+def test_a_bad_budget_fails_naming_the_field_and_the_row(bad):
+    rows = [{"prompt": "a", "max_new_tokens": 4}, {"prompt": "b"}, {"prompt": "c", "max_new_tokens": bad}]
+    with pytest.raises(ValueError, match=r"^data\.jsonl: row 2: field 'max_new_tokens' must be a positive integer"):
+        check_budgets(rows, "data.jsonl")
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        group_budget(rows[2], CAP)
+    check_budgets(rows[:2], "data.jsonl")  # good rows pass
+
+
+def test_build_producer_checks_the_dataset_at_start(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in
+                            [{"prompt": "a", "max_new_tokens": 8}, {"prompt": "b", "max_new_tokens": -1}]))
+    spec = ProducerSpec(hf_dir="", task="jsonl", dataset_path=str(path), prompt_key="prompt", reward_fn="",
+                        prompts_per_step=1, group_size=2, seed=0, depth=0, sampling=SamplingParams(max_new_tokens=CAP),
+                        scale_rewards=True, filter_constant_groups=False, reward_timeout_s=5.0, use_chat_template=False)
+    with pytest.raises(ValueError, match=r"rollout\.dataset_path .*prompts\.jsonl.*row 1: field 'max_new_tokens'"):
+        build_producer(spec, None, None, tokenizer=CharTokenizer())
+
+
+def test_each_group_generates_at_its_own_budget_and_a_cut_counts_as_truncated():
+    """Rows with budgets 2 (cut), 5 (ends first), 9 (capped at 6) and none
+    (6): the engine is asked for each; only the cut group is truncated, and
+    ``grpo.mask_truncated`` drops exactly its samples."""
+    rows = [{"prompt": "p2", "max_new_tokens": 2}, {"prompt": "p5", "max_new_tokens": 5},
+            {"prompt": "p9", "max_new_tokens": 9}, {"prompt": "pn"}]
+    check_budgets(rows, "rows")
+    pool, loop = BudgetPool(), LoopThread()
+    scorer = GroupScorer(CharTokenizer(), lambda p, c, r: float(c.startswith("a")), group_size=2)
+    prod = RolloutProducer(loop, pool, PromptLedger(PromptIterator(rows, 4, seed=0)), scorer, prompts_per_step=4,
+                           depth=0, sampling=SamplingParams(max_new_tokens=CAP))
+    try:
+        prod.start(0)
+        batch = prod.next_batch()
+    finally:
+        prod.close()
+        loop.close()
+    assert pool.budgets == {"p2": 2, "p5": 5, "p9": CAP, "pn": CAP}
+    lengths = {"".join(map(chr, s.prompt_ids)): (len(s.completion_ids), s.finish_reason) for s in batch.samples}
+    assert lengths == {"p2": (2, "length"), "p5": (NATURAL, "stop"), "p9": (NATURAL, "stop"), "pn": (NATURAL, "stop")}
+    assert batch.metrics["rollout/truncated_frac"] == pytest.approx(2 / 8)
+    kept, m = select_samples(batch.samples, 0, max_staleness=1, mask_truncated=True)
+    assert m["offpolicy/truncated_dropped"] == 2
+    assert sorted({"".join(map(chr, s.prompt_ids)) for s in kept}) == ["p5", "p9", "pn"]
