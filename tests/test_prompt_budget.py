@@ -96,6 +96,7 @@ def test_each_group_generates_at_its_own_budget_and_a_cut_counts_as_truncated():
     lengths = {"".join(map(chr, s.prompt_ids)): (len(s.completion_ids), s.finish_reason) for s in batch.samples}
     assert lengths == {"p2": (2, "length"), "p5": (NATURAL, "stop"), "p9": (NATURAL, "stop"), "pn": (NATURAL, "stop")}
     assert batch.metrics["rollout/truncated_frac"] == pytest.approx(2 / 8)
+    assert batch.metrics["rollout/completion_len_max"] == NATURAL
     kept, m = select_samples(batch.samples, 0, max_staleness=1, mask_truncated=True)
     assert m["offpolicy/truncated_dropped"] == 2
     assert sorted({"".join(map(chr, s.prompt_ids)) for s in kept}) == ["p5", "p9", "pn"]

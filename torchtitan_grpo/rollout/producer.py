@@ -244,6 +244,9 @@ class RolloutProducer:
             "time/generate_s": span,
             "rollout/tokens_per_s": tokens / span if span > 0 else 0.0,
             "rollout/group_latency_s": sum(g.finished - g.started for g in groups) / len(groups),
+            # the long tail's end (per-prompt budgets: lengths vary by orders of magnitude)
+            "rollout/completion_len_max": float(max((len(s.completion_ids) for g in groups for s in g.samples),
+                                                    default=0)),
             "rollout/buffered_groups": float(queued),
             "rollout/in_flight_groups": float(in_flight),
             "rollout/admitted_lag_max": float(max(self._version - g.admitted_version for g in groups)),
