@@ -30,6 +30,13 @@ adapters as parameters of the block it wraps, and a merge of DTensor shards
 is ours to define). A forty-line ``nn.Linear`` subclass keeps the base names,
 is a plain parameter holder for FSDP2, and is exported to peft's format
 separately (:mod:`torchtitan_grpo.lora_peft`).
+
+Several trainer ranks (FSDP2, HSDP, DDP) put the same adapters on the meta
+model before it is sharded and gather them for the merge:
+:mod:`torchtitan_grpo.lora_sharded`. ``[lora] base_dtype = "bfloat16"``
+stores the adapted projections' frozen weights in bf16 (the adapters stay
+float32): the forward computes with the weight cast to the input's dtype,
+and the merge is done in the adapters' dtype.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_grpo.lora_config import LORA_TARGETS
 
-__all__ = ["LoRALinear", "apply_lora", "adapted_modules", "has_lora", "merged_state", "merged_hf_state",
+__all__ = ["LoRALinear", "apply_lora", "adapted_modules", "has_lora", "merge", "merged_state", "merged_hf_state",
            "check_layout"]
 
 # the parent module of each target: attention.wq ... feed_forward.w3 (MoE experts are not nn.Linear)
@@ -85,24 +92,38 @@ class LoRALinear(nn.Linear):
         nn.init.zeros_(self.lora_B)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        base = F.linear(x, self.weight, self.bias)
+        w = self.weight
+        if w.dtype != x.dtype:  # a bf16 frozen base under float32 compute (lora.base_dtype)
+            w = w.to(x.dtype)
+        base = F.linear(x, w, self.bias)
         return base + self.scale * F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B)
 
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
         """``W + scale * B A`` as a new tensor (the live weight is untouched)."""
-        return torch.addmm(self.weight.detach(), self.lora_B.detach(), self.lora_A.detach(), alpha=self.scale)
+        return merge(self.weight, self.lora_A, self.lora_B, self.scale)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.rank}, alpha={self.alpha:g}"
 
 
-def check_layout(world_size: int, pipelined: bool) -> None:
-    """Refuse the layouts LoRA does not handle yet (one line naming lora.enable)."""
-    if pipelined or world_size > 1:
-        raise ValueError(f"lora.enable = true needs one trainer process (got {world_size} ranks"
-                         f"{', pipeline parallel' if pipelined else ''}): adapters under FSDP, DDP, TP and PP "
-                         "are not supported yet")
+def merge(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """``W + scale * B A`` in the adapters' dtype, as a new tensor (whole, unsharded tensors)."""
+    return torch.addmm(weight.detach().to(a.dtype), b.detach(), a.detach(), alpha=scale)
+
+
+# [parallelism] degrees LoRA does not handle; data parallelism (FSDP2, HSDP, DDP) is supported
+_REFUSED = ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree", "expert_parallel_degree")
+
+
+def check_layout(parallelism) -> None:
+    """Refuse the layouts LoRA does not handle (one line naming lora.enable and the key):
+    one process, FSDP2, HSDP and DDP are fine; TP, PP, CP and EP are not (docs/LORA.md)."""
+    for key in _REFUSED:
+        degree = getattr(parallelism, key, 1)
+        if degree != 1:
+            raise ValueError(f"lora.enable = true is not supported with parallelism.{key} = {degree}: LoRA runs on "
+                             "one process or data-parallel layouts only (FSDP2, HSDP, DDP; see docs/LORA.md)")
 
 
 def _targets(model: nn.Module, target_modules: list[str]) -> list[tuple[str, nn.Module, str, nn.Linear]]:
@@ -120,19 +141,28 @@ def _targets(model: nn.Module, target_modules: list[str]) -> list[tuple[str, nn.
 def apply_lora(model: nn.Module, cfg) -> list[str]:
     """Put adapters on ``cfg.target_modules`` of every layer of ``model`` (a
     whole, loaded model on one device), freeze everything else, and return the
-    adapted modules' names. Call before the optimizer is built."""
+    adapted modules' names. Call before the optimizer is built.
+
+    Also on a model on meta, before it is sharded (:mod:`torchtitan_grpo.lora_sharded`,
+    which then initialises the adapters itself once the tensors are allocated).
+    ``cfg.base_dtype`` (default float32) is the adapted weights' dtype."""
     unknown = [t for t in cfg.target_modules if t not in LORA_TARGETS]
     if unknown:
         raise ValueError(f"lora.target_modules: unknown {unknown} (the TorchTitan projections are {list(LORA_TARGETS)})")
     if any(isinstance(p, DTensor) for p in model.parameters()):
-        raise ValueError("lora.enable: the model is sharded (DTensor parameters); adapters need one trainer process")
+        raise ValueError("lora.enable: the model is already sharded (DTensor parameters): put the adapters on the "
+                         "meta model before fully_shard (torchtitan_grpo.lora_sharded)")
     targets = _targets(model, list(cfg.target_modules))
     if not targets:
         raise ValueError(f"lora.target_modules = {list(cfg.target_modules)}: no such nn.Linear in the model")
     for p in model.parameters():
         p.requires_grad_(False)
+    base_dtype = getattr(torch, getattr(cfg, "base_dtype", "float32"))
     for _, parent, attr, linear in targets:
-        setattr(parent, attr, LoRALinear(linear, cfg.rank, cfg.alpha, cfg.dropout))
+        adapted = LoRALinear(linear, cfg.rank, cfg.alpha, cfg.dropout)
+        if linear.weight.dtype != base_dtype:  # lora.base_dtype: the frozen weight only, A and B keep theirs
+            adapted.weight = nn.Parameter(linear.weight.detach().to(base_dtype), requires_grad=False)
+        setattr(parent, attr, adapted)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     logger.info("LoRA: %d adapters (rank %d, alpha %g) on %s; %d of %d parameters trained (%.2f%%)",
@@ -150,11 +180,15 @@ def has_lora(model: nn.Module) -> bool:
     return any(isinstance(m, LoRALinear) for m in model.modules())
 
 
-def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
+def merged_state(model: nn.Module, gather=None) -> dict[str, torch.Tensor]:
     """The model's state dict, TorchTitan-named, as the base model would have
     it: every adapted weight is ``W + scale * B A`` (a new tensor), the adapter
     keys are left out, everything else is the live tensor, detached (not
-    copied). Feed it to the state-dict adapter's ``to_hf`` for HF names."""
+    copied). Feed it to the state-dict adapter's ``to_hf`` for HF names.
+
+    ``gather`` turns a (sharded) parameter into its whole tensor before use
+    (:mod:`torchtitan_grpo.lora_sharded`; a collective there); None: the
+    parameters are whole already (one process)."""
     by_weight = {id(m.weight): m for m in model.modules() if isinstance(m, LoRALinear)}
     adapter_ids = {id(p) for m in by_weight.values() for p in (m.lora_A, m.lora_B)}
     merged: dict[int, torch.Tensor] = {}
@@ -164,10 +198,11 @@ def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
             continue
         m = by_weight.get(id(t))
         if m is None:
-            out[name] = t.detach()
+            out[name] = (t if gather is None else gather(t)).detach()
         else:
             if id(t) not in merged:
-                merged[id(t)] = m.merged_weight()
+                merged[id(t)] = (m.merged_weight() if gather is None else
+                                 merge(gather(t), gather(m.lora_A), gather(m.lora_B), m.scale))
             out[name] = merged[id(t)]
     return out
 

@@ -26,7 +26,7 @@ class LoRA:
     ``weight_sync.lora_push = "adapter"`` only the adapter, through the
     engines' LoRA routes (``weight_sync.adapter_push``). The HF export holds the merged model and,
     in ``lora_adapter/``, the adapter in the format peft loads. One trainer
-    process only (no FSDP, DDP, TP or PP yet)."""
+    process or data-parallel layouts (FSDP2, HSDP, DDP); not TP, PP, CP or EP."""
 
     enable: bool = False
     """Train adapters on a frozen base instead of the full weights."""
@@ -44,6 +44,12 @@ class LoRA:
     """Projections that get an adapter, by TorchTitan name: any of wq, wk, wv,
     wo (attention) and w1, w2, w3 (SwiGLU feed-forward), in every layer. A
     TOML list, or comma-separated on the command line (``--lora.target_modules wq,wv``)."""
+
+    base_dtype: str = "float32"
+    """dtype of the adapted projections' frozen weights: "float32" (the
+    trainer's master dtype) or "bfloat16" (half their memory; they are never
+    updated, so no master copy is needed). ``A`` and ``B``, their gradients
+    and optimizer state stay float32; merged pushes are computed in float32."""
 
 
 def validate_lora(cfg, check) -> None:
@@ -68,10 +74,14 @@ def validate_lora(cfg, check) -> None:
           f"{list(LORA_TARGETS)}", lo.target_modules)
     check(len(set(lo.target_modules)) == len(lo.target_modules), "lora.target_modules", "repeats a name",
           lo.target_modules)
+    base_dtype = getattr(lo, "base_dtype", "float32")
+    check(base_dtype in ("float32", "bfloat16"), "lora.base_dtype", 'must be "float32" or "bfloat16"', base_dtype)
     p = cfg.parallelism
-    check(p.tensor_parallel_degree == 1 and p.pipeline_parallel_degree == 1, "lora.enable",
-          "is not supported with parallelism.tensor_parallel_degree or pipeline_parallel_degree > 1 (one trainer "
-          "process only)", lo.enable)
+    for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree",
+                "expert_parallel_degree"):
+        degree = getattr(p, key, 1)
+        check(degree == 1, "lora.enable", f"is not supported with parallelism.{key} = {degree} (one process, FSDP2, "
+              "HSDP or DDP only; docs/LORA.md)", lo.enable)
     check(not cfg.checkpoint.last_save_in_hf, "checkpoint.last_save_in_hf",
           "cannot be used with lora.enable (TorchTitan's HF save would write the unmerged base): use "
           "checkpoint.hf_export, which writes the merged model and the peft adapter", cfg.checkpoint.last_save_in_hf)

@@ -57,12 +57,16 @@ def _hf_module_and_rows(adapter, fqn: str, m: LoRALinear) -> tuple[str, torch.Te
 
 
 def peft_adapter_tensors(model: torch.nn.Module, adapter) -> dict[str, torch.Tensor]:
-    """The peft-named adapter tensors of ``model`` (detached CPU copies)."""
+    """The peft-named adapter tensors of ``model`` (detached CPU copies).
+    Sharded adapters (FSDP2) must have been gathered on this rank since their
+    last update (:func:`torchtitan_grpo.lora_sharded.gather_adapters`)."""
+    from torchtitan_grpo.lora_sharded import whole_adapter
+
     out: dict[str, torch.Tensor] = {}
     for fqn, m in adapted_modules(model).items():
         module, order = _hf_module_and_rows(adapter, fqn, m)
-        a = m.lora_A.detach().cpu()
-        b = m.lora_B.detach().cpu()
+        a, b = whole_adapter(m)
+        a, b = a.cpu(), b.cpu()
         if order is not None:
             b = b[order]
         out[f"{_PREFIX}{module}.lora_A.weight"] = a.contiguous()

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_grpo import _titan  # noqa: F401
-from torchtitan_grpo import lora
+from torchtitan_grpo import lora, lora_sharded
 from torchtitan_grpo import loss as grpo_losses
 from torchtitan_grpo import model as hf_model
 from torchtitan_grpo import context_parallel, moe_step, packing
@@ -127,7 +127,8 @@ def build_policy(job_config, hf_dir: str, d: Dist) -> Policy:
     pipelined = job_config.parallelism.pipeline_parallel_degree > 1
     lora_cfg = getattr(job_config, "lora", None)
     if lora_cfg is not None and lora_cfg.enable:
-        lora.check_layout(d.world_size, pipelined)
+        lora.check_layout(job_config.parallelism)
+    sharded_lora = lora_cfg is not None and lora_cfg.enable and d.world_size > 1  # see lora_sharded
     if pipelined:  # PP settings fail here, before any weight is loaded
         parallel_dims = parallel.build_parallel_dims(job_config, d.world_size, d.device)
         pipeline_parallel.stage_module_names(job_config, model_args.n_layers)
@@ -155,10 +156,15 @@ def build_policy(job_config, hf_dir: str, d: Dist) -> Policy:
     else:
         # shard on meta, then allocate: a rank's memory holds its shards only
         model = hf_model.build_model(name, model_args, "meta", dtype)
+        if sharded_lora:  # adapters on meta: fully_shard must see them in the blocks it wraps
+            lora_sharded.inject(model, lora_cfg)
         model, parallel_dims = parallel.parallelize(model, job_config, d.world_size, d.device)
         parallel.materialize(model, d.device)
-        hf_model.load_hf_weights(model, adapter, hf_dir)
-    if lora_cfg is not None and lora_cfg.enable:
+        if sharded_lora:
+            lora_sharded.load_and_init(model, adapter, hf_dir, job_config.grpo.seed)
+        else:
+            hf_model.load_hf_weights(model, adapter, hf_dir)
+    if lora_cfg is not None and lora_cfg.enable and not sharded_lora:
         # on the loaded base, before the optimizer: it takes only the adapters (the base is frozen)
         lora.apply_lora(model, lora_cfg)
     moe_step.prepare(model, job_config)
@@ -180,6 +186,8 @@ def hf_weights(policy: Policy) -> dict[str, torch.Tensor]:
     """Full HF-named tensors of the current weights (a collective under FSDP/TP:
     every rank must call it). With LoRA: the merged weights (base + scaled B A)."""
     if lora.has_lora(policy.model):
+        if lora_sharded.is_sharded(policy.model):
+            return lora_sharded.merged_hf_state(policy.model, policy.adapter)
         return lora.merged_hf_state(policy.model, policy.adapter)
     return hf_model.hf_state_dict(policy.model, policy.adapter)
 
