@@ -17,10 +17,9 @@ config dict, ``build_model``, ``parallel.parallelize`` for the
 GPU), minus the checkpoint: nothing but a config.json is written.
 
 ``--ac full`` wraps each block with TorchTitan's ``apply_ac``, as TorchTitan's
-qwen3 ``parallelize_fn`` does. Note: ``build_policy`` reaches that function
-only through ``parallel.parallelize``, which leaves a one-process model as it
-is; so today's one-GPU trainer runs ``--ac none`` whatever
-``activation_checkpoint.mode`` says.
+qwen3 ``parallelize_fn`` does; ``parallel.parallelize`` applies it to a
+one-process model too (since 2026-11-27), so it is applied there, once.
+``bench/long_step_dist.py`` is the same step on several GPUs (FSDP2, CP).
 
 Per row: tokens per sample, the path (``full``: ``logprob_chunk_tokens = 0``;
 ``chunk N``), the step's median wall time over ``--reps`` steps after one
@@ -91,8 +90,9 @@ def hf_config(args: argparse.Namespace) -> dict:
     return {**(TINY if args.tiny else QWEN3_4B), "num_hidden_layers": args.layers}
 
 
-def job_config(args: argparse.Namespace, model_dir: str):
-    """The trainer's validated JobConfig (the model dir holds only config.json)."""
+def job_config(args: argparse.Namespace, model_dir: str, extra: tuple[str, ...] = ()):
+    """The trainer's validated JobConfig (the model dir holds only config.json);
+    ``extra``: more ``--section.key value`` flags (e.g. ``[parallelism]``)."""
     from torchtitan_grpo.config import parse_config
 
     argv = ["--model.name", "qwen3", "--model.hf_assets_path", model_dir,
@@ -101,7 +101,7 @@ def job_config(args: argparse.Namespace, model_dir: str):
             # lr 0: both paths see the same weights every step (AdamW still runs its update)
             "--optimizer.lr", "0", "--optimizer.weight_decay", "0.0", "--lr_scheduler.warmup_steps", "1",
             "--activation_checkpoint.mode", args.ac, "--grpo.micro_batch_size", "1",
-            "--job.dump_folder", model_dir]
+            "--job.dump_folder", model_dir, *extra]
     if args.device == "cpu":
         argv += ["--optimizer.implementation", "for-loop"]
     return parse_config(argv)
@@ -111,7 +111,6 @@ def build_policy(cfg, config: dict, device: torch.device):
     """``trainer.build_policy``'s one-device policy, random weights instead of a checkpoint."""
     from torchtitan.components.lr_scheduler import build_lr_schedulers
     from torchtitan.components.optimizer import build_optimizers
-    from torchtitan.distributed.activation_checkpoint import apply_ac
 
     from torchtitan_grpo import model as hf_model
     from torchtitan_grpo import parallel
@@ -119,9 +118,7 @@ def build_policy(cfg, config: dict, device: torch.device):
 
     args = hf_model.model_args_from_hf("qwen3", config, max_seq_len=cfg.training.seq_len)
     model = hf_model.build_model("qwen3", args, device, torch.float32)
-    model, dims = parallel.parallelize(model, cfg, 1, device)  # one process: the model as is, and its ParallelDims
-    if cfg.activation_checkpoint.mode != "none":
-        apply_ac(model, cfg.activation_checkpoint, base_folder=cfg.job.dump_folder)
+    model, dims = parallel.parallelize(model, cfg, 1, device)  # one process: [activation_checkpoint] only
     model.train()
     optimizers = build_optimizers([model], cfg.optimizer, dims)
     schedulers = build_lr_schedulers(optimizers, cfg.lr_scheduler, cfg.training.steps)
@@ -157,12 +154,16 @@ def _free(policy, device: torch.device, collect: bool = False) -> None:
         torch.cuda.empty_cache()
 
 
-def run_row(policy, batch: list[Sample], cfg, chunk: int, args, device: torch.device) -> dict:
-    """One warm-up step and ``args.reps`` timed ``train_step`` calls; OOM -> ``{"oom": True}``."""
+def run_row(policy, batch: list[Sample], cfg, chunk: int, args, device: torch.device, d=None,
+            local: list[Sample] | None = None) -> dict:
+    """One warm-up step and ``args.reps`` timed ``train_step`` calls; OOM -> ``{"oom": True}``.
+    ``batch``: the whole step's samples; ``local``: this rank's share of them
+    (default: all), ``d``: this rank's ``trainer.Dist`` (default: one process)."""
     from torchtitan_grpo.trainer import Dist, train_step
 
     cfg.grpo.logprob_chunk_tokens = chunk
-    d = Dist(0, 1, 0, device)
+    d = d or Dist(0, 1, 0, device)
+    local = batch if local is None else local
     n_tok = sum(len(s.completion_ids) for s in batch)
     max_new = max(len(s.completion_ids) for s in batch)
     _free(policy, device)
@@ -173,7 +174,7 @@ def run_row(policy, batch: list[Sample], cfg, chunk: int, args, device: torch.de
         for _ in range(1 + args.reps):
             _sync(device)
             t0 = time.perf_counter()
-            metrics = train_step(policy, batch, cfg.grpo, args.temperature, max_new, len(batch), n_tok, 0, d)
+            metrics = train_step(policy, local, cfg.grpo, args.temperature, max_new, len(batch), n_tok, 0, d)
             _sync(device)
             times.append(time.perf_counter() - t0)
     except torch.OutOfMemoryError:
@@ -183,11 +184,12 @@ def run_row(policy, batch: list[Sample], cfg, chunk: int, args, device: torch.de
             raise
         oom = True
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    reserved = torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None
     _free(policy, device, collect=oom)
     if oom:
-        return {"oom": True, "peak": peak}
-    return {"oom": False, "ms": 1e3 * statistics.median(times[1:]), "peak": peak,
-            "loss": metrics["loss"], "entropy": metrics["entropy"]}
+        return {"oom": True, "peak": peak, "reserved": reserved}
+    return {"oom": False, "ms": 1e3 * statistics.median(times[1:]), "peak": peak, "reserved": reserved,
+            "loss": metrics["loss"], "entropy": metrics["entropy"], "grad_norm": metrics["grad_norm"]}
 
 
 def fmt_row(tokens: int, path: str, r: dict, base: dict | None) -> str:
