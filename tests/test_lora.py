@@ -235,6 +235,7 @@ def test_export_loads_in_transformers_and_peft(dirs, name, tmp_path):
     ({"target_modules": ["wq", "wq"]}, "lora.target_modules"),
     ({"tp": 2}, "lora.enable"),
     ({"pp": 2}, "lora.enable"),
+    ({"base_dtype": "float16"}, "lora.base_dtype"),
     ({"last_save_in_hf": True}, "checkpoint.last_save_in_hf"),
 ])
 def test_config_errors_name_the_key(change, key):
@@ -256,8 +257,9 @@ def test_cli_and_layout_refusal(tiny_model_dir):
     cfg = parse_config(["--job.config_file", DEMO, "--model.hf_assets_path", tiny_model_dir,
                         "--lora.enable", "--lora.target_modules", "wq,w2"])  # TorchTitan's list form
     assert cfg.lora.enable and cfg.lora.target_modules == ["wq", "w2"] and cfg.lora.rank == 16
-    with pytest.raises(ValueError, match="lora.enable"):
-        lora.check_layout(2, pipelined=False)
+    with pytest.raises(ValueError, match="lora.enable .* parallelism.tensor_parallel_degree = 2"):
+        lora.check_layout(SimpleNamespace(data_parallel_shard_degree=2, tensor_parallel_degree=2))
+    lora.check_layout(SimpleNamespace(data_parallel_shard_degree=2, data_parallel_replicate_degree=2))  # HSDP: fine
     model, _ = _titan("qwen3", tiny_model_dir)
     assert lora.apply_lora(model, _cfg(target_modules=["w2"])) == ["layers.0.feed_forward.w2",
                                                                    "layers.1.feed_forward.w2"]

@@ -13,7 +13,7 @@ adapters only. A DCP checkpoint of the FSDP2 policy restores its adapters and
 their optimizer state into a fresh one, and the peft export of the sharded
 adapters equals the reference's. ``lora.base_dtype = "bfloat16"`` stores the
 adapted weights in bf16 (adapters float32) and still trains, under FSDP2's
-float32 compute and under its bf16 mixed precision.
+float32 compute and under its bf16 mixed precision (one step each).
 """
 
 from __future__ import annotations
@@ -126,6 +126,7 @@ def _worker(model_dir: str, out_dir: str) -> dict:
     cfg1 = _cfg(model_dir)
     ref = trainer.build_policy(cfg1, model_dir, one)
     lora_sharded.init_adapters(ref.model, SEED)
+    ref_base = _base(ref)
     ref_out = _train(ref, cfg1, one, 0, 1)
     ref_hf = trainer.hf_weights(ref)
     ref_peft = peft_adapter_tensors(ref.model, ref.adapter)
@@ -141,7 +142,7 @@ def _worker(model_dir: str, out_dir: str) -> dict:
         {id(p) for p in trained} == {id(p) for m in adapters.values() for p in (m.lora_A, m.lora_B)})
     res["sharded"] = all(type(m.lora_A).__name__ == "DTensor" for m in adapters.values())
     base0 = _base(pol)
-    res["start_equals_reference_start"] = _maxdiff(base0, _base(trainer.build_policy(cfg1, model_dir, one)))
+    res["start_equals_reference_start"] = _maxdiff(base0, ref_base)
     dp_rank, dp_degree = data_parallel_rank_and_degree(pol.parallel_dims)
     got = _train(pol, cfg, d, dp_rank, dp_degree)
     res["losses"] = (ref_out["losses"], got["losses"])
@@ -192,7 +193,7 @@ def _worker(model_dir: str, out_dir: str) -> dict:
         mods = lora.adapted_modules(bf.model).values()
         res[f"bf16_{mp}_dtypes"] = sorted({(str(m.weight.dtype), str(m.lora_A.dtype), str(m.lora_B.dtype))
                                            for m in mods})
-        out = _train(bf, cfg_bf, d, dp_rank, dp_degree)
+        out = _train(bf, cfg_bf, d, dp_rank, dp_degree, steps=1)
         res[f"bf16_{mp}_losses"] = out["losses"]
         res[f"bf16_{mp}_b_moved"] = min(float(v.abs().max()) for k, v in out["adapters"].items()
                                         if k.endswith("lora_B"))
@@ -262,8 +263,8 @@ def test_bf16_base_trains_under_fsdp2(results, mp):
     for r in results:
         assert r[f"bf16_{mp}_dtypes"] == [("torch.bfloat16", "torch.float32", "torch.float32")]
         losses = r[f"bf16_{mp}_losses"]
-        assert all(math.isfinite(x) for x in losses) and losses[0] != losses[1]
-        assert r[f"bf16_{mp}_b_moved"] > 1e-4
+        assert all(math.isfinite(x) for x in losses)
+        assert r[f"bf16_{mp}_b_moved"] > 1e-4  # one step trained every B off zero
         assert r[f"bf16_{mp}_hf_dtype"] == ["torch.float32"]  # merged in the adapters' dtype
 
 
