@@ -40,7 +40,7 @@ rc=0
 for layout in fsdp fsdp_cp; do
   left_s=$(left)
   limit=$(( left_s < LAYOUT_S ? left_s : LAYOUT_S ))
-  if (( limit <= 0 )); then echo "skipped: no time left in BUDGET=$BUDGET" > "$OUT/long_dist-$layout.log"; rc=1; continue; fi
+  if (( limit <= 0 )); then echo "$layout skipped: no time left in BUDGET=$BUDGET" | tee "$OUT/long_dist-$layout.log"; rc=1; continue; fi
   t=$SECONDS
   timeout -k 10 "$limit" torchrun --standalone --nproc_per_node=2 bench/long_step_dist.py --layout "$layout" \
     "${ARGS[@]}" --samples-per-rank "$SAMPLES" --ac full --ckpt "$WORK/ckpt" > "$OUT/long_dist-$layout.log" 2>&1
