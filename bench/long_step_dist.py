@@ -27,14 +27,15 @@ samples per step (the whole job's), the step's wall time (median of
 whole job (samples x T / step), MFU and the peak memory per GPU (the largest
 ``torch.cuda.max_memory_allocated`` over the ranks, reset before the row; it
 includes the float32 weights, gradients and AdamW state shards), and the
-reserved peak beside it. A row that runs out of memory on every rank says
-``OOM`` and the next layout goes on (longer samples of the same layout are
-skipped: they need more); an OOM on one rank alone leaves the other in a
-collective, and only a timeout (the device script's) ends that.
+reserved peak beside it. A row that runs out of memory says ``OOM`` and
+the next layout goes on (longer samples of the same layout are skipped: they
+need more). The ranks' shares are the same size, so they run out together;
+an OOM on one rank alone leaves the other in a collective, and only a
+timeout (the device script's) ends that.
 
 MFU = model FLOPs / (step s x GPUs x peak dense bf16 FLOP/s), with
 
-    model FLOPs = 6 x N x tokens  +  6 x L x T^2 x H x d x samples
+    model FLOPs = 6 x N x samples x T  +  6 x L x T^2 x H x d x samples
 
 ``N``: the model's distinct parameters (tied: the embedding counted once,
 as the output projection's matmul; the embedding lookup costs none).
