@@ -106,7 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--tokens must exceed --prompt-len ({a.prompt_len}): a sample is a prompt plus a completion")
     if a.samples_per_rank < 1:
         p.error("--samples-per-rank must be >= 1: a rank without a sample measures nothing")
-    a.ckpt = a.ckpt or str(Path(tempfile.gettempdir()) / f"long_step_dist-{'tiny' if a.tiny else 'qwen3_4b'}-{a.layers}l")
+    shape = f"{'tiny' if a.tiny else 'qwen3_4b'}-{a.layers}l"
+    a.ckpt = a.ckpt or str(Path(tempfile.gettempdir()) / f"long_step_dist-{shape}")
     return a
 
 
