@@ -14,6 +14,9 @@ their optimizer state into a fresh one, and the peft export of the sharded
 adapters equals the reference's. ``lora.base_dtype = "bfloat16"`` stores the
 adapted weights in bf16 (adapters float32) and still trains, under FSDP2's
 float32 compute and under its bf16 mixed precision (one step each).
+
+With two GPUs the same launch runs over NCCL, one GPU per rank
+(scripts/device_lora_sharded.sh), at the GPU parity tests' 1e-5.
 """
 
 from __future__ import annotations
@@ -32,7 +35,12 @@ import torch  # noqa: E402
 import torchtitan_grpo  # noqa: E402,F401  (before torchtitan)
 
 DEMO = os.path.join(ROOT, "train_configs", "demo_cpu.toml")
-TOL = 1e-6
+WORLD = 2
+ON_GPUS = torch.cuda.device_count() >= WORLD  # one GPU per rank over NCCL, else CPU over gloo
+# fp32 on CPU: 3e-7 seen; GPUs: cuBLAS picks kernels by batch shape (test_parallel_parity's 1e-5)
+TOL = 1e-5 if ON_GPUS else 1e-6
+torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 on GPUs too
+torch.backends.cudnn.allow_tf32 = False
 SEED = 7  # grpo.seed: the adapters' A
 
 
@@ -118,11 +126,12 @@ def _worker(model_dir: str, out_dir: str) -> dict:
     from torchtitan_grpo.lora_peft import peft_adapter_tensors
     from torchtitan_grpo.parallel import data_parallel_rank_and_degree
 
-    rank, device = dist.get_rank(), torch.device("cpu")
+    rank = dist.get_rank()
+    device = torch.device("cuda", rank) if ON_GPUS else torch.device("cpu")
     res: dict = {}
 
     # the one-process reference (A reseeded as the sharded build draws it)
-    one = trainer.Dist(rank, 1, 0, device)
+    one = trainer.Dist(rank, 1, rank, device)
     cfg1 = _cfg(model_dir)
     ref = trainer.build_policy(cfg1, model_dir, one)
     lora_sharded.init_adapters(ref.model, SEED)
@@ -132,7 +141,7 @@ def _worker(model_dir: str, out_dir: str) -> dict:
     ref_peft = peft_adapter_tensors(ref.model, ref.adapter)
 
     # FSDP2 over the two ranks
-    d = trainer.Dist(rank, 2, 0, device)
+    d = trainer.Dist(rank, WORLD, rank, device)
     cfg = _cfg(model_dir, "--parallelism.data_parallel_shard_degree", "2",
                "--job.dump_folder", out_dir, "--checkpoint.enable", "--checkpoint.interval", "1")
     pol = trainer.build_policy(cfg, model_dir, d)
@@ -207,7 +216,9 @@ def _main(model_dir: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    if ON_GPUS:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if ON_GPUS else "gloo", timeout=timedelta(seconds=120))
     try:
         res = _worker(model_dir, os.path.join(out_dir, "dump"))
         every = [None] * dist.get_world_size()
@@ -227,7 +238,7 @@ def results(tiny_model_dir, tmp_path_factory) -> list[dict]:
     from tests.test_parallel_parity import run_torchrun
 
     out = str(tmp_path_factory.mktemp("lora_sharded"))
-    run_torchrun(2, [os.path.abspath(__file__), tiny_model_dir, out], timeout=300)  # a hang guard only
+    run_torchrun(WORLD, [os.path.abspath(__file__), tiny_model_dir, out], timeout=300)  # a hang guard only
     return torch.load(os.path.join(out, "results.pt"), weights_only=False)
 
 
