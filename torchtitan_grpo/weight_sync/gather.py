@@ -534,8 +534,11 @@ def trainer_push(model_parts: list[nn.Module], adapter, parallel_dims, device: t
                           adapter_only=getattr(weight_sync, "lora_push", "merged") == "adapter")
     from torchtitan_grpo.lora import has_lora
 
-    if any(has_lora(part) for part in model_parts):  # build_policy refuses it first; the gather does not merge
-        raise ValueError("lora.enable: the weight push from several trainer ranks is not supported yet")
+    if any(has_lora(part) for part in model_parts):  # every rank gathers and merges, rank 0 pushes
+        from torchtitan_grpo.lora_sharded import ShardedLoraPush
+
+        return ShardedLoraPush(model_parts, adapter, pusher, sync,
+                               adapter_only=getattr(weight_sync, "lora_push", "merged") == "adapter")
     deliver = None if pusher is None else pusher.push
     return ShardGatherer(model_parts, adapter, parallel_dims, device, deliver, push_dtype(weight_sync),
                          weight_sync.num_staging_buffers, sync)
