@@ -1,6 +1,6 @@
 """A whole pipelined GRPO run on long, long-tailed samples, on 4 GPUs.
 
-    python bench/long_pipeline.py                  # Qwen3-4B shape: trainer FSDP2 on cuda:0-1, servers on cuda:2, cuda:3
+    python bench/long_pipeline.py                  # Qwen3-4B shape: trainer on cuda:0-1, servers on cuda:2, 3
     python bench/long_pipeline.py --max-new 16384  # the tail up to 16k tokens
     python bench/long_pipeline.py --cpu --tiny     # the smoke test: tiny Qwen3, 2 gloo ranks, 2 CPU servers
 
@@ -44,7 +44,6 @@ import string
 import subprocess
 import sys
 import time
-import zlib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -54,11 +53,16 @@ QWEN3_4B = {"hidden_size": 2560, "num_hidden_layers": 36, "num_attention_heads":
             "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0, "max_position_embeddings": 40960}
 
 
+_COIN = random.Random(0)
+
+
 def reward(prompt: str, completion: str, row: dict) -> float:
-    """``rollout.reward_fn`` of the run: a stable coin flip per completion, so
-    groups are not constant and every step trains (the figures are about
-    time, not learning)."""
-    return float(zlib.crc32(completion.encode()) & 1)
+    """``rollout.reward_fn`` of the run: a coin flip per completion, so groups
+    are not constant and every step trains (the figures are about time, not
+    learning). Not a function of the text: the character tokenizer decodes
+    almost none of a 151,936-entry vocabulary, so most completions read as
+    the same few characters."""
+    return float(_COIN.random() < 0.5)
 
 
 # --------------------------------------------------------------------- assets
@@ -84,6 +88,8 @@ def write_model(out_dir: str, layers: int, device: str, seed: int = 0) -> str:
     model.save_pretrained(tmp, safe_serialization=True)
     write_tokenizer(tmp)
     del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # cuda:0 is trainer rank 0's: only this process's context stays on it
     os.rename(tmp, out_dir)
     return out_dir
 
@@ -146,7 +152,8 @@ def train_config(args: argparse.Namespace, model_dir: str, data: str, run_dir: s
                       "max_model_len": max_len, "max_batch_size": args.max_batch_size,
                       # a group of the tail decodes for minutes: no retry for being long
                       "request_timeout_s": args.run_timeout_s, "startup_timeout_s": 600.0},
-        "weight_sync": {"mode": "async", "transport": "nccl" if gpu else "gloo", "dtype": "bfloat16" if gpu else "float32"},
+        "weight_sync": {"mode": "async", "transport": "nccl" if gpu else "gloo",
+                        "dtype": "bfloat16" if gpu else "float32"},
     }
     path = os.path.join(run_dir, "long_pipeline.toml")
     with open(path, "w") as f:
@@ -174,7 +181,7 @@ def run(args: argparse.Namespace, config: str, run_dir: str) -> tuple[int, float
         except subprocess.TimeoutExpired:
             print(f"# run stopped after --run-timeout-s {args.run_timeout_s:.0f} s", flush=True)
             rc = 124
-            for sig, grace in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
                 try:
                     os.killpg(proc.pid, sig)
                     proc.wait(timeout=grace)
@@ -241,7 +248,8 @@ def print_table(rows: list[dict], warmup: int) -> None:
     print(f"\nsummary over steps {after[0]['step']}-{after[-1]['step']} ({len(after)} steps, first {warmup} left out): "
           f"step {step / len(after):.1f} s, trainer busy {sum(m.get('time/train_s', 0.0) for m in after) / step:.0%} "
           f"(train {train:.1f} s, wait {wait:.1f} s per step), fleet {tokens / step:.0f} generated tok/s, "
-          f"completion mean {mean('rollout/completion_len'):.0f} / max {max(m.get('rollout/completion_len_max', 0) for m in after):.0f} tokens, "
+          f"completion mean {mean('rollout/completion_len'):.0f} / max "
+          f"{max(m.get('rollout/completion_len_max', 0) for m in after):.0f} tokens, "
           f"staleness mean {mean('offpolicy/staleness_mean'):.2f} / max "
           f"{max(m.get('offpolicy/staleness_max', 0) for m in after):.0f} versions, admitted lag max "
           f"{max(m.get('rollout/admitted_lag_max', 0) for m in after):.0f}, stale samples dropped "
@@ -282,8 +290,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--alpha", type=float, default=0.8, help="Pareto shape of the budgets (smaller: heavier tail)")
     ap.add_argument("--prompt-len", type=int, default=None, help="prompt characters = tokens (default 128; --tiny 12)")
     ap.add_argument("--rows", type=int, default=512, help="dataset rows")
-    ap.add_argument("--micro-batch-tokens", type=int, default=16384, help="grpo.micro_batch_tokens (at least max_model_len)")
-    ap.add_argument("--logprob-chunk-tokens", type=int, default=None, help="grpo.logprob_chunk_tokens (default 2048; --tiny 32)")
+    ap.add_argument("--micro-batch-tokens", type=int, default=16384,
+                    help="grpo.micro_batch_tokens (at least max_model_len)")
+    ap.add_argument("--logprob-chunk-tokens", type=int, default=None,
+                    help="grpo.logprob_chunk_tokens (default 2048; --tiny 32)")
     ap.add_argument("--max-staleness", type=int, default=4, help="grpo.max_staleness")
     ap.add_argument("--max-batch-size", type=int, default=None, help="inference.max_batch_size (default 64; --tiny 8)")
     ap.add_argument("--server-devices", default=None, help="default cuda:2,cuda:3 (--cpu: cpu,cpu)")
@@ -291,6 +301,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--run-timeout-s", type=float, default=1800.0,
                     help="the run is stopped after this (its logged steps are still tabled)")
+    ap.add_argument("--budget-s", type=float, default=0.0,
+                    help="the whole bench's wall limit (assets included): the run is stopped 30 s before it; 0: none")
     ap.add_argument("--out", default=os.path.join(ROOT, "outputs", "bench_long_pipeline"))
     ap.add_argument("extra", nargs="*", help="more grpo_train.py overrides, after --")
     a = ap.parse_args(argv)
@@ -325,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         shape = "tiny Qwen3 (2 layers, hidden 64)"
     else:
         device = "cpu" if args.cpu else "cuda:0"
-        model_dir = write_model(os.path.join(args.out, f"qwen3-4b-shape-{args.layers}l"), args.layers, device, args.seed)
+        model_dir = write_model(os.path.join(args.out, f"qwen3-4b-shape-{args.layers}l"), args.layers, device,
+                                args.seed)
         shape = f"Qwen3-4B shape ({args.layers} layers, random weights)"
     data = os.path.join(args.out, "prompts.jsonl")
     drawn = write_dataset(data, args)
@@ -336,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.min_new}..{args.max_new}: mean {statistics.fmean(drawn):.0f}, median {q[4]:.0f}, p90 {q[8]:.0f}, "
           f"at the cap {sum(b == args.max_new for b in drawn) / len(drawn):.0%}; servers on {args.server_devices} "
           f"(paged KV), trainer FSDP2 over 2 ranks, config {config}", flush=True)
+    if args.budget_s > 0:
+        args.run_timeout_s = min(args.run_timeout_s, max(args.budget_s - (time.perf_counter() - t0) - 30.0, 30.0))
     rc, wall = run(args, config, run_dir)
     rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     print(f"# run: exit {rc} after {wall:.0f} s, {len(rows)} of {args.steps} steps logged", flush=True)
