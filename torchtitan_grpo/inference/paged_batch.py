@@ -10,13 +10,15 @@ capture and replay; it subclasses it) and changes where keys and values live:
   kv_heads, head_dim]`` sized by a memory budget (``kv_pool.py``). A row owns
   a list of blocks (its block table, one row of the device tensor
   ``_table``) and takes one more when its next position starts a block.
-- **Decode over gathered blocks.** A step runs rows ``[0, B)`` (rows are kept
+- **Decode over the rows' blocks.** A step runs rows ``[0, B)`` (rows are kept
   dense: no slots, a leaving row's table row is overwritten) over ``nb``
-  blocks each: the table indexes the pool into ``[B, nb * block_size,
-  kv_heads, head_dim]`` and SDPA reads that with a per-row length mask. Each
-  ``(B, nb)`` pair has fixed shapes, captured once as a CUDA graph. Padding
-  rows and table entries past a row's blocks point at the null block, so
-  their writes land in no live sequence.
+  blocks each. On a GPU with triton, ``paged_attention.py``'s kernel reads
+  the blocks through the table where they lie; elsewhere (CPU, no triton)
+  the table indexes the pool into a copy ``[B, nb * block_size, kv_heads,
+  head_dim]`` that SDPA reads with a per-row length mask. Each ``(B, nb)``
+  pair has fixed shapes, captured once as a CUDA graph. Padding rows and
+  table entries past a row's blocks point at the null block, so their
+  writes land in no live sequence.
 - **Admission and retraction** are decided here and carried out by the
   engine: :meth:`admissible` says how many queued sequences fit the free
   blocks now, :meth:`rows_to_retract` how many of the newest rows must give
@@ -33,7 +35,7 @@ from typing import Any, Sequence
 
 import torch
 
-from torchtitan_grpo.inference import kv_pool, moe_routes
+from torchtitan_grpo.inference import kv_pool, moe_routes, paged_attention
 from torchtitan_grpo.inference.kv_pool import BLOCK_SIZE, BlockPool, blocks_for
 from torchtitan_grpo.inference.static_batch import _BATCH_BUCKETS, StaticBatch, _bucket
 from torchtitan_grpo.inference.to_device import upload
@@ -71,6 +73,8 @@ class PagedBatch(StaticBatch):
         self.max_blocks = blocks_for(max_len, block_size)
         self.max_prefill_tokens = max_prefill_tokens
         self.headroom_tokens = HEADROOM_TOKENS
+        self.kernel = paged_attention.available(device)
+        """Decode attention by ``paged_attention.py``'s kernel (else gather + SDPA)."""
         super().__init__(model, device, slots, max_len, graphs=graphs, routes=routes)
         self._table = torch.zeros((slots, self.max_blocks), dtype=torch.long, device=device)
         self._blocks: list[list[int]] = []  # per row: its block ids, in position order
@@ -240,20 +244,40 @@ class PagedBatch(StaticBatch):
 
     def _decode_where(self, b: int, nb: int, pos: torch.Tensor) -> tuple[Any, int]:
         """A step over the rows' first ``nb`` blocks: each row's flat pool index
-        for its new position (its block, its offset) and its block table."""
+        for its new position (its block, its offset), its block table and the position."""
         bs = self.block_size
         table = self._table[:b, :nb]
         slot = table.gather(1, torch.div(pos, bs, rounding_mode="floor")[:, None])[:, 0] * bs + pos % bs
-        return (slot, table), nb * bs
+        return (slot, table, pos), nb * bs
 
     def _decode_kv(self, li: int, k: torch.Tensor, v: torch.Tensor, b: int, width: int,
                    where: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the new position into its block; the rows' blocks gathered in table order."""
-        slot, table = where
+        slot, table, _ = where
         n_kv, hd = self.n_kv, self.head_dim
         self.k[li].view(-1, n_kv, hd)[slot] = k
         self.v[li].view(-1, n_kv, hd)[slot] = v
         return self.k[li][table].view(b, width, n_kv, hd), self.v[li][table].view(b, width, n_kv, hd)
+
+    def _attend(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: int, width: int,
+                where: Any, mask: torch.Tensor) -> torch.Tensor:
+        if not self.kernel:
+            return super()._attend(li, q, k, v, b, width, where, mask)
+        slot, table, pos = where
+        self.k[li].view(-1, self.n_kv, self.head_dim)[slot] = k
+        self.v[li].view(-1, self.n_kv, self.head_dim)[slot] = v
+        return paged_attention.paged_decode(q, self.k[li], self.v[li], table, pos, self.scaling, width)
+
+    def _capture(self, b: int, nb: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        if self.kernel:
+            # Compile (JIT) the kernel variant of this shape outside the
+            # capture: the warm-up step runs once per row count, not per nb.
+            q = torch.zeros((b, self.n_heads + self.n_kv, self.head_dim), dtype=self.k[0].dtype,
+                            device=self.device)[:, : self.n_heads]
+            table = self._table[:b, :nb]
+            paged_attention.paged_decode(q, self.k[0], self.v[0], table, torch.zeros_like(self._pos[:b]),
+                                         self.scaling, nb * self.block_size)
+        return super()._capture(b, nb)
 
     def shapes(self) -> list[tuple[int, int]]:
         """Every (rows, blocks) pair a decode step can run, largest first (no
@@ -287,9 +311,10 @@ def make_paged(model: Any, cfg: Any, device: torch.device) -> PagedBatch:
     if budget is None:
         num_blocks = cfg.max_batch_size * blocks_for(cfg.max_model_len or min(own, 2048), bs) + 1
     else:
-        if cfg.kv_cache_memory_gb <= 0:
+        if cfg.kv_cache_memory_gb <= 0 and not paged_attention.available(device):
             # Sized by a fraction: keep a decode step's gathered K and V (one
-            # layer, every row at the longest length) out of the pool.
+            # layer, every row at the longest length) out of the pool (the
+            # kernel gathers nothing).
             layers = int(model.config.num_hidden_layers)
             budget -= cfg.max_batch_size * (cfg.max_model_len or own) * token_bytes // layers
         num_blocks = kv_pool.pool_blocks(budget, token_bytes, bs)

@@ -387,14 +387,7 @@ class StaticBatch:
         self._sink = [] if self._route_buf is not None else None
         for li, layer in enumerate(self._layers):
             q, k, v = self._attn_qkv(li, _norm(layer.input_layernorm, h), cos, sin)
-            keys, values = self._decode_kv(li, k, v, b, width, where)
-            # GQA without copying K/V per query head: the heads of one KV head
-            # are its query rows (HF's repeat_kv order: head h reads kv h // group).
-            o = F.scaled_dot_product_attention(
-                q.view(b, self.n_kv, self.n_heads // self.n_kv, self.head_dim),
-                keys.transpose(1, 2), values.transpose(1, 2),
-                attn_mask=mask, scale=self.scaling,
-            )
+            o = self._attend(li, q, k, v, b, width, where, mask)
             h = self._mlp(li, h, o.reshape(b, -1))
         if self._sink is not None:  # inside the graph: a copy into the fixed buffer
             self._route_buf[:b].copy_(torch.stack(self._sink, dim=1))
@@ -405,6 +398,20 @@ class StaticBatch:
             logits = head(h)
             return logits if out is None else out.copy_(logits)
         return torch.mm(h, head.weight.t(), out=out)
+
+    def _attend(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: int, width: int,
+                where: Any, mask: torch.Tensor) -> torch.Tensor:
+        """A decode step's attention in layer ``li``: store the new ``k``, ``v``
+        (:meth:`_decode_kv`) and attend ``q`` ``[b, heads, head_dim]`` over ``width``
+        positions (``mask``: each row's). ``paged_batch.py`` overrides it with its kernel."""
+        keys, values = self._decode_kv(li, k, v, b, width, where)
+        # GQA without copying K/V per query head: the heads of one KV head
+        # are its query rows (HF's repeat_kv order: head h reads kv h // group).
+        return F.scaled_dot_product_attention(
+            q.view(b, self.n_kv, self.n_heads // self.n_kv, self.head_dim),
+            keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=mask, scale=self.scaling,
+        )
 
     def _decode_where(self, b: int, n: int, pos: torch.Tensor) -> tuple[Any, int]:
         """``(where the step's K/V go, positions it attends over)`` for a step of
