@@ -74,7 +74,9 @@ def _replica_main(flavor: str, device: str) -> None:
 
 def start_replicas(flavor: str, devices: list[str]) -> list[tuple[subprocess.Popen, str]]:
     out = []
-    env = dict(os.environ, PYTHONPATH=str(HERE.parent), OMP_NUM_THREADS="1")
+    # the repo first, then whatever the caller had (the device scripts' wheels)
+    path = os.pathsep.join(p for p in (str(HERE.parent), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
     for d in devices:
         p = subprocess.Popen([sys.executable, __file__, "--replica", d, "--sets", flavor],
                              stdout=subprocess.PIPE, env=env, text=True)

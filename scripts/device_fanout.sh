@@ -13,11 +13,13 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-$PWD/outputs/device_fanout}
 mkdir -p "$OUT"
+BUDGET=${BUDGET:-560}
+source scripts/device_env.sh
 nvidia-smi --query-gpu=index,name,memory.total --format=csv > "$OUT/gpus.txt" 2>&1
 nvidia-smi topo -m >> "$OUT/gpus.txt" 2>&1
 rc=0
 for shape in 4B 8B; do
-  timeout 280 python3 bench/fanout.py --sets "$shape" --replicas 1,2,3 --reps 3 --bucket-mb 1024 \
+  timeout "${SHAPE_S:-200}" python3 bench/fanout.py --sets "$shape" --replicas 1,2,3 --reps "${REPS:-3}" --bucket-mb 1024 \
     > "$OUT/fanout_$shape.log" 2>&1 || rc=1
   grep -E "^fan-out|^\|" "$OUT/fanout_$shape.log" || tail -20 "$OUT/fanout_$shape.log"
 done

@@ -32,7 +32,7 @@ pair_b() {
     rm -rf /tmp/pairB_moe
     timeout -k 5 "$left" torchrun --standalone --nproc_per_node=2 grpo_train.py \
       --job.config_file train_configs/demo_moe_cpu.toml --job.dump_folder /tmp/pairB_moe \
-      --model.hf_assets_path /tmp/pairB_moe_model --training.steps "${MOE_STEPS:-60}" \
+      --training.steps "${MOE_STEPS:-60}" \
       --parallelism.expert_parallel_degree 2 --inference.server_devices cuda:1 \
       > "$OUT/B/moe_ep.log" 2>&1 || rc=1
     cp /tmp/pairB_moe/metrics.jsonl "$OUT/B/moe_ep_metrics.jsonl" 2>/dev/null

@@ -58,6 +58,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import math
 import sys
 import warnings
 from collections.abc import Iterator
@@ -73,7 +74,7 @@ from torchtitan_grpo.pipeline_config import check_config
 logger = logging.getLogger(__name__)
 
 __all__ = ["apply_layout", "build_parallel_dims", "data_parallel_group", "data_parallel_rank_and_degree",
-           "pad_to_multiple", "parallelize", "register_cpu_sdpa_sharding", "seq_len_multiple"]
+           "pad_to_multiple", "parallelize", "register_cpu_sdpa_sharding", "rope_len", "seq_len_multiple"]
 
 
 # ------------------------------------------------------------------ meshes
@@ -153,10 +154,31 @@ def seq_len_multiple(parallel_dims) -> int:
     """Token sequences fed to the model must have a length divisible by this.
 
     Sequence parallelism splits it over TP ranks, CP into ``2 * cp`` chunks (head-tail).
+    On a GPU each CP chunk is also a multiple of 32 positions: the ring attention
+    merges the memory-efficient kernel's log-sum-exp, which that kernel pads
+    to 32 positions, with its own, and shorter chunks fail to broadcast
+    (torch 2.11, a 2-GPU run of tests/test_context_parallel.py with 16-position chunks).
     """
     if parallel_dims is None or parallel_dims.world_size == 1:
         return 1
-    return parallel_dims.seq_len_divisor if parallel_dims.cp_enabled else parallel_dims.tp
+    if not parallel_dims.cp_enabled:
+        return parallel_dims.tp
+    divisor = parallel_dims.seq_len_divisor
+    if torch.cuda.is_available():
+        divisor = math.lcm(divisor, 2 * parallel_dims.cp * 32)
+    return divisor
+
+
+def rope_len(job_config) -> int:
+    """Positions the model's RoPE cache covers: ``training.seq_len``, rounded
+    up to what :func:`seq_len_multiple` pads a context-parallel micro-batch
+    to on a GPU, so a padded row never indexes past the cache."""
+    p = job_config.parallelism
+    seq_len, cp = job_config.training.seq_len, p.context_parallel_degree
+    if cp > 1 and torch.cuda.is_available():
+        step = math.lcm(2 * cp * max(1, p.tensor_parallel_degree), 2 * cp * 32)
+        return -(-seq_len // step) * step
+    return seq_len
 
 
 def pad_to_multiple(

@@ -122,7 +122,7 @@ def build_policy(job_config, hf_dir: str, d: Dist) -> Policy:
     name = job_config.model.name
     packing.check_layout(job_config)
     hf_config = hf_model.load_hf_config(hf_dir)
-    model_args = hf_model.model_args_from_hf(name, hf_config, max_seq_len=job_config.training.seq_len)
+    model_args = hf_model.model_args_from_hf(name, hf_config, max_seq_len=parallel.rope_len(job_config))
     moe_step.configure(job_config, model_args, d.device)
     pipelined = job_config.parallelism.pipeline_parallel_degree > 1
     lora_cfg = getattr(job_config, "lora", None)

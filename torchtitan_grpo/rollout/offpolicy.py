@@ -277,7 +277,7 @@ def build_reference(job_config, hf_dir: str, d) -> nn.Module:
 
     name = job_config.model.name
     hf_config = hf_model.load_hf_config(hf_dir)
-    args = hf_model.model_args_from_hf(name, hf_config, max_seq_len=job_config.training.seq_len)
+    args = hf_model.model_args_from_hf(name, hf_config, max_seq_len=parallel.rope_len(job_config))
     ref = hf_model.build_model(name, args, "meta", torch.float32)  # sharded before it is allocated
     ref.requires_grad_(False)
     if d.world_size > 1 and not _data_parallel_only_replicated(job_config, d.world_size):
