@@ -163,9 +163,10 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch
     HF's GQA order); ``k``, ``v`` one layer's pool ``[blocks, block_size,
     n_kv, head_dim]``; ``table`` ``[rows, nb]`` the rows' block ids (any integer
     dtype, row stride free); ``pos`` ``[rows]`` each row's new position, already
-    in the cache (the row attends over positions ``0..pos``, ``pos < width``); ``width`` the positions the
-    step may reach (``nb x block_size`` unless given), which fixes the grid.
-    Returns ``[rows, n_heads, head_dim]`` in ``q``'s dtype."""
+    in the cache (the row attends over positions ``0..pos``, ``pos < width``);
+    ``width`` the positions the step may reach (``nb x block_size`` unless
+    given), which alone with ``rows`` fixes the grid. Returns ``[rows, n_heads,
+    head_dim]`` in ``q``'s dtype."""
     rows, n_heads, hd = q.shape
     _, bs, n_kv, _ = k.shape
     if n_heads % n_kv or k.shape != v.shape or k.stride() != v.stride():
@@ -173,6 +174,16 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch
     if q.stride(-1) != 1 or k.stride(-1) != 1 or table.stride(-1) != 1:
         raise ValueError("paged_decode: q, k/v and table need a contiguous last dim")
     width = table.shape[1] * bs if width is None else width
+    if q.is_cuda:  # triton launches on the current device: a batch on cuda:1 while cuda:0 is current
+        with torch.cuda.device(q.device):
+            return _launch(q, k, v, table, pos, scale, width)
+    return _launch(q, k, v, table, pos, scale, width)
+
+
+def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, pos: torch.Tensor,
+            scale: float, width: int) -> torch.Tensor:
+    rows, n_heads, hd = q.shape
+    _, bs, n_kv, _ = k.shape
     group = n_heads // n_kv
     n_split, split_len = splits(rows, n_kv, width, _sm_count(q.device))
     out = torch.empty((rows, n_heads, hd), dtype=q.dtype, device=q.device)

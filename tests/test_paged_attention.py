@@ -1,0 +1,164 @@
+"""The paged decode-attention kernel (issue 38): the same output as a plain
+torch reference over the block table, and a paged batch running it gives the
+static batch's logits.
+
+The kernel runs on CUDA with triton. On a CPU with triton installed,
+``TRITON_INTERPRET=1`` runs it in triton's interpreter (slow, small shapes;
+triton 3.5's interpreter needs numpy < 2.4):
+
+  TRITON_INTERPRET=1 python -m pytest -q tests/test_paged_attention.py
+
+Elsewhere (CI: no GPU, no triton) only the grid arithmetic runs; the batches'
+gather + SDPA path is tests/test_paged_batch.py's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchtitan_grpo.inference import paged_attention
+from torchtitan_grpo.inference.paged_attention import MIN_SPLIT, paged_decode, splits
+from tests.kv_stubs import Req as _Req, Seq as _Seq
+
+DEVICE = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+needs_kernel = pytest.mark.skipif(
+    not paged_attention.available(DEVICE),
+    reason="needs CUDA with triton, or triton and TRITON_INTERPRET=1 on a CPU")
+
+
+def _reference(q, k, v, table, pos, scale) -> torch.Tensor:
+    """fp32 attention of each row over positions 0..pos, read block by block through ``table``."""
+    rows, n_heads, _ = q.shape
+    bs, n_kv = k.shape[1], k.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for r in range(rows):
+        p = torch.arange(int(pos[r]) + 1)
+        blk = table[r].cpu()[p // bs]
+        keys = k.cpu()[blk, p % bs].float().repeat_interleave(n_heads // n_kv, 1)  # [len, heads, hd]
+        values = v.cpu()[blk, p % bs].float().repeat_interleave(n_heads // n_kv, 1)
+        w = (torch.einsum("hd,lhd->hl", q[r].cpu().float(), keys) * scale).softmax(-1)
+        out[r] = torch.einsum("hl,lhd->hd", w, values)
+    return out
+
+
+def _case(rows: int, n_kv: int, group: int, hd: int, nb: int, bs: int, dtype: torch.dtype, seed: int):
+    """A random pool, a block table with a wider row stride than the step's
+    ``nb`` and scattered block ids, q a view with a wider row stride (as the
+    fused projection's output), ragged positions: 0 (one position), exact
+    block multiples - 1 and + 0, the widest, and random."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = rows * nb + 1
+    k = torch.randn((blocks, bs, n_kv, hd), generator=g).to(dtype)
+    v = torch.randn((blocks, bs, n_kv, hd), generator=g).to(dtype)
+    table = torch.randperm(blocks - 1, generator=g)[: rows * nb].add(1).view(rows, nb)
+    table = torch.cat([table, torch.zeros((rows, 3), dtype=torch.long)], 1)[:, :nb]
+    width = nb * bs
+    pos = torch.randint(0, width, (rows,), generator=g)
+    edges = [p for p in (0, bs - 1, bs, 2 * bs - 1, width - 1) if p < width][:rows]
+    pos[: len(edges)] = torch.tensor(edges)
+    qkv = torch.randn((rows, n_kv * (group + 2), hd), generator=g).to(dtype)
+    q = qkv[:, : n_kv * group]
+    return [t.to(DEVICE) for t in (q, k, v, table, pos)]
+
+
+CASES = {  # rows, kv heads, group, head_dim, blocks per row, block size
+    "gqa4-one-row-many-splits": (1, 2, 4, 32, 48, 16),
+    "gqa4-rows-one-split": (5, 2, 4, 16, 4, 16),
+    "mha-rows-splits": (20, 3, 1, 16, 33, 16),
+    "gqa4-qwen3-head-dim": (8, 2, 4, 128, 34, 16),
+    "static-cache-view": (6, 2, 2, 16, 1, 96),  # a slot cache [slots, max_len, ...]: one block of max_len per row
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_kernel_equals_reference(case, dtype):
+    rows, n_kv, group, hd, nb, bs = CASES[case]
+    q, k, v, table, pos = _case(rows, n_kv, group, hd, nb, bs, dtype, seed=len(case))
+    out = paged_decode(q, k, v, table, pos, scale=hd**-0.5)
+    assert out.shape == q.shape and out.dtype == dtype
+    want = _reference(q, k, v, table, pos, hd**-0.5)
+    # bf16: the probabilities meet V in bf16 (as flash attention does) and the output is rounded to bf16.
+    tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float().cpu(), want, **tol)
+
+
+@needs_kernel
+def test_kernel_reads_nothing_past_a_rows_position():
+    """Garbage (NaN) in every position after a row's ``pos``, in its own
+    blocks and in the table's unused entries' block: the output is finite and unchanged."""
+    q, k, v, table, pos = _case(4, 2, 4, 16, 40, 16, torch.float32, seed=1)
+    want = paged_decode(q, k, v, table, pos, scale=0.25)
+    k, v = k.clone(), v.clone()
+    for r in range(4):
+        p = torch.arange(int(pos[r]) + 1, table.shape[1] * 16, device=DEVICE)
+        k[table[r][p // 16], p % 16] = float("nan")
+        v[table[r][p // 16], p % 16] = float("nan")
+    torch.testing.assert_close(paged_decode(q, k, v, table, pos, scale=0.25), want, atol=0, rtol=0)
+
+
+def test_splits_fill_the_gpu_and_cover_the_context():
+    """The grid: several programs per SM at 64 rows x 8 KV heads of a 16k
+    context, no split shorter than MIN_SPLIT, one split for short contexts,
+    and the splits cover every position exactly once."""
+    n, per = splits(64, 8, 16384, 132)
+    assert n * 64 * 8 >= 4 * 132 and per >= MIN_SPLIT
+    assert splits(64, 8, 256, 132)[0] == 1
+    n1, per1 = splits(1, 8, 16384, 132)
+    assert n1 > n and per1 >= MIN_SPLIT
+    for rows, width in ((1, 16384), (64, 16384), (3, 1040), (64, 64), (1, 528)):
+        n, per = splits(rows, 8, width, 132)
+        assert per % paged_attention.BLOCK_N == 0 and (n - 1) * per < width <= n * per
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval().requires_grad_(False).to(
+        DEVICE)
+
+
+@needs_kernel
+def test_paged_batch_with_the_kernel_equals_static(model):
+    """Batch level, fp32: the paged batch decoding through the kernel (with
+    its CUDA graphs on a GPU) gives the static batch's logits, over contexts
+    long enough for several splits and across block boundaries, a row leaving
+    and one joining."""
+    from torchtitan_grpo.inference.paged_batch import PagedBatch
+    from torchtitan_grpo.inference.static_batch import StaticBatch
+
+    g = torch.Generator().manual_seed(0)
+    rand = lambda n: torch.randint(3, 128, (n,), generator=g).tolist()  # noqa: E731
+    shared = _Req(rand(530))
+    first = [_Seq(shared, 0), _Seq(shared, 1), _Seq(_Req(rand(16))), _Seq(_Req(rand(2)), output_ids=rand(47))]
+    late = rand(17)
+    runs = {}
+    for name, batch in (("static", StaticBatch(model, DEVICE, slots=6, max_len=640)),
+                        ("paged", PagedBatch(model, DEVICE, slots=6, max_len=640, num_blocks=6 * 40 + 1))):
+        assert name == "static" or batch.kernel
+        seqs = [_Seq(s.req, s.index, list(s.output_ids)) for s in first]
+        out = []
+        with torch.no_grad():
+            logits = batch.prefill(seqs)
+            for step in range(20):
+                out.append(logits)
+                nxt = logits.argmax(-1)
+                for s, t in zip(batch.rows, nxt.tolist()):
+                    s.output_ids.append(t)
+                if step == 5:
+                    batch.keep([0, 2, 3])
+                    nxt = nxt[[0, 2, 3]]
+                logits = batch.decode(nxt)
+                if step == 9:
+                    out.append(batch.prefill([_Seq(_Req(late))]))
+                    logits = torch.cat([logits, out[-1]])
+        if batch.graphs:
+            assert batch._graphs, "no decode graph was captured"
+        runs[name] = out
+    # The 530-token context decodes in steps of 576 positions: several splits.
+    assert splits(4, batch.n_kv, 576, paged_attention._sm_count(DEVICE))[0] > 1
+    for s, p in zip(runs["static"], runs["paged"]):
+        torch.testing.assert_close(p, s, atol=1e-4, rtol=1e-4)
