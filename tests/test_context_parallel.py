@@ -163,9 +163,11 @@ def check(ref: dict, got: dict) -> list[str]:
     bad = []
     if not (abs(ref["metrics"]["loss"]) > 1e-3 and ref["metrics"]["grad_norm"] > 1e-3):
         bad.append("the reference step does not move")
-    # each CP rank's forward saw half of each padded micro-batch (so the ring ran, not a copy)
+    # each CP rank's forward saw half of each padded micro-batch (so the ring ran, not a copy);
+    # on a GPU the chunks are padded to 32 positions (parallel.seq_len_multiple)
+    multiple = 2 * CP * (32 if torch.cuda.is_available() else 1)
     if len(got["seen"]) != len(ref["seen"]) or any(
-            g * CP != r + (-r % (2 * CP)) for g, r in zip(got["seen"], ref["seen"])):
+            g * CP != r + (-r % multiple) for g, r in zip(got["seen"], ref["seen"])):
         bad.append(f"local lengths {got['seen']} for {ref['seen']}")
     for key in ("loss", "grad_norm", "entropy", "clip_fraction", "trainer_vs_rollout_logprob_max_abs_diff"):
         want, have = ref["metrics"][key], got["metrics"][key]
@@ -173,7 +175,10 @@ def check(ref: dict, got: dict) -> list[str]:
             bad.append(f"{key} {have} vs {want}")
     for key in ("grads", "params"):
         diff = _max_diff(ref[key], got[key])
-        if not diff <= TOL:
+        # AdamW's first update is lr * g / (|g| + eps): where a gradient is near eps (1e-8)
+        # the kernels' rounding (the ring's memory-efficient attention vs one process's
+        # SDPA on a GPU) is amplified in the weights: 1.3e-6 on 2 x H200, grads within TOL
+        if not diff <= (5 * TOL if key == "params" and torch.cuda.is_available() else TOL):
             bad.append(f"{key} max diff {diff:.3g}")
     return bad
 
