@@ -1,8 +1,8 @@
 """Decode attention over a block table, as a Triton kernel (issue 38).
 
-The paged batch's first decode step gathered every row's blocks into a
-contiguous copy per layer and ran SDPA on it: the KV bytes were read, written
-and read again, 10-12% of the HBM roofline. This kernel reads each row's
+The paged batch's decode step used to gather every row's blocks into a
+contiguous copy per layer and run SDPA on it: the KV bytes were read, written
+and read again (10-12% of the HBM roofline on an H200). This kernel reads each row's
 blocks where they lie, once, flash-decoding style:
 
 - **One program per (row, KV head, split).** A program loads the row's query
@@ -15,19 +15,19 @@ blocks where they lie, once, flash-decoding style:
   is cut into splits so that there are several programs per SM. A second
   kernel merges the splits' partial results (their max, sum and unnormalised
   output). One split writes the output directly.
-- **Graph-safe.** Lengths are read from device memory and the grid depends
-  only on (rows, positions of the step), the shape of the step's CUDA graph;
-  no host sync.
+- **Graph-safe.** Positions are read from device memory and the grid depends
+  only on (rows, positions the step spans), the shape of the step's CUDA
+  graph; no host sync.
 
 :func:`available` says whether it runs on a device (CUDA with triton, or a
 CPU under ``TRITON_INTERPRET=1`` for tests); elsewhere the batches keep their
-gather + SDPA path.
+gather + SDPA path, as they do with ``TORCHTITAN_GRPO_PAGED_KERNEL=0`` in the
+environment (an A/B switch for benchmarks and a way around a broken triton).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 
 import torch
@@ -48,7 +48,7 @@ PROGRAMS_PER_SM = 8
 
 def available(device: torch.device) -> bool:
     """Whether :func:`paged_decode` runs for tensors on ``device``."""
-    if importlib.util.find_spec("triton") is None or triton is None:
+    if triton is None or os.environ.get("TORCHTITAN_GRPO_PAGED_KERNEL") == "0":
         return False
     if device.type == "cuda":
         return True
@@ -90,7 +90,9 @@ if triton is not None:
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, HD_PAD)
         gmask = g < GROUP
-        dmask = d < HD
+        # A mask along d only where head_dim is padded: a mask the compiler
+        # cannot prove constant along d keeps it from vector loads.
+        dmask = d < HD if HD != HD_PAD else tl.full([HD_PAD], 1, tl.int1)
         heads = kvh * GROUP + g
         q = tl.load(q_ptr + row * s_qb + heads[:, None] * s_qh + d[None, :],
                     mask=gmask[:, None] & dmask[None, :], other=0.0)
@@ -103,7 +105,7 @@ if triton is not None:
             valid = n < end
             blk = tl.load(table_ptr + row * s_tb + n // BS, mask=valid, other=0)
             off = blk.to(tl.int64) * s_kb + (n % BS) * s_kp + kvh * s_kh
-            kv_mask = valid[:, None] & dmask[None, :]
+            kv_mask = valid[:, None] & dmask[None, :] if HD != HD_PAD else valid[:, None]
             k = tl.load(k_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
             if F32_DOT:
                 s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")

@@ -291,8 +291,9 @@ class PagedBatch(StaticBatch):
     def prepare(self) -> None:
         """Log the pool's layout and capture every decode graph."""
         logger.info("paged KV cache: %d blocks of %d positions (%d positions, %.2f GiB), %d rows x %d positions "
-                    "at most, CUDA graphs %s", self.pool.capacity, self.block_size, self.capacity,
-                    self.nbytes / 2**30, self.slots, self.max_len, "on" if self.graphs else "off")
+                    "at most, CUDA graphs %s, decode attention by %s", self.pool.capacity, self.block_size,
+                    self.capacity, self.nbytes / 2**30, self.slots, self.max_len, "on" if self.graphs else "off",
+                    "the triton kernel" if self.kernel else "gather + SDPA")
         if self.graphs:
             secs = self.capture_all()
             logger.info("captured %d decode graphs in %.1f s", len(self._graphs), secs)
