@@ -54,6 +54,7 @@ import argparse
 import gc
 import json
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -92,6 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                 "(default: under the temp dir, per shape)")
     p.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak per GPU (default: by name)")
     p.add_argument("--timeout", type=float, default=600, help="process-group timeout, seconds")
+    p.add_argument("--config-flags", default="",
+                   help='more trainer flags for every layout, e.g. "--lora.enable --lora.rank 16" (rows tagged "+")')
     a = p.parse_args(argv)
     a.layouts = (a.layout or ",".join(LAYOUTS)).split(",")
     bad = [x for x in a.layouts if x not in LAYOUTS]
@@ -238,7 +241,10 @@ def run_layout(layout: str, args: argparse.Namespace, config: dict, d, peak: flo
     from torchtitan_grpo import parallel
     from torchtitan_grpo.trainer import build_policy
 
-    cfg = long_step.job_config(args, args.ckpt, layout_flags(layout, d.world_size, args.cp))
+    extra = shlex.split(args.config_flags)
+    cfg = long_step.job_config(args, args.ckpt, (*layout_flags(layout, d.world_size, args.cp), *extra))
+    if extra:  # the rows say what they ran (MFU still counts 6 N per token, as for full training)
+        layout = f"{layout} + {args.config_flags}"
     policy = build_policy(cfg, args.ckpt, d)
     n_params = sum(p.numel() for p in policy.model.parameters())  # distinct (tied: once), global (DTensor)
     dp_rank, dp_degree = parallel.data_parallel_rank_and_degree(policy.parallel_dims)
