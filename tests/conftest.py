@@ -48,3 +48,37 @@ def generating_server(tiny_model_dir, tmp_path_factory):
     proc, url = start_server(model, root / "server.log")
     yield url
     stop_server(proc, root / "server.log")
+
+
+@pytest.fixture(scope="session")
+def multirank_launched(tmp_path_factory, worker_id):
+    """tests/multirank.py's launches, run once per test *run*: under xdist
+    test_parallel_parity and test_gather usually land on different workers
+    (processes), and each would pay every torchrun launch again. The first
+    worker to ask runs them into the run's shared temp folder under a file
+    lock; the other waits on the lock and reads the results."""
+    import fcntl
+    import pickle
+
+    from tests import multirank
+
+    if "launched" in multirank._SESSION:
+        return multirank._SESSION["launched"]
+    base = tmp_path_factory.getbasetemp()
+    shared = base if worker_id == "master" else base.parent  # popen-gwN's parent is the run's own folder
+    done = shared / "multirank-launched.pkl"
+    with open(shared / "multirank.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # held for the launches (minutes); the other worker waits here
+        if done.exists():
+            multirank._SESSION["launched"] = pickle.loads(done.read_bytes())
+        else:
+            class _Shared:  # multirank.shared's results under the run's folder, not this worker's
+                @staticmethod
+                def mktemp(name):
+                    path = shared / name
+                    path.mkdir()
+                    return path
+
+            launched = multirank.shared(_Shared)
+            done.write_bytes(pickle.dumps(launched))
+    return multirank._SESSION["launched"]

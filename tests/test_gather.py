@@ -216,13 +216,11 @@ STAGED = {2: ("fsdp", "tp")}
 
 
 @pytest.fixture(scope="module")
-def gathered(tmp_path_factory):
+def gathered(multirank_launched):
     """The results of ``LAUNCHES`` and ``STAGED``: run once per session with
     test_parallel_parity's cases (tests/multirank.py: each rank's start-up
     is paid once for both files), the same cases that ``_worker`` runs."""
-    from tests.multirank import shared
-
-    launched = shared(tmp_path_factory)
+    launched = multirank_launched
     for nproc in LAUNCHES:
         assert nproc not in launched.errors, launched.errors[nproc]
     return launched.gather

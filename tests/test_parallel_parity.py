@@ -787,14 +787,12 @@ def test_cpu_sdpa_strategy_is_registered_once():
 
 
 @pytest.fixture(scope="module")
-def parity(tmp_path_factory):
+def parity(multirank_launched):
     """Single-process references, and the results of both launches: those
     run once per session with test_gather's cases (tests/multirank.py: each
     rank's start-up is paid once for both files), the same cases that
     ``launch`` runs."""
-    from tests.multirank import shared
-
-    launched = shared(tmp_path_factory)
+    launched = multirank_launched
     model_dirs = launched.model_dirs
     refs = {m: run_case(model_dirs[m], m, (1, 1, 1), 1) for m in MODELS}
     ref_steps = {m: run_step_case(model_dirs[m], m, "single", 1) for m in MODELS}
