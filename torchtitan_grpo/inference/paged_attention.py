@@ -42,8 +42,10 @@ BLOCK_N = 64
 """Positions per tile of the context loop (several table entries of 16)."""
 MIN_SPLIT = 256
 """Fewest positions a split covers: below this the merge costs more than it gives."""
-PROGRAMS_PER_SM = 8
-"""Split until the grid has about this many programs per SM (if the context allows)."""
+PROGRAMS_PER_SM = 16
+"""Split until the grid has about this many programs per SM (if the context allows): ~5 fit
+at once (38 KB of shared memory, 96 registers a thread at head_dim 128), so a few waves of
+small programs, and rows of unequal lengths even out."""
 
 
 def available(device: torch.device) -> bool:
