@@ -66,7 +66,6 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     heads, n_kv, hd = (8, 2, 32) if args.tiny else (32, 8, 128)
-    dtype = torch.bfloat16
     if dev.type == "cuda":
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from paged_speed import bandwidth
@@ -74,32 +73,35 @@ def main() -> None:
         bw, name = bandwidth(), torch.cuda.get_device_name()
     else:
         bw, name = float("nan"), "cpu"
-    print(f"device {name}, HBM {bw / 1e12:.2f} TB/s, {heads} heads / {n_kv} KV heads x {hd}, {dtype}")
+    print(f"device {name}, HBM {bw / 1e12:.2f} TB/s, {heads} heads / {n_kv} KV heads x {hd}, bf16")
     print("| rows | context | splits | kernel us | kernel GB/s | % HBM | gather+SDPA us | GB/s | % HBM | max diff |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     g = torch.Generator().manual_seed(0)
     for rows in [int(x) for x in args.rows.split(",")]:
         for ctx in [int(x) for x in args.context.split(",")]:
-            nb = -(-ctx // BS)
-            blocks = rows * nb + 1
-            k = torch.randn((blocks, BS, n_kv, hd), dtype=dtype, device=dev)
-            v = torch.randn_like(k)
-            table = (torch.randperm(blocks - 1, generator=g) + 1).view(rows, nb).to(dev)
-            pos = torch.full((rows,), ctx - 1, device=dev)
-            q = torch.randn((rows, heads, hd), dtype=dtype, device=dev)
-            scale = hd**-0.5
-            kv_bytes = 2 * rows * ctx * n_kv * hd * k.element_size()
-            t_kernel = timed(lambda: paged_decode(q, k, v, table, pos, scale), args.reps)
-            t_ref = timed(lambda: gather_sdpa(q, k, v, table, pos, scale), args.reps)
-            diff = (paged_decode(q, k, v, table, pos, scale).float()
-                    - gather_sdpa(q, k, v, table, pos, scale).float()).abs().max().item()
-            n_split = splits(rows, n_kv, nb * BS, _sm_count(dev))[0]
-            cells = [rows, ctx, n_split]
-            for t in (t_kernel, t_ref):
-                cells += [f"{t * 1e6:.0f}", f"{kv_bytes / t / 1e9:.0f}", f"{100 * kv_bytes / t / bw:.0f}"]
-            print("| " + " | ".join(str(c) for c in cells) + f" | {diff:.1e} |", flush=True)
-            del k, v
+            print("| " + " | ".join(str(c) for c in row(rows, ctx, heads, n_kv, hd, dev, g, bw, args.reps)) + " |",
+                  flush=True)
 
+
+def row(rows: int, ctx: int, heads: int, n_kv: int, hd: int, dev: torch.device, g: torch.Generator, bw: float,
+        reps: int) -> list:
+    """One table row: ``rows`` sequences at ``ctx`` positions (the pool is freed on return)."""
+    nb = -(-ctx // BS)
+    blocks = rows * nb + 1
+    k = torch.randn((blocks, BS, n_kv, hd), dtype=torch.bfloat16, device=dev)
+    v = torch.randn_like(k)
+    table = (torch.randperm(blocks - 1, generator=g) + 1).view(rows, nb).to(dev)
+    pos = torch.full((rows,), ctx - 1, device=dev)
+    q = torch.randn((rows, heads, hd), dtype=k.dtype, device=dev)
+    scale = hd**-0.5
+    kv_bytes = 2 * rows * ctx * n_kv * hd * k.element_size()
+    t_kernel = timed(lambda: paged_decode(q, k, v, table, pos, scale), reps)
+    t_ref = timed(lambda: gather_sdpa(q, k, v, table, pos, scale), reps)
+    diff = (paged_decode(q, k, v, table, pos, scale).float() - gather_sdpa(q, k, v, table, pos, scale).float())
+    cells = [rows, ctx, splits(rows, n_kv, nb * BS, _sm_count(dev))[0]]
+    for t in (t_kernel, t_ref):
+        cells += [f"{t * 1e6:.0f}", f"{kv_bytes / t / 1e9:.0f}", f"{100 * kv_bytes / t / bw:.0f}"]
+    return cells + [f"{diff.abs().max().item():.1e}"]
 
 if __name__ == "__main__":
     main()
