@@ -64,8 +64,11 @@ def test_snapshot_copy_cpu():
 
 
 def test_step_time_cpu(tiny_model_dir, tmp_path):
+    # One round of off/sync/async and fewer slowed / after-kill steps than --cpu's
+    # defaults: every run and verdict is still there (nothing below checks a figure).
     r, out = _run([sys.executable, "bench/step_time.py", "--cpu", "--model-dir", tiny_model_dir,
-                   "--log-dir", str(tmp_path / "servers")])
+                   "--log-dir", str(tmp_path / "servers"), "--rounds", "1", "--warmup", "2",
+                   "--slow-steps", "4", "--after-kill-steps", "3"])
     lines = r.stdout.splitlines()
     fails = [line for line in lines if line.startswith("FAIL ")]
     # Only the slow-replica verdicts compare times (the step-time ratio, and the
