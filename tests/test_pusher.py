@@ -79,6 +79,49 @@ def _servers(tmp_path, model_dir, delays):
     return start_servers(specs, str(tmp_path / "logs"), 120)
 
 
+def _reset(url: str) -> None:
+    """Close what a finished test's Pusher left open on a shared server (the
+    Pusher closes only its own side): its SGLang group and session, its
+    vLLM transfer engine, a pause. Each may already be gone."""
+    for path, body in (("/destroy_weights_update_group", {"group_name": "weight_update_group"}),
+                       ("/end_weight_update", {}), ("/continue_generation", {}),
+                       ("/shutdown_weight_transfer_engine", {}), ("/resume", {})):
+        requests.post(url + path, json=body, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def _shared_servers(tmp_path_factory, tiny_model_dir):
+    """Two built-in servers for the tests that push to a single replica and
+    never stop it: ``srv`` without an update delay and ``slow_update_srv``
+    with 0.5 s per update; two starts instead of twenty-one."""
+    started = {}
+    try:
+        for name, delay in (("srv", 0.0), ("slow", 0.5)):
+            (started[name],) = _servers(tmp_path_factory.mktemp(f"pusher_{name}"), tiny_model_dir, [delay])
+        yield started
+    finally:
+        for s in started.values():
+            stop_process(s.proc)
+
+
+@pytest.fixture
+def srv(_shared_servers):
+    """The shared server without an update delay. Each test connects a
+    Pusher of its own (a new weight group, the replica tagged version 0) and
+    pushes whole versions before it checks them, so none depends on what the
+    one before left there; its group and session are closed after it."""
+    yield _shared_servers["srv"]
+    _reset(_shared_servers["srv"].url)
+
+
+@pytest.fixture
+def slow_update_srv(_shared_servers):
+    """As ``srv``, with 0.5 s per update after its bytes arrived (inside the
+    server's update lock), for the session-end ordering tests."""
+    yield _shared_servers["slow"]
+    _reset(_shared_servers["slow"].url)
+
+
 def test_async_push_never_waits_and_skips_to_newest(tmp_path, tiny_model_dir, loop):
     """A slow replica (3 s per update), a fast one, ONE staging buffer, and 6
     versions pushed back to back. The trainer's calls never wait for the slow
@@ -210,11 +253,10 @@ def test_killed_replica_is_ejected_then_catches_up_before_readmission(tmp_path, 
 
 
 
-def test_vllm_protocol_push_in_packed_chunks(tmp_path, tiny_model_dir, loop):
+def test_vllm_protocol_push_in_packed_chunks(srv, tiny_model_dir, loop):
     """The vLLM weight-transfer sequence (pause, start, update_weights with
     packed chunks broadcast meanwhile, finish(version), resume) against the
     built-in server's vLLM routes: whole versions arrive, the version is set."""
-    (srv,) = _servers(tmp_path, tiny_model_dir, [0.0])
     pusher = Pusher(loop, [srv.url], PushConfig(mode="sync", protocol="vllm", packed_buffer_bytes=20_000),
                     torch.device("cpu"))
     try:
@@ -232,7 +274,6 @@ def test_vllm_protocol_push_in_packed_chunks(tmp_path, tiny_model_dir, loop):
         assert out.status_code == 200, out.text
     finally:
         pusher.close()
-        stop_process(srv.proc)
 
 
 @pytest.mark.parametrize("backend", ["gloo", "ipc"])
@@ -285,10 +326,9 @@ def test_replica_joining_from_file_gets_newest_weights_before_traffic(tmp_path, 
             stop_process(s.proc)
 
 
-def test_push_in_bfloat16_casts_inside_the_snapshot(tmp_path, tiny_model_dir, loop):
+def test_push_in_bfloat16_casts_inside_the_snapshot(srv, tiny_model_dir, loop):
     """weight_sync.dtype = bfloat16: fp32 trainer weights are sent as bf16
     (half the bytes); an fp32 server then holds exactly the bf16-rounded values."""
-    (srv,) = _servers(tmp_path, tiny_model_dir, [0.0])
     pusher = Pusher(loop, [srv.url], PushConfig(mode="sync", dtype=torch.bfloat16), torch.device("cpu"))
     try:
         pusher.connect(initial_version=0)
@@ -300,7 +340,6 @@ def test_push_in_bfloat16_casts_inside_the_snapshot(tmp_path, tiny_model_dir, lo
         assert _served_markers(srv.url, list(w)) == {expected}
     finally:
         pusher.close()
-        stop_process(srv.proc)
 
 
 def test_disk_transport_writes_each_version_once(tmp_path, tiny_model_dir, loop):
@@ -363,7 +402,7 @@ def _record_requests(monkeypatch, events: list, lock) -> None:
 
 @pytest.mark.parametrize("pipelined", [True, False])
 @pytest.mark.parametrize("protocol", ["sglang", "vllm"])
-def test_control_plane_runs_while_the_trainer_stages(tmp_path, tiny_model_dir, loop, monkeypatch, protocol,
+def test_control_plane_runs_while_the_trainer_stages(srv, tiny_model_dir, loop, monkeypatch, protocol,
                                                      pipelined):
     """A version reaches its sender before the trainer's snapshot is done:
     the session is opened (SGLang begin, vLLM start) and the first update
@@ -374,7 +413,6 @@ def test_control_plane_runs_while_the_trainer_stages(tmp_path, tiny_model_dir, l
     events: list[tuple[str, str]] = []
     _record_requests(monkeypatch, events, threading.Lock())
     opener = "/begin_weight_update" if protocol == "sglang" else "/start_weight_update"
-    (srv,) = _servers(tmp_path, tiny_model_dir, [0.0])
     pusher = Pusher(loop, [srv.url], PushConfig(mode="sync", protocol=protocol, bucket_bytes=32 << 10,
                                                 packed_buffer_bytes=20_000, pipelined=pipelined),
                     torch.device("cpu"))
@@ -401,13 +439,12 @@ def test_control_plane_runs_while_the_trainer_stages(tmp_path, tiny_model_dir, l
         assert during == [True, True]
     finally:
         pusher.close()
-        stop_process(srv.proc)
 
 
 @pytest.mark.parametrize("builtin,pipelined", [(True, True), (True, False), (False, True)])
 @pytest.mark.parametrize("protocol", ["sglang", "vllm"])
 def test_session_end_goes_out_with_the_last_byte_only_to_the_builtin_server(
-        tmp_path, tiny_model_dir, loop, monkeypatch, protocol, builtin, pipelined):
+        slow_update_srv, tiny_model_dir, loop, monkeypatch, protocol, builtin, pipelined):
     """The built-in server (its /model_info says so) takes a session's end
     after the update in flight, so the pusher posts the end (SGLang end, vLLM
     finish) as soon as the last bucket has arrived (pipelined: with the last
@@ -426,7 +463,7 @@ def test_session_end_goes_out_with_the_last_byte_only_to_the_builtin_server(
 
         monkeypatch.setattr(Transport, "probe_builtin", not_builtin)
     # 0.5 s per update after its bytes arrived (inside the server's update lock).
-    (srv,) = _servers(tmp_path, tiny_model_dir, [0.5])
+    srv = slow_update_srv
     pusher = Pusher(loop, [srv.url], PushConfig(mode="sync", protocol=protocol, bucket_bytes=192 << 10,
                                                 packed_buffer_bytes=20_000, pipelined=pipelined),
                     torch.device("cpu"))
@@ -442,12 +479,11 @@ def test_session_end_goes_out_with_the_last_byte_only_to_the_builtin_server(
         assert (end_post < last_reply) is builtin, events
     finally:
         pusher.close()
-        stop_process(srv.proc)
 
 
 @pytest.mark.parametrize("builtin", [True, False])
 def test_sglang_version_rides_with_the_end_only_to_a_builtin_server_that_says_it_takes_it(
-        tmp_path, tiny_model_dir, loop, monkeypatch, builtin):
+        srv, tiny_model_dir, loop, monkeypatch, builtin):
     """The built-in server's /end_weight_update takes the session's version
     (``end_weight_version`` in /model_info): its update bodies are then the
     same bytes every version (encoded once here, parsed once there) and the
@@ -484,7 +520,6 @@ def test_sglang_version_rides_with_the_end_only_to_a_builtin_server_that_says_it
             return BuiltinTraits()
 
         monkeypatch.setattr(Transport, "probe_builtin", not_builtin)
-    (srv,) = _servers(tmp_path, tiny_model_dir, [0.0])
     pusher = Pusher(loop, [srv.url], PushConfig(mode="sync", protocol="sglang", bucket_bytes=32 << 10),
                     torch.device("cpu"))
     try:
@@ -510,12 +545,11 @@ def test_sglang_version_rides_with_the_end_only_to_a_builtin_server_that_says_it
         assert bodies[1] == bodies[2]
     finally:
         pusher.close()
-        stop_process(srv.proc)
 
 
 @pytest.mark.parametrize("ack", [True, False])
 @pytest.mark.parametrize("protocol", ["sglang", "vllm"])
-def test_pipelined_requests_go_out_before_the_replies_they_follow(tmp_path, tiny_model_dir, loop, monkeypatch,
+def test_pipelined_requests_go_out_before_the_replies_they_follow(srv, tiny_model_dir, loop, monkeypatch,
                                                                   protocol, ack):
     """To the built-in server a transfer's requests all go out at once on one
     connection (vLLM: start, update, finish, resume; SGLang: begin, every
@@ -546,7 +580,6 @@ def test_pipelined_requests_go_out_before_the_replies_they_follow(tmp_path, tiny
 
     monkeypatch.setattr(GroupPush, "broadcast_all", staticmethod(broadcast))
     monkeypatch.setattr(control.PipelinedConnection, "open", open_)
-    (srv,) = _servers(tmp_path, tiny_model_dir, [0.0])
     pusher = Pusher(loop, [srv.url], PushConfig(mode="sync", protocol=protocol, bucket_bytes=32 << 10,
                                                 packed_buffer_bytes=20_000, pause_mode="abort", ack_posted=ack),
                     torch.device("cpu"))
@@ -587,11 +620,10 @@ def test_pipelined_requests_go_out_before_the_replies_they_follow(tmp_path, tiny
         assert opened == [srv.url, srv.url]
     finally:
         pusher.close()
-        stop_process(srv.proc)
 
 
 @pytest.mark.parametrize("protocol,bad_at", [("sglang", -1), ("vllm", -1), ("sglang", 0)])
-def test_a_refused_pipelined_update_leaves_the_replica_whole_and_generating(tmp_path, tiny_model_dir, loop,
+def test_a_refused_pipelined_update_leaves_the_replica_whole_and_generating(srv, tiny_model_dir, loop,
                                                                            protocol, bad_at):
     """An update the replica refuses (a tensor of the wrong shape) fails the
     pipelined transfer: the replica keeps the version it had, is not left
@@ -600,7 +632,6 @@ def test_a_refused_pipelined_update_leaves_the_replica_whole_and_generating(tmp_
     posted), yet the first bucket goes out once the session is open, before
     its update's reply (``bad_at`` 0): that transfer fails all the same, and
     the group is made anew before the next."""
-    (srv,) = _servers(tmp_path, tiny_model_dir, [0.0])
     rec = Recorder()
     pusher = Pusher(loop, [srv.url], PushConfig(mode="sync", protocol=protocol, bucket_bytes=32 << 10,
                                                 packed_buffer_bytes=20_000, pause_mode="abort", deadline_s=30,
@@ -628,7 +659,6 @@ def test_a_refused_pipelined_update_leaves_the_replica_whole_and_generating(tmp_
         assert _served_markers(srv.url, names) == {3.0} and _version(srv.url) == "3"
     finally:
         pusher.close()
-        stop_process(srv.proc)
 
 
 def test_a_replica_is_readmitted_when_as_current_as_the_fleet_even_if_versions_outpace_transfers(
