@@ -61,6 +61,10 @@ __all__ = ["NoPush", "PushConfig", "PushError", "Pusher", "ReplicaDown", "TRANSP
 
 logger = logging.getLogger(__name__)
 
+CLOSE_TIMEOUT_S = 5.0
+"""``close``: how long each replica's health check and teardown may take
+together (all replicas at once; one down is skipped, never waited for)."""
+
 TRANSPORTS: dict[str, str | type[Transport]] = {
     # Over a weight group (backend "gloo" or "nccl"), by protocol; each falls
     # back to the plain protocol for a replica that is not the built-in server.
@@ -478,6 +482,35 @@ class Pusher:
 
     # ------------------------------------------------------------ close
 
+    async def _release_replicas(self) -> None:
+        """Close on every replica it can reach what this pusher set up there
+        (``Transport.reset``: its weight group, update session and pause, or
+        its vLLM transfer engine), each within ``CLOSE_TIMEOUT_S``. A real
+        SGLang refuses a second group of the same name (torch's process-group
+        names) and a vLLM a second transfer engine until the first is torn
+        down, so a trainer restarted against the same servers could not join
+        them otherwise. A replica down or hung is skipped: one log line."""
+
+        async def teardown(r: Replica) -> str:
+            if not await self.transport.healthy(r):  # down: its requests would each wait their timeout
+                return "not answering /health"
+            await self.transport.reset(r)
+            return ""
+
+        async def release(r: Replica) -> str:
+            try:
+                return await asyncio.wait_for(teardown(r), CLOSE_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                return f"no answer within {CLOSE_TIMEOUT_S:g}s"
+            except Exception as e:
+                return typed_reason(e)
+
+        why = await asyncio.gather(*(release(r) for r in self.replicas))
+        left = [f"{r.url} ({w})" for r, w in zip(self.replicas, why) if w]
+        done = len(self.replicas) - len(left)
+        logger.log(logging.WARNING if left else logging.INFO, "weight push closed: released on %d of %d replicas%s",
+                   done, len(self.replicas), "; not reached: " + ", ".join(left) if left else "")
+
     def close(self) -> None:
         if self._closed:
             return
@@ -491,10 +524,12 @@ class Pusher:
             for t in abandoned:
                 t.cancel()
             await asyncio.gather(*abandoned, return_exceptions=True)
+            if self._started:
+                await self._release_replicas()
             await self.transport.close(self.replicas)
 
         try:
-            self.loop.run(_close(), timeout=10)
+            self.loop.run(_close(), timeout=10 + CLOSE_TIMEOUT_S)
         except Exception:
             pass
         for r in self.replicas:

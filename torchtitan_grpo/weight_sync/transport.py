@@ -20,7 +20,11 @@ and ``release`` (after the loop is done with the replica):
 * ``abort(r)`` when ``r`` is ejected: it must unblock whatever of the
   transfer may hang (a broadcast, a thread) and drop the replica's link, so
   that ``connect`` starts afresh;
-* ``close(replicas)`` once the senders are stopped, then ``release(r)``.
+* at ``Pusher.close``, once the senders are stopped: ``reset(r)`` again on
+  each replica that answers /health, within a short timeout (a new Pusher,
+  a restarted trainer's, must be able to join it: a real SGLang refuses a
+  second group of the same name until the first is destroyed), then
+  ``close(replicas)``, then ``release(r)``.
 """
 
 from __future__ import annotations
@@ -139,8 +143,10 @@ class Transport(abc.ABC):
         """Make ``r`` ready to receive (join its weight group, learn its ranks)."""
 
     async def reset(self, r: Replica) -> None:
-        """Before ``r`` rejoins: close what an abandoned transfer may have
-        left open on it (each piece may already be gone)."""
+        """Before ``r`` rejoins, and at ``Pusher.close``: close what this
+        transport set up on it (its weight group, transfer engine) and what an
+        abandoned transfer may have left open (a session, a pause); each
+        piece may already be gone."""
 
     async def tag(self, replicas: list[Replica], version: int) -> None:
         """Name the weights ``replicas`` loaded from disk ``version``, where the protocol can."""
