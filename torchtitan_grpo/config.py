@@ -79,8 +79,10 @@ class GRPO:
     """Upper bound of an importance weight (truncated IS)."""
 
     mask_truncated: bool = False
-    """Completions that hit rollout.max_new_tokens contribute no loss (and do
-    not count in the loss normalisers); counted in offpolicy/truncated_dropped."""
+    """Completions cut at their token budget (rollout.max_new_tokens, or a
+    dataset row's own smaller max_new_tokens: rollout/prompt_budget.py)
+    contribute no loss (and do not count in the loss normalisers); counted in
+    offpolicy/truncated_dropped."""
 
     micro_batch_tokens: int = 0
     """Packed micro-batches: samples are concatenated into rows of at most

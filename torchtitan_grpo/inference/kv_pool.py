@@ -16,8 +16,12 @@ free after the weights. Ours is TensorRT-LLM's kind: ``kv_cache_memory_fraction`
 of the memory free once the weights are loaded (what torch's
 ``cuda.mem_get_info`` reports, so other processes on the GPU are counted), or
 an absolute ``kv_cache_memory_gb``. What stays free holds the activations: a
-prefill bounded by ``MAX_PREFILL_TOKENS`` and a decode step's gathered KV (at
-most one layer's share of the pool).
+prefill bounded by ``MAX_PREFILL_TOKENS`` and a decode step's attention. On a
+GPU with triton that is ``paged_attention.py``'s kernel, which reads the
+blocks where they lie and needs only its splits' small partial results; on
+the gather + SDPA path (CPU, no triton, ``TORCHTITAN_GRPO_PAGED_KERNEL=0``)
+it is a contiguous copy of the step's blocks (at most one layer's share of
+the pool).
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ import torch
 
 BLOCK_SIZE = 16
 """Positions per block (vLLM's default). Smaller wastes less of a sequence's
-last block; larger means fewer table entries to gather. The decode step's
-length buckets are multiples of 64, so any power of two up to 64 fits."""
+last block; larger means fewer table entries for a decode step to look up
+(the kernel's tiles of 64 positions span several; the gather path copies
+each). The decode step's length buckets are multiples of 64, so any power of
+two up to 64 fits."""
 DEFAULT_MEMORY_FRACTION = 0.8
 """Of the GPU memory free after the weights, when neither budget is set."""
 NULL_BLOCK = 0

@@ -33,7 +33,9 @@ class ScoredGroup:
     tokens: int
     """Completion tokens generated for the group (filtered or not)."""
     truncated: int
-    """Completions cut at ``rollout.max_new_tokens``."""
+    """Completions cut at their token budget (finish reason "length"): the
+    row's own ``max_new_tokens`` if it has one, else ``rollout.max_new_tokens``
+    (``prompt_budget``)."""
     constant: bool
     """All rewards equal: zero advantages."""
     replica: str = ""
