@@ -234,7 +234,6 @@ def test_export_loads_in_transformers_and_peft(dirs, name, tmp_path):
     ({"target_modules": ["q_proj"]}, "lora.target_modules"),
     ({"target_modules": ["wq", "wq"]}, "lora.target_modules"),
     ({"tp": 2}, "lora.enable"),
-    ({"pp": 2}, "lora.enable"),
     ({"base_dtype": "float16"}, "lora.base_dtype"),
     ({"last_save_in_hf": True}, "checkpoint.last_save_in_hf"),
 ])
@@ -260,6 +259,7 @@ def test_cli_and_layout_refusal(tiny_model_dir):
     with pytest.raises(ValueError, match="lora.enable .* parallelism.tensor_parallel_degree = 2"):
         lora.check_layout(SimpleNamespace(data_parallel_shard_degree=2, tensor_parallel_degree=2))
     lora.check_layout(SimpleNamespace(data_parallel_shard_degree=2, data_parallel_replicate_degree=2))  # HSDP: fine
+    lora.check_layout(SimpleNamespace(pipeline_parallel_degree=2))  # PP: fine (lora_pp)
     model, _ = _titan("qwen3", tiny_model_dir)
     assert lora.apply_lora(model, _cfg(target_modules=["w2"])) == ["layers.0.feed_forward.w2",
                                                                    "layers.1.feed_forward.w2"]

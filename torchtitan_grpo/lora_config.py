@@ -77,11 +77,10 @@ def validate_lora(cfg, check) -> None:
     base_dtype = getattr(lo, "base_dtype", "float32")
     check(base_dtype in ("float32", "bfloat16"), "lora.base_dtype", 'must be "float32" or "bfloat16"', base_dtype)
     p = cfg.parallelism
-    for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree",
-                "expert_parallel_degree"):
+    for key in ("tensor_parallel_degree", "context_parallel_degree", "expert_parallel_degree"):
         degree = getattr(p, key, 1)
         check(degree == 1, "lora.enable", f"is not supported with parallelism.{key} = {degree} (one process, FSDP2, "
-              "HSDP or DDP only; docs/LORA.md)", lo.enable)
+              "HSDP, DDP or PP only; docs/LORA.md)", lo.enable)
     check(not cfg.checkpoint.last_save_in_hf, "checkpoint.last_save_in_hf",
           "cannot be used with lora.enable (TorchTitan's HF save would write the unmerged base): use "
           "checkpoint.hf_export, which writes the merged model and the peft adapter", cfg.checkpoint.last_save_in_hf)

@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan_grpo import lora
 from torchtitan_grpo.lora import LoRALinear
 
-__all__ = ["inject", "load_and_init", "init_adapters", "merged_state", "merged_hf_state", "gather_adapters",
+__all__ = ["inject", "load_and_init", "adapter_order", "init_adapters", "merged_state", "merged_hf_state", "gather_adapters",
            "whole_adapter", "is_sharded", "ShardedLoraPush"]
 
 logger = logging.getLogger(__name__)
@@ -84,27 +84,48 @@ def _copy_whole(param: torch.Tensor, whole: torch.Tensor) -> None:
     _copy_full(param, whole)
 
 
+def adapter_order(model: nn.Module) -> list[tuple[str, torch.Size]]:
+    """``(fqn, A shape)`` of every adapter of ``model``, in module order: the
+    order :func:`init_adapters` draws in (record it on the whole model before
+    a pipeline split keeps one stage of it)."""
+    return [(fqn, m.lora_A.shape) for fqn, m in lora.adapted_modules(model).items()]
+
+
 @torch.no_grad()
-def init_adapters(model: nn.Module, seed: int) -> None:
+def init_adapters(model: nn.Module, seed: int, order: list[tuple[str, torch.Size]] | None = None) -> None:
     """``A`` Kaiming-uniform (as ``nn.Linear`` initialises a weight) from a
     generator seeded with ``seed``, drawn whole in module order on every
     rank; ``B`` zero. Sharded or not: the same ``seed`` gives the same ``A``
-    in every layout (the one-process path draws from the global RNG instead)."""
+    in every layout (the one-process path draws from the global RNG instead).
+
+    ``order``: ``model`` is one pipeline stage and this is the whole model's
+    :func:`adapter_order`: every ``A`` of the whole model is drawn, in that
+    order, and the stage keeps its own (so PP gets one process's ``A``)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
-    for m in lora.adapted_modules(model).values():
-        a = torch.empty(m.lora_A.shape, dtype=m.lora_A.dtype)
+    mine = lora.adapted_modules(model)
+    order = adapter_order(model) if order is None else order
+    missing = mine.keys() - {fqn for fqn, _ in order}
+    if missing:
+        raise ValueError(f"lora_sharded.init_adapters: adapters {sorted(missing)[:3]} are not in the given order")
+    for fqn, shape in order:
+        a = torch.empty(shape, dtype=torch.float32)
         nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=g)
-        _copy_whole(m.lora_A, a)
-        _copy_whole(m.lora_B, torch.zeros(m.lora_B.shape, dtype=m.lora_B.dtype))
+        m = mine.get(fqn)
+        if m is not None:
+            _copy_whole(m.lora_A, a.to(m.lora_A.dtype))
+            _copy_whole(m.lora_B, torch.zeros(m.lora_B.shape, dtype=m.lora_B.dtype))
 
 
-def load_and_init(model: nn.Module, adapter, hf_dir: str, seed: int) -> None:
-    """Step 3 above, on the materialised (sharded) model."""
+def load_and_init(model: nn.Module, adapter, hf_dir: str, seed: int, whole: dict | None = None,
+                  order: list[tuple[str, torch.Size]] | None = None) -> None:
+    """Step 3 above, on the materialised (sharded) model. ``whole`` / ``order``:
+    ``model`` is one pipeline stage (:mod:`torchtitan_grpo.lora_pp`), these are
+    the whole model's checkpoint names and :func:`adapter_order`."""
     from torchtitan_grpo.model import load_hf_weights
 
     with _adapters_hidden(model):
-        load_hf_weights(model, adapter, hf_dir)
-    init_adapters(model, seed)
+        load_hf_weights(model, adapter, hf_dir, whole)
+    init_adapters(model, seed, order)
 
 
 # ------------------------------------------------------------------ gather

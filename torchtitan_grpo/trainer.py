@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_grpo import _titan  # noqa: F401
-from torchtitan_grpo import lora, lora_sharded
+from torchtitan_grpo import lora, lora_pp, lora_sharded
 from torchtitan_grpo import loss as grpo_losses
 from torchtitan_grpo import model as hf_model
 from torchtitan_grpo import context_parallel, moe_step, packing
@@ -126,9 +126,10 @@ def build_policy(job_config, hf_dir: str, d: Dist) -> Policy:
     moe_step.configure(job_config, model_args, d.device)
     pipelined = job_config.parallelism.pipeline_parallel_degree > 1
     lora_cfg = getattr(job_config, "lora", None)
-    if lora_cfg is not None and lora_cfg.enable:
+    lora_on = lora_cfg is not None and lora_cfg.enable
+    if lora_on:
         lora.check_layout(job_config.parallelism)
-    sharded_lora = lora_cfg is not None and lora_cfg.enable and d.world_size > 1  # see lora_sharded
+    sharded_lora = lora_on and d.world_size > 1 and not pipelined  # see lora_sharded (PP: lora_pp)
     if pipelined:  # PP settings fail here, before any weight is loaded
         parallel_dims = parallel.build_parallel_dims(job_config, d.world_size, d.device)
         pipeline_parallel.stage_module_names(job_config, model_args.n_layers)
@@ -143,16 +144,23 @@ def build_policy(job_config, hf_dir: str, d: Dist) -> Policy:
         # stage: the first and the last stage both start from the embedding.
         model = hf_model.build_model(name, model_args, d.device, dtype)
         hf_model.load_hf_weights(model, adapter, hf_dir)
+        if lora_on:  # on the whole model, before the split (lora_pp)
+            lora_pp.adapt_whole(model, lora_cfg, job_config.grpo.seed)
         pipe = pipeline_parallel.build_pipeline(model, job_config, parallel_dims, d.device, _PipelineLoss())
+        pipe.tied = pipe.tied and not lora_on  # LoRA freezes the embedding: no gradient for its copies to share
         model = pipe.module
     elif pipelined:
         # cut to this rank's stage and shard on meta, then allocate and load
         # the stage's tensors only: a rank never holds more than its shards
         model = hf_model.build_model(name, model_args, "meta", dtype)
         whole = hf_model.checkpoint_names(model, adapter)  # the checkpoint must fit the whole model
+        order = lora_pp.inject(model, lora_cfg) if lora_on else None  # the whole model's adapters, on meta
         pipe = pipeline_parallel.build_pipeline(model, job_config, parallel_dims, d.device, _PipelineLoss())
         model = parallel.materialize(pipe.module, d.device)
-        hf_model.load_hf_weights(model, adapter, hf_dir, whole)
+        if lora_on:
+            lora_pp.load_and_init(model, adapter, hf_dir, whole, order, job_config.grpo.seed)
+        else:
+            hf_model.load_hf_weights(model, adapter, hf_dir, whole)
     else:
         # shard on meta, then allocate: a rank's memory holds its shards only
         model = hf_model.build_model(name, model_args, "meta", dtype)
@@ -164,7 +172,7 @@ def build_policy(job_config, hf_dir: str, d: Dist) -> Policy:
             lora_sharded.load_and_init(model, adapter, hf_dir, job_config.grpo.seed)
         else:
             hf_model.load_hf_weights(model, adapter, hf_dir)
-    if lora_cfg is not None and lora_cfg.enable and not sharded_lora:
+    if lora_on and not (sharded_lora or pipelined):
         # on the loaded base, before the optimizer: it takes only the adapters (the base is frozen)
         lora.apply_lora(model, lora_cfg)
     moe_step.prepare(model, job_config)

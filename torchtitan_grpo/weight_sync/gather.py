@@ -535,10 +535,12 @@ def trainer_push(model_parts: list[nn.Module], adapter, parallel_dims, device: t
     from torchtitan_grpo.lora import has_lora
 
     if any(has_lora(part) for part in model_parts):  # every rank gathers and merges, rank 0 pushes
+        from torchtitan_grpo.lora_pp import PipelineLoraPush
         from torchtitan_grpo.lora_sharded import ShardedLoraPush
 
-        return ShardedLoraPush(model_parts, adapter, pusher, sync,
-                               adapter_only=getattr(weight_sync, "lora_push", "merged") == "adapter")
+        kind = PipelineLoraPush if parallel_dims.pp > 1 else ShardedLoraPush  # PP: stages' tensors to rank 0
+        return kind(model_parts, adapter, pusher, sync,
+                    adapter_only=getattr(weight_sync, "lora_push", "merged") == "adapter")
     deliver = None if pusher is None else pusher.push
     return ShardGatherer(model_parts, adapter, parallel_dims, device, deliver, push_dtype(weight_sync),
                          weight_sync.num_staging_buffers, sync)

@@ -1,0 +1,181 @@
+"""LoRA under pipeline parallelism (torchtitan_grpo.lora_pp): PP=2 equals one
+process, on CPU over gloo with real torchrun ranks, in one launch.
+
+Each rank builds, with ``trainer.build_policy``, a one-process LoRA policy
+(the reference, its ``A`` drawn by ``init_adapters`` with the seed the PP
+build uses) and a PP=2 LoRA policy (one stage per rank), and takes two GRPO
+steps on each with the same batch. Compared over the stages, fp32, to 1e-6:
+the losses, the adapters' gradients and weights, the merged HF-named weights
+and the adapters that ``trainer_push``'s object (``PipelineLoraPush``) hands
+rank 0's Pusher; every stage's frozen base stays bit-identical; each stage's
+optimizer holds its adapters only. A DCP checkpoint of the stages restores
+adapters and optimizer state into a fresh PP policy. Helpers come from
+tests/test_lora_sharded.py (configs, batch, training loop, recorder).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from types import SimpleNamespace
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import torchtitan_grpo  # noqa: E402,F401  (before torchtitan)
+from tests.test_lora_sharded import SEED, _base, _batch, _cfg, _maxdiff, _Recorder, _train, _whole  # noqa: E402
+
+WORLD = 2
+TOL = 1e-6  # fp32 on CPU
+# lr 1e-2 (test_lora_sharded's) puts the adapters 9.5e-7 from one process here: the pipeline's padded
+# micro-batches round differently (gradients 1.3e-7 apart), which Adam's first steps scale by lr / eps
+LR = ("--optimizer.lr", "2e-3")
+
+
+def _stages(local: dict) -> dict:
+    """Every stage's ``local`` dict united (a collective)."""
+    import torch.distributed as dist
+
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def _worker(model_dir: str, out_dir: str) -> dict:
+    """Every check's numbers on this rank (a collective: both ranks run it)."""
+    import torch.distributed as dist
+
+    from torchtitan_grpo import lora, lora_sharded, trainer
+    from torchtitan_grpo.checkpoint import Checkpointer
+    from torchtitan_grpo.lora_peft import peft_adapter_tensors
+    from torchtitan_grpo.weight_sync.gather import trainer_push
+
+    rank = dist.get_rank()
+    device = torch.device("cpu")
+    res: dict = {}
+
+    # the one-process reference (A reseeded as the PP build draws it)
+    one = trainer.Dist(rank, 1, rank, device)
+    cfg1 = _cfg(model_dir, *LR)
+    ref = trainer.build_policy(cfg1, model_dir, one)
+    lora_sharded.init_adapters(ref.model, SEED)
+    ref_base = _base(ref)
+    ref_out = _train(ref, cfg1, one, 0, 1)
+    ref_hf = trainer.hf_weights(ref)
+    ref_peft = peft_adapter_tensors(ref.model, ref.adapter)
+
+    # PP=2: one stage per rank, the whole batch through the pipeline
+    d = trainer.Dist(rank, WORLD, rank, device)
+    cfg = _cfg(model_dir, *LR, "--parallelism.pipeline_parallel_degree", "2",
+               "--job.dump_folder", out_dir, "--checkpoint.enable", "--checkpoint.interval", "1")
+    pol = trainer.build_policy(cfg, model_dir, d)
+    adapters = lora.adapted_modules(pol.model)
+    trained = [p for g in pol.optimizers.optimizers[0].param_groups for p in g["params"]]
+    res["n_stage_adapters"] = len(adapters)
+    res["optimizer_holds_adapters_only"] = (
+        {id(p) for p in trained} == {id(p) for m in adapters.values() for p in (m.lora_A, m.lora_B)})
+    base0 = _base(pol)
+    res["start_diff"] = _maxdiff(_stages(base0), ref_base)
+    got = _train(pol, cfg, d, 0, 1)
+    res["losses"] = (ref_out["losses"], got["losses"])
+    res["loss_diff"] = max(abs(a - b) for a, b in zip(*res["losses"]))
+    res["grad_diff"] = _maxdiff(ref_out["grads"], _stages(got["grads"]))
+    res["adapter_diff"] = _maxdiff(ref_out["adapters"], _stages(got["adapters"]))
+    res["b_moved"] = min(float(v.abs().max()) for k, v in got["adapters"].items() if k.endswith("lora_B"))
+    res["base_changed"] = _maxdiff(base0, _base(pol))
+
+    # the push: trainer_push's object; every stage merges its own, rank 0's Pusher gets the whole model
+    for only in (False, True):
+        rec = _Recorder() if rank == 0 else None
+        ws = SimpleNamespace(mode="sync", lora_push="adapter" if only else "merged")
+        with trainer_push(pol.model_parts, pol.adapter, pol.parallel_dims, device, rec, ws) as push:
+            res["push_kind"] = type(push).__name__
+            push.snapshot(5, wait=True)
+            push.snapshot(6, wait=True)  # the planned transfers again
+        if rec is not None:
+            want = ref_peft if only else ref_hf
+            res[f"push_diff_{'adapter' if only else 'merged'}"] = max(_maxdiff(want, rec.pushed[v]) for v in (5, 6))
+    res["merged_differs_from_base"] = _maxdiff(ref_hf, ref.adapter.to_hf(ref_base))
+
+    # DCP: save the stages, a fresh PP policy resumes adapters and optimizer state
+    ckpt = Checkpointer(cfg, pol, d)
+    ckpt.save(2, weight_version=2)
+    ckpt.close()
+    saved_opt = {k: _whole(v) for k, v in pol.optimizers.state_dict().items() if torch.is_tensor(v)}
+    fresh = trainer.build_policy(cfg, model_dir, d)
+    ckpt = Checkpointer(cfg, fresh, d)
+    resumed = ckpt.load()
+    ckpt.close()
+    res["resumed_step"] = resumed.step if resumed else None
+    res["resumed_model_diff"] = _maxdiff({k: _whole(v) for k, v in pol.model.state_dict().items()},
+                                         {k: _whole(v) for k, v in fresh.model.state_dict().items()})
+    res["n_opt"] = len(saved_opt)
+    res["resumed_opt_diff"] = _maxdiff(saved_opt, {k: _whole(v) for k, v in fresh.optimizers.state_dict().items()
+                                                   if torch.is_tensor(v)})
+    res["resumed_next_loss"] = (_train(pol, cfg, d, 0, 1, 1)["losses"][0], _train(fresh, cfg, d, 0, 1, 1)["losses"][0])
+    return res
+
+
+def _main(model_dir: str, out_dir: str) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    try:
+        res = _worker(model_dir, os.path.join(out_dir, "dump"))
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, res)
+        if dist.get_rank() == 0:
+            torch.save(every, os.path.join(out_dir, "results.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ tests
+
+
+@pytest.fixture(scope="module")
+def results(tiny_model_dir, tmp_path_factory) -> list[dict]:
+    from tests.test_parallel_parity import run_torchrun
+
+    out = str(tmp_path_factory.mktemp("lora_pp"))
+    run_torchrun(WORLD, [os.path.abspath(__file__), tiny_model_dir, out], timeout=300)  # a hang guard only
+    return torch.load(os.path.join(out, "results.pt"), weights_only=False)
+
+
+def test_pp_lora_equals_one_process(results):
+    for r in results:
+        assert r["n_stage_adapters"] > 0 and r["optimizer_holds_adapters_only"]
+        assert r["start_diff"] == 0.0  # the stages together hold the reference's base
+        l_ref, l_got = r["losses"]
+        assert l_ref[0] != l_ref[1]  # the first step changed the model
+        assert r["loss_diff"] <= TOL, r["losses"]
+        assert r["grad_diff"] <= TOL and r["adapter_diff"] <= TOL, (r["grad_diff"], r["adapter_diff"])
+        assert r["b_moved"] > 1e-4  # every B of the stage trained off zero
+        assert r["base_changed"] == 0.0  # the frozen base is bit-identical
+
+
+def test_pp_lora_push_merged_and_adapter(results):
+    r = results[0]
+    assert r["push_kind"] == "PipelineLoraPush"
+    assert r["merged_differs_from_base"] > 1e-4  # the merge is not the base
+    assert r["push_diff_merged"] <= TOL and r["push_diff_adapter"] <= TOL
+
+
+def test_pp_lora_checkpoint_resumes_adapters_and_optimizer(results):
+    for r in results:
+        assert r["resumed_step"] == 2 and r["n_opt"] > 0
+        assert r["resumed_model_diff"] == 0.0 and r["resumed_opt_diff"] == 0.0
+        a, b = r["resumed_next_loss"]
+        assert abs(a - b) <= TOL, (a, b)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,132 @@
+"""LoRA under pipeline parallelism (PP): adapters on each stage, merged and
+pushed over the stages.
+
+One process adapts the loaded model (:mod:`torchtitan_grpo.lora`), data
+parallelism puts the adapters on the meta model before ``fully_shard``
+(:mod:`torchtitan_grpo.lora_sharded`). Under PP each rank keeps one stage
+of the model (:mod:`torchtitan_grpo.pipeline`), so in ``trainer.build_policy``:
+
+* **Untied models** (built on meta, cut, laid out, then loaded):
+  :func:`inject` puts the adapters on the *whole* meta model before the
+  split and returns the whole model's adapter order; the split keeps each
+  stage's ``LoRALinear`` modules with their ``A`` / ``B``, the stage's layout
+  (FSDP over the non-PP dims) wraps them with their blocks, and
+  :func:`load_and_init` loads the stage's base (adapters hidden from the
+  strict loader) and draws every ``A`` of the whole model in module order
+  from a generator seeded with ``grpo.seed``, each stage keeping its own.
+  So a PP run gets exactly the ``A`` a one-process run seeded alike gets.
+* **Tied models** (loaded whole, then cut): :func:`adapt_whole` adapts and
+  seeds the whole loaded model before the split. The tied embedding is
+  frozen, so there is no gradient for the first and last stage to exchange
+  (the trainer then marks the pipeline untied: the copies stay equal
+  because neither is ever updated).
+
+Training needs nothing else: the optimizer of each stage holds its adapters,
+the grad norm is summed over the pipeline as for full weights, DCP saves each
+stage's base and adapters under their usual names.
+
+The merged weights and the adapters are per stage (each rank merges its own
+``W + scale B A``, gathering FSDP shards within the stage when there are
+any); :class:`PipelineLoraPush` brings the stages' HF-named (merged) or
+peft-named (adapter) tensors to rank 0, point to point, as the full-weight
+``ShardGatherer`` brings stages' weights (each tensor rank 0 lacks comes from
+the lowest rank that has it; planned once), and rank 0's Pusher sends them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchtitan_grpo import lora, lora_sharded
+from torchtitan_grpo.lora_sharded import ShardedLoraPush
+
+__all__ = ["inject", "load_and_init", "adapt_whole", "stage_tensors_to_rank0", "PipelineLoraPush"]
+
+logger = logging.getLogger(__name__)
+
+
+def inject(model: nn.Module, cfg) -> list[tuple[str, torch.Size]]:
+    """Adapters on the whole meta ``model`` before the pipeline split; returns
+    the whole model's :func:`lora_sharded.adapter_order` (for :func:`load_and_init`)."""
+    lora_sharded.inject(model, cfg)
+    return lora_sharded.adapter_order(model)
+
+
+def load_and_init(stage: nn.Module, adapter, hf_dir: str, whole: dict, order: list[tuple[str, torch.Size]],
+                  seed: int) -> None:
+    """The stage's base from the HF checkpoint (``whole``: the whole model's
+    checkpoint names), then its ``A`` drawn as the whole model's, ``B`` zero."""
+    lora_sharded.load_and_init(stage, adapter, hf_dir, seed, whole, order)
+
+
+def adapt_whole(model: nn.Module, cfg, seed: int) -> None:
+    """Tied models: adapters on the whole loaded ``model`` before the split,
+    ``A`` seeded as every other layout draws it."""
+    lora.apply_lora(model, cfg)
+    lora_sharded.init_adapters(model, seed)
+
+
+# ------------------------------------------------------------------- push
+
+
+def _plan(local: dict[str, torch.Tensor]) -> list[tuple[int, str, tuple[int, ...], torch.dtype]]:
+    """``(src, name, shape, dtype)`` of every tensor rank 0 lacks, and the
+    lowest rank that has it (a collective over the world; same list on all)."""
+    mine = [(k, tuple(v.shape), v.dtype) for k, v in local.items()]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    have = {k for k, _, _ in everyone[0]}
+    plan = []
+    for src in range(1, len(everyone)):
+        for k, shape, dtype in everyone[src]:
+            if k not in have:
+                have.add(k)
+                plan.append((src, k, shape, dtype))
+    return plan
+
+
+def stage_tensors_to_rank0(local: dict[str, torch.Tensor], plan, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every stage's ``local`` tensors on rank 0 (the others get ``local`` back,
+    after sending their part). ``plan``: from :func:`_plan` on the same keys."""
+    rank = dist.get_rank()
+    out = dict(local)
+    for src, k, shape, dtype in plan:
+        if rank == 0:
+            t = torch.empty(shape, dtype=dtype, device=device)
+            dist.recv(t, src=src)
+            out[k] = t
+        elif rank == src:
+            dist.send(local[k].detach().to(device).contiguous(), dst=0)
+    return out
+
+
+class PipelineLoraPush(ShardedLoraPush):
+    """The weight push of a LoRA policy under PP (``trainer_push``'s object):
+    every rank computes its stage's merged (or adapter) tensors, as
+    :class:`ShardedLoraPush` does for the whole model (FSDP shards gathered
+    within the stage), the other stages send theirs to rank 0, and rank 0's
+    Pusher sends the whole model's. On the trainer's thread and groups, not
+    overlapped with the next step."""
+
+    def __init__(self, model_parts: list[nn.Module], adapter, pusher, sync: bool, adapter_only: bool = False,
+                 device: torch.device | None = None):
+        super().__init__(model_parts, adapter, pusher, sync, adapter_only)
+        if device is None:  # gloo sends CPU tensors, NCCL this rank's GPU's
+            cuda = dist.get_backend() == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self.device = device
+        self._plan: list | None = None
+        self._keys: list[str] | None = None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        local = super().tensors()
+        keys = list(local)
+        if self._plan is None:
+            self._plan, self._keys = _plan(local), keys
+        elif keys != self._keys:
+            raise RuntimeError("PipelineLoraPush: this stage's tensor names changed since the first push")
+        return stage_tensors_to_rank0(local, self._plan, self.device)
