@@ -327,7 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--servers", type=int, default=None, help="replicas in the off/sync/async run (GPU 2, --cpu 1)")
     ap.add_argument("--steps", type=int, default=None, help="steps per mode per round (GPU 8, --cpu 4)")
     ap.add_argument("--rounds", type=int, default=None, help="rounds of off/sync/async (GPU 3, --cpu 2)")
-    ap.add_argument("--warmup", type=int, default=None, help="sync warm-up steps (GPU 4, --cpu 3)")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="sync warm-up steps (GPU 4, --cpu 3); at least 2 run: the first, which also creates "
+                         "the communicators, is not timed, and t_u is the median of the others")
     ap.add_argument("--slow-steps", type=int, default=None, help="async steps with the slow replica (GPU 24, --cpu 8)")
     ap.add_argument("--after-kill-steps", type=int, default=None, help="steps after the kill before the restart "
                                                                          "(GPU 10, --cpu 5)")
@@ -358,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
                       ("deadline_s", 20.0, 15.0), ("max_slow_ratio", 1.15, 1.5)):
         if getattr(args, key) is None:
             setattr(args, key, g if gpu else c)
+    if args.warmup < 0:
+        ap.error(f"--warmup must be >= 0, got {args.warmup}")
     if args.cpu and args.one_gpu:
         ap.error("--cpu and --one-gpu exclude each other")
     need = 1 if args.one_gpu else 2
@@ -431,9 +435,11 @@ def _run(args, model_dir: str, gpu: bool) -> int:
                 tr.set_batch(min(8 * args.samples, math.ceil(args.samples * args.target_ms / (t_off * 1e3))))
                 run_block(tr, p1, "off", 2, guard_s)
         update_s = []
-        for k in range(args.warmup):
+        # The first push also creates the communicators and is not timed: t_u
+        # needs one timed push after it, so at least 2 run whatever --warmup says.
+        for k in range(max(args.warmup, 2)):
             run_block(tr, p1, "sync", 1, guard_s)
-            if k > 0:  # the first push also creates the communicators
+            if k > 0:
                 update_s.append(max(st["last_transfer_s"] for st in p1.status()))
         t_u = statistics.median(update_s)
         sent = [bk.TensorSpec(x.name, getattr(torch, args.push_dtype) if args.push_dtype != "model" else x.dtype,
