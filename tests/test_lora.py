@@ -236,6 +236,7 @@ def test_export_loads_in_transformers_and_peft(dirs, name, tmp_path):
     ({"tp": 2}, "lora.enable"),
     ({"base_dtype": "float16"}, "lora.base_dtype"),
     ({"last_save_in_hf": True}, "checkpoint.last_save_in_hf"),
+    ({"pp": 2, "hf_export": True}, "checkpoint.hf_export"),  # PP alone is fine (test_lora_pp.py)
 ])
 def test_config_errors_name_the_key(change, key):
     from torchtitan_grpo.config import _check, ConfigError
@@ -244,7 +245,8 @@ def test_config_errors_name_the_key(change, key):
     lo = LoRA(enable=True, **{k: v for k, v in change.items() if k in LoRA.__dataclass_fields__})
     cfg = SimpleNamespace(lora=lo, parallelism=SimpleNamespace(tensor_parallel_degree=change.get("tp", 1),
                                                                 pipeline_parallel_degree=change.get("pp", 1)),
-                          checkpoint=SimpleNamespace(last_save_in_hf=change.get("last_save_in_hf", False)))
+                          checkpoint=SimpleNamespace(last_save_in_hf=change.get("last_save_in_hf", False),
+                                                     hf_export=change.get("hf_export", False)))
     with pytest.raises(ConfigError, match=f"config key {key} "):
         validate_lora(cfg, _check)
     validate_lora(SimpleNamespace(**{**vars(cfg), "lora": LoRA(enable=False, rank=0)}), _check)  # off: unchecked

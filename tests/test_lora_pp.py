@@ -120,6 +120,24 @@ def _worker(model_dir: str, out_dir: str) -> dict:
     return res
 
 
+def rank_models(root: str) -> dict[str, str]:
+    """The checkpoint of :func:`run_ranks`: the demo's tiny Qwen3 (tests/multirank.py's ``qwen3``)."""
+    return {}
+
+
+def run_ranks(out_dir: str, model_dirs: dict[str, str]) -> None:
+    """In an initialised 2-rank gloo group: :func:`_worker`, every rank's results in rank 0's ``results.pt``
+    (tests/multirank.py's protocol for a file whose cases can ride on a shared launch)."""
+    import torch.distributed as dist
+
+    res = _worker(model_dirs["qwen3"], os.path.join(out_dir, "dump"))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, res)
+    if dist.get_rank() == 0:
+        torch.save(every, os.path.join(out_dir, "results.pt"))
+    dist.barrier()
+
+
 def _main(model_dir: str, out_dir: str) -> None:
     from datetime import timedelta
 
@@ -128,12 +146,7 @@ def _main(model_dir: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     try:
-        res = _worker(model_dir, os.path.join(out_dir, "dump"))
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, res)
-        if dist.get_rank() == 0:
-            torch.save(every, os.path.join(out_dir, "results.pt"))
-        dist.barrier()
+        run_ranks(out_dir, {"qwen3": model_dir})
     finally:
         dist.destroy_process_group()
 

@@ -81,6 +81,11 @@ def validate_lora(cfg, check) -> None:
         degree = getattr(p, key, 1)
         check(degree == 1, "lora.enable", f"is not supported with parallelism.{key} = {degree} (one process, FSDP2, "
               "HSDP, DDP or PP only; docs/LORA.md)", lo.enable)
+    pp = getattr(p, "pipeline_parallel_degree", 1)
+    hf_export = getattr(cfg.checkpoint, "hf_export", False)
+    check(not (hf_export and pp > 1), "checkpoint.hf_export", "with lora.enable is not supported under "
+          f"parallelism.pipeline_parallel_degree = {pp} yet (the export would write stage 0's adapters and the "
+          "unmerged base; docs/LORA.md)", hf_export)
     check(not cfg.checkpoint.last_save_in_hf, "checkpoint.last_save_in_hf",
           "cannot be used with lora.enable (TorchTitan's HF save would write the unmerged base): use "
           "checkpoint.hf_export, which writes the merged model and the peft adapter", cfg.checkpoint.last_save_in_hf)
