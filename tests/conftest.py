@@ -51,12 +51,14 @@ def generating_server(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def multirank_launched(tmp_path_factory, worker_id):
+def multirank_launched(request, tmp_path_factory, worker_id):
     """tests/multirank.py's launches, run once per test *run*: under xdist
-    test_parallel_parity and test_gather usually land on different workers
-    (processes), and each would pay every torchrun launch again. The first
-    worker to ask runs them into the run's shared temp folder under a file
-    lock; the other waits on the lock and reads the results."""
+    test_parallel_parity, test_gather and multirank.EXTRAS usually land on
+    different workers (processes), and each would pay every torchrun launch
+    again. The first worker to ask runs them into the run's shared temp
+    folder under a file lock; the other waits on the lock and reads the
+    results. Only the parts of the files this run collected are launched
+    (every xdist worker collects the same items)."""
     import fcntl
     import pickle
 
@@ -79,6 +81,8 @@ def multirank_launched(tmp_path_factory, worker_id):
                     path.mkdir()
                     return path
 
-            launched = multirank.shared(_Shared)
+            files = {os.path.splitext(os.path.basename(str(item.fspath)))[0] for item in request.session.items}
+            launched = multirank.shared(_Shared, files)
             done.write_bytes(pickle.dumps(launched))
     return multirank._SESSION["launched"]
+

@@ -1,5 +1,6 @@
-"""One torchrun per world size for the multi-rank cases of two test files,
-tests/test_parallel_parity.py and tests/test_gather.py, run once per session.
+"""One torchrun per world size for the multi-rank cases of the test files
+tests/test_parallel_parity.py and tests/test_gather.py (and ``EXTRAS`` on
+CPU), run once per session, for the files the session collected.
 
 Each rank of a launch imports torch, TorchTitan and transformers and joins a
 gloo group; on a 2-core box that start-up costs about as much as the tiny
@@ -11,6 +12,10 @@ instead of one per file. The cases and their checks are the files' own
     python -m torch.distributed.run --standalone --nproc_per_node=N tests/multirank.py --out OUT \\
         --model qwen3=PATH --model qwen3_tied=PATH --model llama3=PATH
 
+On CPU the 2-rank launch also runs the 2-rank cases of ``EXTRAS`` (LoRA x
+FSDP2, llama3 tied, expert and context parallel) in the same process group,
+after these two files' (one torchrun start for all, not one per file).
+
 Each file's own worker (``python tests/test_gather.py ...``, ``python
 tests/test_parallel_parity.py worker ...``) still runs alone, as the device
 scripts use them.
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import importlib
 import os
 import sys
 from dataclasses import dataclass
@@ -30,17 +36,60 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 
-def launches() -> dict[int, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]]:
+# Other files whose 2-rank cases ride on the 2-rank launch on CPU (on GPUs
+# each launches its own, as before). Each module has ``rank_models(root) ->
+# {name: dir}`` (its checkpoints, written before the launch) and
+# ``run_ranks(out_dir, model_dirs)`` (its cases in the launch's initialised
+# group, results under out_dir). CP last: its ring attention patches SDPA.
+EXTRAS = ("test_llama_tied", "test_expert_parallel", "test_lora_sharded", "test_context_parallel")
+
+
+def extras() -> tuple[str, ...]:
+    import torch
+
+    return () if torch.cuda.is_available() else EXTRAS
+
+
+def _run_extras(out: str, model_dirs: dict[str, str], names: tuple[str, ...]) -> None:
+    """Each extra file's cases; a failure is written to that file's folder
+    (``error-rank*.txt``, its tests report it) and the next file still runs."""
+    import traceback
+
+    import torch.distributed as dist
+
+    for name in names:
+        case_out = os.path.join(out, name)
+        os.makedirs(case_out, exist_ok=True)
+        try:
+            importlib.import_module(f"tests.{name}").run_ranks(case_out, model_dirs)
+        except Exception:
+            with open(os.path.join(case_out, f"error-rank{dist.get_rank()}.txt"), "w") as f:
+                f.write(traceback.format_exc())
+
+
+def launches(files: set[str] | None = None) -> dict[int, tuple[tuple[str, ...], ...]]:
     """World size -> (parity layouts, gather layouts, gather layouts also
-    staged through rank 0's Pusher), each file's own table of launches."""
+    staged through rank 0's Pusher, extra files), each file's own table of
+    launches; only the parts of ``files`` (test file stems; None: all), so
+    that a run of one file launches only what it reads."""
     from tests import test_gather as gather
     from tests import test_parallel_parity as parity
 
-    sizes = sorted(set(parity.LAUNCHES) | set(gather.LAUNCHES))
-    return {n: (parity.LAUNCHES.get(n, ()), gather.LAUNCHES.get(n, ()), gather.STAGED.get(n, ())) for n in sizes}
+    def wanted(name: str) -> bool:
+        return files is None or name in files
+
+    table = {}
+    for n in sorted(set(parity.LAUNCHES) | set(gather.LAUNCHES) | {2}):
+        part = (parity.LAUNCHES.get(n, ()) if wanted("test_parallel_parity") else (),
+                gather.LAUNCHES.get(n, ()) if wanted("test_gather") else (),
+                gather.STAGED.get(n, ()) if wanted("test_gather") else (),
+                tuple(e for e in extras() if wanted(e)) if n == 2 else ())
+        if any(part):
+            table[n] = part
+    return table
 
 
-def _worker(out: str, model_dirs: dict[str, str]) -> None:
+def _worker(out: str, model_dirs: dict[str, str], files: set[str] | None) -> None:
     from datetime import timedelta
 
     import torch
@@ -58,22 +107,27 @@ def _worker(out: str, model_dirs: dict[str, str]) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=300))
-    parity_layouts, gather_layouts, staged = launches()[dist.get_world_size()]
+    parity_layouts, gather_layouts, staged, extra = launches(files)[dist.get_world_size()]
     try:
         os.makedirs(os.path.join(out, "parity"), exist_ok=True)
-        parity.run_layouts(os.path.join(out, "parity"), model_dirs, list(parity_layouts))
-        gather.run_layouts(os.path.join(out, "gather"), model_dirs, list(gather_layouts), "", list(staged))
+        if parity_layouts:
+            parity.run_layouts(os.path.join(out, "parity"), model_dirs, list(parity_layouts))
+        if gather_layouts:
+            gather.run_layouts(os.path.join(out, "gather"), model_dirs, list(gather_layouts), "", list(staged))
+        _run_extras(out, model_dirs, extra)
         dist.barrier()  # leave together: a peer gone early can abort this rank at exit
     finally:
         faulthandler.cancel_dump_traceback_later()
         dist.destroy_process_group()
 
 
-def launch(nproc: int, out: str, model_dirs: dict[str, str], timeout: float = 900) -> str:
+def launch(nproc: int, out: str, model_dirs: dict[str, str], timeout: float = 900,
+           files: set[str] | None = None) -> str:
     """torchrun ``nproc`` ranks over :func:`_worker`; returns the log."""
     from tests.test_parallel_parity import run_torchrun
 
-    return run_torchrun(nproc, [os.path.abspath(__file__), "--out", out,
+    only = [f"--files={','.join(sorted(files))}"] if files is not None else []
+    return run_torchrun(nproc, [os.path.abspath(__file__), "--out", out, *only,
                                 *[f"--model={k}={v}" for k, v in model_dirs.items()]], timeout)
 
 
@@ -87,28 +141,46 @@ class Launched:
     """test_gather's results (``staged/``: those through rank 0's Pusher)."""
     errors: dict[int, str]
     """World size -> the failed launch's log tail."""
+    root: Path = Path()
+    """Every launch's results (``EXTRAS``' under their own names)."""
+
+    def extra(self, name: str) -> Path:
+        """``name``'s results (one of ``EXTRAS``); fails its test with the
+        2-rank launch's log or the traceback its cases left."""
+        import pytest
+
+        if 2 in self.errors:
+            pytest.fail(self.errors[2])
+        out = self.root / name
+        failed = sorted(out.glob("error-rank*.txt"))
+        if failed:
+            pytest.fail("\n".join(f"{f.name}:\n{f.read_text()}" for f in failed))
+        return out
 
 
 _SESSION: dict[str, Launched] = {}
 
 
-def shared(tmp_path_factory) -> Launched:
+def shared(tmp_path_factory, files: set[str] | None = None) -> Launched:
     """The models and every launch, done once per test session (the first
-    file to ask runs them; the other reads the results)."""
+    file to ask runs them; the others read the results); only the parts of
+    ``files`` (test file stems of the session; None: all)."""
     if "launched" not in _SESSION:
         from tests.test_parallel_parity import write_models
 
         root = tmp_path_factory.mktemp("multirank")
         model_dirs = write_models(str(root / "models"))
+        for name in launches(files).get(2, ((), (), (), ()))[3]:
+            model_dirs.update(importlib.import_module(f"tests.{name}").rank_models(str(root / "models")))
         out = root / "results"
         out.mkdir()
         errors = {}
-        for nproc in launches():
+        for nproc in launches(files):
             try:
-                launch(nproc, str(out), model_dirs)
+                launch(nproc, str(out), model_dirs, files=files)
             except RuntimeError as e:  # reported by the tests that read that launch
                 errors[nproc] = str(e)
-        _SESSION["launched"] = Launched(model_dirs, out / "parity", out / "gather", errors)
+        _SESSION["launched"] = Launched(model_dirs, out / "parity", out / "gather", errors, out)
     return _SESSION["launched"]
 
 
@@ -116,5 +188,6 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", action="append", default=[])
+    ap.add_argument("--files", default=None, help="comma-separated test file stems (default: all)")
     a = ap.parse_args()
-    _worker(a.out, dict(m.split("=", 1) for m in a.model))
+    _worker(a.out, dict(m.split("=", 1) for m in a.model), set(a.files.split(",")) if a.files is not None else None)

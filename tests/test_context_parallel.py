@@ -106,6 +106,24 @@ def run_case(model_dir: str, name: str, cp: int, world_size: int) -> dict:
     return {"metrics": metrics, "grads": grads, "params": _gathered(policy), "seen": seen}
 
 
+def rank_models(root: str) -> dict[str, str]:
+    """The checkpoints of :func:`run_ranks` (tests/multirank.py writes them before its launch)."""
+    return write_models(root)
+
+
+def run_ranks(out_dir: str, model_dirs: dict[str, str]) -> None:
+    """In an initialised group of CP ranks: every case, rank 0 saves it."""
+    import torch.distributed as dist
+
+    for name, case in CASES.items():
+        t0 = time.perf_counter()
+        result = run_case(model_dirs[case[0]], name, CP, dist.get_world_size())
+        result["seconds"] = time.perf_counter() - t0
+        if dist.get_rank() == 0:
+            torch.save(result, os.path.join(out_dir, f"{name}.pt"))
+    dist.barrier()
+
+
 def _worker(out_dir: str, model_dirs: dict[str, str]) -> None:
     from datetime import timedelta
 
@@ -118,13 +136,7 @@ def _worker(out_dir: str, model_dirs: dict[str, str]) -> None:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=300))
     try:
-        for name, case in CASES.items():
-            t0 = time.perf_counter()
-            result = run_case(model_dirs[case[0]], name, CP, dist.get_world_size())
-            result["seconds"] = time.perf_counter() - t0
-            if dist.get_rank() == 0:
-                torch.save(result, os.path.join(out_dir, f"{name}.pt"))
-        dist.barrier()
+        run_ranks(out_dir, model_dirs)
     finally:
         dist.destroy_process_group()
 
@@ -133,20 +145,30 @@ def _worker(out_dir: str, model_dirs: dict[str, str]) -> None:
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    """Every case's single-process result, and CP 2's from one torchrun x2."""
+def launched(request, tmp_path_factory):
+    """Every case's single-process result, and CP 2's: on CPU from the
+    suite's shared 2-rank launch (tests/multirank.py), else from one torchrun
+    x2 of this file's own."""
     from tests.test_parallel_parity import run_torchrun
 
-    root = tmp_path_factory.mktemp("context_parallel")
-    dirs = write_models(str(root / "models"))
-    out = root / "results"
-    out.mkdir()
     error = None
-    try:
-        run_torchrun(CP, [os.path.abspath(__file__), "worker", "--out", str(out),
-                          *[f"--model={k}={v}" for k, v in dirs.items()]], 600)
-    except RuntimeError as e:  # reported by every test that reads the launch
-        error = str(e)
+    if not torch.cuda.is_available():
+        shared = request.getfixturevalue("multirank_launched")
+        dirs = shared.model_dirs
+        try:
+            out = shared.extra("test_context_parallel")
+        except pytest.fail.Exception as e:  # reported by every test that reads the launch
+            out, error = None, str(e)
+    else:
+        root = tmp_path_factory.mktemp("context_parallel")
+        dirs = write_models(str(root / "models"))
+        out = root / "results"
+        out.mkdir()
+        try:
+            run_torchrun(CP, [os.path.abspath(__file__), "worker", "--out", str(out),
+                              *[f"--model={k}={v}" for k, v in dirs.items()]], 600)
+        except RuntimeError as e:  # reported by every test that reads the launch
+            error = str(e)
     refs = {name: run_case(dirs[case[0]], name, 1, 1) for name, case in CASES.items()}
     return refs, out, error
 

@@ -179,6 +179,24 @@ def run_case(model_dir: str, layout: tuple[int, int, int], ep: int, world_size: 
 # ---------------------------------------------------------------- worker
 
 
+def rank_models(root: str) -> dict[str, str]:
+    """The checkpoint of :func:`run_ranks` (tests/multirank.py writes it before its launch)."""
+    return {"moe": write_checkpoint(os.path.join(root, "moe"))}
+
+
+def run_ranks(out_dir: str, model_dirs: dict[str, str]) -> None:
+    """In an initialised 2-rank gloo group: every layout's case, rank 0 saves it."""
+    import torch.distributed as dist
+
+    for name, layout in LAYOUTS.items():
+        t0 = time.perf_counter()
+        result = run_case(model_dirs["moe"], layout, EP, dist.get_world_size())
+        result["seconds"] = time.perf_counter() - t0
+        if dist.get_rank() == 0:
+            torch.save(result, os.path.join(out_dir, f"{name}.pt"))
+    dist.barrier()
+
+
 def _worker(out_dir: str, model_dir: str) -> None:
     from datetime import timedelta
 
@@ -186,31 +204,35 @@ def _worker(out_dir: str, model_dir: str) -> None:
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     try:
-        for name, layout in LAYOUTS.items():
-            t0 = time.perf_counter()
-            result = run_case(model_dir, layout, EP, dist.get_world_size())
-            result["seconds"] = time.perf_counter() - t0
-            if dist.get_rank() == 0:
-                torch.save(result, os.path.join(out_dir, f"{name}.pt"))
-        dist.barrier()
+        run_ranks(out_dir, {"moe": model_dir})
     finally:
         dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    """The single process's case, and both layouts' from one torchrun x2."""
+def launched(request, tmp_path_factory):
+    """The single process's case, and both layouts' from 2 ranks: on CPU from
+    the suite's shared 2-rank launch (tests/multirank.py), else from one
+    torchrun x2 of this file's own."""
     from tests.test_parallel_parity import run_torchrun
 
-    root = tmp_path_factory.mktemp("expert_parallel")
-    model_dir = write_checkpoint(str(root / "moe"))
-    out = root / "results"
-    out.mkdir()
     error = None
-    try:
-        run_torchrun(2, [os.path.abspath(__file__), "worker", "--out", str(out), "--model", model_dir], 600)
-    except RuntimeError as e:  # reported by every test that reads the launch
-        error = str(e)
+    if not torch.cuda.is_available():
+        shared = request.getfixturevalue("multirank_launched")
+        model_dir = shared.model_dirs["moe"]
+        try:
+            out = shared.extra("test_expert_parallel")
+        except pytest.fail.Exception as e:  # reported by every test that reads the launch
+            out, error = None, str(e)
+    else:
+        root = tmp_path_factory.mktemp("expert_parallel")
+        model_dir = write_checkpoint(str(root / "moe"))
+        out = root / "results"
+        out.mkdir()
+        try:
+            run_torchrun(2, [os.path.abspath(__file__), "worker", "--out", str(out), "--model", model_dir], 600)
+        except RuntimeError as e:  # reported by every test that reads the launch
+            error = str(e)
     ref = run_case(model_dir, (1, 1, 1), 1, 1)
     return ref, out, error
 

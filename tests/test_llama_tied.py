@@ -188,37 +188,56 @@ def test_export_hf_loads_in_transformers(tied_dir, tmp_path):
 # ------------------------------------------------------------- parity
 
 
+def rank_models(root: str) -> dict[str, str]:
+    """The checkpoint of :func:`run_ranks` (tests/multirank.py writes it before its launch)."""
+    return {"llama_tied": write_tied_llama(os.path.join(root, "llama_tied"))}
+
+
+def run_ranks(out_dir: str, model_dirs: dict[str, str]) -> None:
+    """In an initialised 2-rank group: one GRPO step per layout, rank 0 saves it."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for layout, dims in LAYOUTS.items():
+        if layout in PP_SCHEDULES:  # the trainer's own pipeline step
+            result = run_step_case(model_dirs["llama_tied"], NAME, layout, world)
+        else:
+            result = run_case(model_dirs["llama_tied"], NAME, dims, world)
+        if rank == 0:
+            torch.save(result, os.path.join(out_dir, f"{layout}.pt"))
+    dist.barrier()  # leave together: a peer gone early can abort this rank at exit
+
+
 def _worker(out_dir: str, model_dir: str) -> None:
-    """Under torchrun (2 ranks): one GRPO step per layout, rank 0 saves it."""
+    """Under torchrun (2 ranks, a launch of its own): :func:`run_ranks`."""
     import torch.distributed as dist
     from datetime import timedelta
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
-    world, rank = dist.get_world_size(), dist.get_rank()
     try:
-        for layout, dims in LAYOUTS.items():
-            if layout in PP_SCHEDULES:  # the trainer's own pipeline step
-                result = run_step_case(model_dir, NAME, layout, world)
-            else:
-                result = run_case(model_dir, NAME, dims, world)
-            if rank == 0:
-                torch.save(result, os.path.join(out_dir, f"{layout}.pt"))
-        dist.barrier()  # leave together: a peer gone early can abort this rank at exit
+        run_ranks(out_dir, {"llama_tied": model_dir})
     finally:
         dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
-def parity(tied_dir, tmp_path_factory):
-    """Single-process references, then one 2-rank torchrun for every layout."""
-    out = tmp_path_factory.mktemp("llama_tied_parity")
-    ref, ref_step = run_case(tied_dir, NAME, (1, 1, 1), 1), run_step_case(tied_dir, NAME, "single", 1)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.abspath(__file__), str(out), tied_dir]
-    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, TOKENIZERS_PARALLELISM="false")
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+def parity(request, tmp_path_factory):
+    """Single-process references, and every layout from 2 ranks: on CPU from
+    the suite's shared 2-rank launch (tests/multirank.py), else from a
+    2-rank torchrun of this file's own."""
+    if not torch.cuda.is_available():
+        launched = request.getfixturevalue("multirank_launched")
+        model_dir, out = launched.model_dirs["llama_tied"], launched.extra("test_llama_tied")
+    else:
+        model_dir = request.getfixturevalue("tied_dir")
+        out = tmp_path_factory.mktemp("llama_tied_parity")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               os.path.abspath(__file__), str(out), model_dir]
+        path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, TOKENIZERS_PARALLELISM="false")
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    ref, ref_step = run_case(model_dir, NAME, (1, 1, 1), 1), run_step_case(model_dir, NAME, "single", 1)
     return ref, ref_step, {name: torch.load(out / f"{name}.pt", weights_only=False) for name in LAYOUTS}
 
 

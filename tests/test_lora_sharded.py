@@ -210,6 +210,23 @@ def _worker(model_dir: str, out_dir: str) -> dict:
     return res
 
 
+def rank_models(root: str) -> dict[str, str]:
+    """The checkpoint of :func:`run_ranks`: the demo's tiny Qwen3 (tests/multirank.py's ``qwen3``)."""
+    return {}
+
+
+def run_ranks(out_dir: str, model_dirs: dict[str, str]) -> None:
+    """In an initialised 2-rank group: :func:`_worker`, every rank's results in rank 0's ``results.pt``."""
+    import torch.distributed as dist
+
+    res = _worker(model_dirs["qwen3"], os.path.join(out_dir, "dump"))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, res)
+    if dist.get_rank() == 0:
+        torch.save(every, os.path.join(out_dir, "results.pt"))
+    dist.barrier()
+
+
 def _main(model_dir: str, out_dir: str) -> None:
     from datetime import timedelta
 
@@ -220,12 +237,7 @@ def _main(model_dir: str, out_dir: str) -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if ON_GPUS else "gloo", timeout=timedelta(seconds=120))
     try:
-        res = _worker(model_dir, os.path.join(out_dir, "dump"))
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, res)
-        if dist.get_rank() == 0:
-            torch.save(every, os.path.join(out_dir, "results.pt"))
-        dist.barrier()
+        run_ranks(out_dir, {"qwen3": model_dir})
     finally:
         dist.destroy_process_group()
 
@@ -234,11 +246,17 @@ def _main(model_dir: str, out_dir: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def results(tiny_model_dir, tmp_path_factory) -> list[dict]:
+def results(request, tmp_path_factory) -> list[dict]:
+    """Both ranks' results: on CPU from the suite's shared 2-rank launch
+    (tests/multirank.py), else from one 2-rank torchrun of this file's own."""
     from tests.test_parallel_parity import run_torchrun
 
-    out = str(tmp_path_factory.mktemp("lora_sharded"))
-    run_torchrun(WORLD, [os.path.abspath(__file__), tiny_model_dir, out], timeout=300)  # a hang guard only
+    if not torch.cuda.is_available():
+        out = str(request.getfixturevalue("multirank_launched").extra("test_lora_sharded"))
+    else:
+        out = str(tmp_path_factory.mktemp("lora_sharded"))
+        run_torchrun(WORLD, [os.path.abspath(__file__), request.getfixturevalue("tiny_model_dir"), out],
+                     timeout=300)  # a hang guard only
     return torch.load(os.path.join(out, "results.pt"), weights_only=False)
 
 
