@@ -27,7 +27,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import torchtitan_grpo  # noqa: E402,F401  (before torchtitan)
-from tests.test_lora_sharded import SEED, _base, _batch, _cfg, _maxdiff, _Recorder, _train, _whole  # noqa: E402
+from tests.test_lora_sharded import SEED, _base, _cfg, _maxdiff, _Recorder, _train, _whole  # noqa: E402
 
 WORLD = 2
 TOL = 1e-6  # fp32 on CPU
