@@ -64,3 +64,25 @@ def test_a_closed_pusher_leaves_the_replica_to_the_next_one(server, model_dir, l
         assert _served(server, protocol) == "2"
     finally:
         b.close()
+
+
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+def test_a_pusher_takes_over_from_one_that_never_closed(server, model_dir, loop, protocol, caplog):
+    """Pusher A pushes and is abandoned without ``close`` (a trainer killed by
+    SIGKILL or the OOM killer leaves its group on the server); pusher B, the
+    restarted trainer, is refused at first, closes what A left and joins."""
+    cfg = PushConfig(mode="sync", protocol=protocol, bucket_bytes=4 << 20, deadline_s=30, init_timeout_s=30,
+                     reconnect_interval_s=0.2)
+    a = Pusher(loop, [server], cfg, torch.device("cpu"))
+    b = Pusher(loop, [server], cfg, torch.device("cpu"))
+    try:
+        a.connect(initial_version=0)
+        a.push(_weights(model_dir, 3.0), version=1)
+        with caplog.at_level(logging.INFO, logger="torchtitan_grpo.weight_sync.pusher"):
+            b.connect(initial_version=1)
+        assert any("refused to join" in r.getMessage() for r in caplog.records), "B joined without a refusal"
+        b.push(_weights(model_dir, 4.0), version=2)
+        assert _served(server, protocol) == "2"
+    finally:
+        b.close()
+        a.close()

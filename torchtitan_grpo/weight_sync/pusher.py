@@ -201,7 +201,7 @@ class Pusher:
         with self.staging.lock:  # replicas added from now on join on their own (add_replica)
             self._started = True
             initial = list(self.replicas)
-        results = await asyncio.gather(*(self.transport.connect(r) for r in initial), return_exceptions=True)
+        results = await asyncio.gather(*(self._connect_first(r) for r in initial), return_exceptions=True)
         errors = [f"{r.url}: {reason(e)}" for r, e in zip(initial, results) if isinstance(e, Exception)]
         if errors:
             raise PushError("weight groups could not be set up: " + "; ".join(errors))
@@ -209,6 +209,23 @@ class Pusher:
         for r in initial:
             r.joined, r.version = True, initial_version
             self._tasks.append(asyncio.create_task(self._sender(r)))
+
+    async def _connect_first(self, r: Replica) -> None:
+        """Join ``r`` at start-up. A replica that answers and refuses (a
+        weight group or transfer engine of the same name is still open there:
+        a trainer killed before ``close``, restarted against long-lived
+        servers) is reset and asked once more; the first refusal is what
+        fails if that does not help."""
+        try:
+            await self.transport.connect(r)
+        except PushError as first:
+            logger.info("weight push: %s refused to join (%s); closing what an earlier trainer left there "
+                        "and joining again", r.url, reason(first))
+            try:
+                await self.transport.reset(r)
+                await self.transport.connect(r)
+            except Exception:
+                raise first from None
 
     def add_replica(self, url: str) -> bool:
         """A replica that joined the fleet (e.g. through the pool's replica
