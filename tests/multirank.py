@@ -13,7 +13,8 @@ instead of one per file. The cases and their checks are the files' own
         --model qwen3=PATH --model qwen3_tied=PATH --model llama3=PATH
 
 On CPU the 2-rank launch also runs the 2-rank cases of ``EXTRAS`` (LoRA x
-FSDP2, llama3 tied, expert and context parallel) in the same process group,
+FSDP2, llama3 tied, expert and context parallel, the chunked log-prob head)
+in the same process group,
 after these two files' (one torchrun start for all, not one per file).
 
 Each file's own worker (``python tests/test_gather.py ...``, ``python
@@ -41,7 +42,8 @@ if ROOT not in sys.path:
 # {name: dir}`` (its checkpoints, written before the launch) and
 # ``run_ranks(out_dir, model_dirs)`` (its cases in the launch's initialised
 # group, results under out_dir). CP last: its ring attention patches SDPA.
-EXTRAS = ("test_llama_tied", "test_expert_parallel", "test_lora_sharded", "test_context_parallel")
+EXTRAS = ("test_llama_tied", "test_expert_parallel", "test_lora_sharded", "test_chunked_logprobs",
+          "test_context_parallel")
 
 
 def extras() -> tuple[str, ...]:

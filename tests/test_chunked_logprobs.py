@@ -241,15 +241,19 @@ def test_tp_and_pp_keep_the_full_logits_path():
 LAUNCH_CASES = (("qwen3_tied", "fsdp"), ("llama3", "ddp"))
 
 
-def _launch_worker(models_root: str, out: str) -> None:
-    """Under torchrun x2: each case's step with full logits, then chunked."""
+def rank_models(root: str) -> dict[str, str]:
+    """The checkpoints of :func:`run_ranks`: test_parallel_parity's (tests/multirank.py writes them)."""
+    return {}
+
+
+def run_ranks(out_dir: str, model_dirs: dict[str, str]) -> None:
+    """In an initialised 2-rank group: each case's step with full logits,
+    then chunked; rank 0 saves ``results.pt``."""
     import torch.distributed as dist
 
     from tests import test_parallel_parity as tpp
     from torchtitan_grpo import token_logprobs, trainer
 
-    dirs = tpp.write_models(models_root)
-    dist.init_process_group("gloo")
     heads = []
     real_head, real_chunk = token_logprobs.logprob_head, trainer._logprob_chunk_tokens
     trainer.token_logprobs.logprob_head = lambda *a, **k: heads.append(1) or real_head(*a, **k)
@@ -263,30 +267,44 @@ def _launch_worker(models_root: str, out: str) -> None:
 
                 trainer._logprob_chunk_tokens = pick
                 heads.clear()
-                r = tpp.run_step_case(dirs[model], model, layout, 2)
+                r = tpp.run_step_case(model_dirs[model], model, layout, 2)
                 results[(model, layout, chunk)] = {"loss": r["loss"], "grad_norm": r["grad_norm"],
                                                    "grads": r["grads"], "heads": len(heads)}
     finally:
         trainer._logprob_chunk_tokens = real_chunk
         trainer.token_logprobs.logprob_head = real_head
     if dist.get_rank() == 0:
-        torch.save(results, out)
+        torch.save(results, os.path.join(out_dir, "results.pt"))
     dist.barrier()
+
+
+def _launch_worker(models_root: str, out: str) -> None:
+    """Under torchrun x2, a launch of its own: :func:`run_ranks`."""
+    import torch.distributed as dist
+
+    from tests import test_parallel_parity as tpp
+
+    dirs = tpp.write_models(models_root)
+    dist.init_process_group("gloo")
+    run_ranks(os.path.dirname(out), dirs)
     dist.destroy_process_group()
 
 
-def test_fsdp_and_ddp_run_the_head_and_match_full_logits(tmp_path):
+def test_fsdp_and_ddp_run_the_head_and_match_full_logits(request, tmp_path):
     from tests import test_parallel_parity as tpp
 
-    models = tmp_path / "models"
-    tpp.write_models(str(models))  # once, before the ranks read them
-    out = tmp_path / "results.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.abspath(__file__), str(models), str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        p for p in (ROOT, os.environ.get("PYTHONPATH")) if p), TOKENIZERS_PARALLELISM="false")
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    if not torch.cuda.is_available():  # CPU: from the suite's shared 2-rank launch (tests/multirank.py)
+        out = request.getfixturevalue("multirank_launched").extra("test_chunked_logprobs") / "results.pt"
+    else:
+        models = tmp_path / "models"
+        tpp.write_models(str(models))  # once, before the ranks read them
+        out = tmp_path / "results.pt"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               os.path.abspath(__file__), str(models), str(out)]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+            p for p in (ROOT, os.environ.get("PYTHONPATH")) if p), TOKENIZERS_PARALLELISM="false")
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
     results = torch.load(out, weights_only=False)
     for model, layout in LAUNCH_CASES:
         full, chunked = results[(model, layout, 0)], results[(model, layout, 5)]
