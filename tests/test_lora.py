@@ -233,7 +233,8 @@ def test_export_loads_in_transformers_and_peft(dirs, name, tmp_path):
     ({"target_modules": []}, "lora.target_modules"),
     ({"target_modules": ["q_proj"]}, "lora.target_modules"),
     ({"target_modules": ["wq", "wq"]}, "lora.target_modules"),
-    ({"tp": 2}, "lora.enable"),
+    ({"tp": 2, "pp": 2}, "lora.enable"),  # TP alone is fine (test_lora_pp.py)
+    ({"tp": 2, "dropout": 0.1}, "lora.dropout"),
     ({"base_dtype": "float16"}, "lora.base_dtype"),
     ({"last_save_in_hf": True}, "checkpoint.last_save_in_hf"),
     ({"pp": 2, "hf_export": True}, "checkpoint.hf_export"),  # PP alone is fine (test_lora_pp.py)
@@ -258,8 +259,11 @@ def test_cli_and_layout_refusal(tiny_model_dir):
     cfg = parse_config(["--job.config_file", DEMO, "--model.hf_assets_path", tiny_model_dir,
                         "--lora.enable", "--lora.target_modules", "wq,w2"])  # TorchTitan's list form
     assert cfg.lora.enable and cfg.lora.target_modules == ["wq", "w2"] and cfg.lora.rank == 16
-    with pytest.raises(ValueError, match="lora.enable .* parallelism.tensor_parallel_degree = 2"):
-        lora.check_layout(SimpleNamespace(data_parallel_shard_degree=2, tensor_parallel_degree=2))
+    with pytest.raises(ValueError, match="lora.enable .* parallelism.context_parallel_degree = 2"):
+        lora.check_layout(SimpleNamespace(data_parallel_shard_degree=2, context_parallel_degree=2))
+    with pytest.raises(ValueError, match="lora.enable .*tensor_parallel_degree = 2 and pipeline_parallel_degree"):
+        lora.check_layout(SimpleNamespace(tensor_parallel_degree=2, pipeline_parallel_degree=2))
+    lora.check_layout(SimpleNamespace(data_parallel_shard_degree=2, tensor_parallel_degree=2))  # FSDP x TP: lora_tp
     lora.check_layout(SimpleNamespace(data_parallel_shard_degree=2, data_parallel_replicate_degree=2))  # HSDP: fine
     lora.check_layout(SimpleNamespace(pipeline_parallel_degree=2))  # PP: fine (lora_pp)
     model, _ = _titan("qwen3", tiny_model_dir)

@@ -1,5 +1,5 @@
-"""LoRA under pipeline parallelism (torchtitan_grpo.lora_pp): PP=2 equals one
-process, on CPU over gloo with real torchrun ranks, in one launch.
+"""LoRA under pipeline and tensor parallelism (torchtitan_grpo.lora_pp, lora_tp): PP=2
+and TP=2 each equal one process, on CPU over gloo with real torchrun ranks, in one launch.
 
 Each rank builds, with ``trainer.build_policy``, a one-process LoRA policy
 (the reference, its ``A`` drawn by ``init_adapters`` with the seed the PP
@@ -9,7 +9,11 @@ the losses, the adapters' gradients and weights, the merged HF-named weights
 and the adapters that ``trainer_push``'s object (``PipelineLoraPush``) hands
 rank 0's Pusher; every stage's frozen base stays bit-identical; each stage's
 optimizer holds its adapters only. A DCP checkpoint of the stages restores
-adapters and optimizer state into a fresh PP policy. Helpers come from
+adapters and optimizer state into a fresh PP policy. In the same launch,
+TP=2 (``tensor_parallel_degree``, :mod:`torchtitan_grpo.lora_tp`) against
+the same reference: the adapters' placements, losses, gradients, adapters,
+merged HF weights and both pushes within 1e-6, the base bit-identical and
+frozen (the optimizer holds the adapters only). Helpers come from
 tests/test_lora_sharded.py (configs, batch, training loop, recorder).
 """
 
@@ -117,6 +121,51 @@ def _worker(model_dir: str, out_dir: str) -> dict:
     res["resumed_opt_diff"] = _maxdiff(saved_opt, {k: _whole(v) for k, v in fresh.optimizers.state_dict().items()
                                                    if torch.is_tensor(v)})
     res["resumed_next_loss"] = (_train(pol, cfg, d, 0, 1, 1)["losses"][0], _train(fresh, cfg, d, 0, 1, 1)["losses"][0])
+    res |= _tp(model_dir, ref_base, ref_out, ref_hf, ref_peft)
+    return res
+
+
+def _tp(model_dir: str, ref_base: dict, ref_out: dict, ref_hf: dict, ref_peft: dict, *extra: str) -> dict:
+    """TP=2 (torchtitan_grpo.lora_tp) against the same one-process reference, in the same launch
+    (``extra``: more [parallelism] keys, e.g. FSDP x TP on four ranks by hand)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate, Shard
+
+    from torchtitan_grpo import lora, trainer
+    from torchtitan_grpo.parallel import data_parallel_rank_and_degree
+    from torchtitan_grpo.weight_sync.gather import trainer_push
+
+    rank, device = dist.get_rank(), torch.device("cpu")
+    d = trainer.Dist(rank, dist.get_world_size(), rank, device)
+    cfg = _cfg(model_dir, *LR, "--parallelism.tensor_parallel_degree", "2", *extra)
+    pol = trainer.build_policy(cfg, model_dir, d)
+    mods = lora.adapted_modules(pol.model)
+    want = {"col": (Shard(0), Replicate(), Shard(0)), "row": (Shard(1), Shard(1), Replicate())}
+    res: dict = {"tp_placements": {k: (m.weight.placements[-1], m.lora_A.placements[-1], m.lora_B.placements[-1])
+                                   for k, m in mods.items()}}  # the TP mesh dim is the last
+    res["tp_want"] = {k: want["row" if k.endswith(("wo", "w2")) else "col"] for k in mods}
+    trained = [p for g in pol.optimizers.optimizers[0].param_groups for p in g["params"]]
+    res["tp_optimizer_holds_adapters_only"] = (  # SequenceParallel's norms stay frozen
+        {id(p) for p in trained} == {id(p) for m in mods.values() for p in (m.lora_A, m.lora_B)})
+    dp_rank, dp_degree = data_parallel_rank_and_degree(pol.parallel_dims)
+    base0 = _base(pol)
+    res["tp_start_diff"] = _maxdiff(base0, ref_base)
+    got = _train(pol, cfg, d, dp_rank, dp_degree)
+    res["tp_losses"] = (ref_out["losses"], got["losses"])
+    res["tp_loss_diff"] = max(abs(a - b) for a, b in zip(*res["tp_losses"]))
+    res["tp_grad_diff"] = _maxdiff(ref_out["grads"], got["grads"])
+    res["tp_adapter_diff"] = _maxdiff(ref_out["adapters"], got["adapters"])
+    res["tp_base_changed"] = _maxdiff(base0, _base(pol))
+    res["tp_hf_diff"] = _maxdiff(ref_hf, trainer.hf_weights(pol))
+    for only in (False, True):
+        rec = _Recorder() if rank == 0 else None
+        ws = SimpleNamespace(mode="sync", lora_push="adapter" if only else "merged")
+        with trainer_push(pol.model_parts, pol.adapter, pol.parallel_dims, device, rec, ws) as push:
+            res["tp_push_kind"] = type(push).__name__
+            push.snapshot(5, wait=True)
+        if rec is not None:
+            res[f"tp_push_diff_{'adapter' if only else 'merged'}"] = _maxdiff(ref_peft if only else ref_hf,
+                                                                               rec.pushed[5])
     return res
 
 
@@ -188,6 +237,20 @@ def test_pp_lora_checkpoint_resumes_adapters_and_optimizer(results):
         assert r["resumed_model_diff"] == 0.0 and r["resumed_opt_diff"] == 0.0
         a, b = r["resumed_next_loss"]
         assert abs(a - b) <= TOL, (a, b)
+
+
+def test_tp_lora_equals_one_process(results):
+    """TP=2 (lora_tp): the adapters placed like their weights, two steps as one process, the base frozen."""
+    for r in results:
+        assert r["tp_placements"] == r["tp_want"]
+        assert r["tp_optimizer_holds_adapters_only"]
+        assert r["tp_start_diff"] == 0.0 and r["tp_base_changed"] == 0.0
+        assert r["tp_losses"][1][0] != r["tp_losses"][1][1]
+        assert r["tp_loss_diff"] <= TOL, r["tp_losses"]
+        assert r["tp_grad_diff"] <= TOL and r["tp_adapter_diff"] <= TOL, (r["tp_grad_diff"], r["tp_adapter_diff"])
+        assert r["tp_hf_diff"] <= TOL  # hf_weights: the merge of the gathered shards
+    assert results[0]["tp_push_kind"] == "ShardedLoraPush"
+    assert results[0]["tp_push_diff_merged"] <= TOL and results[0]["tp_push_diff_adapter"] <= TOL
 
 
 if __name__ == "__main__":

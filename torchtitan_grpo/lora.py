@@ -33,7 +33,8 @@ separately (:mod:`torchtitan_grpo.lora_peft`).
 
 Several trainer ranks (FSDP2, HSDP, DDP) put the same adapters on the meta
 model before it is sharded and gather them for the merge:
-:mod:`torchtitan_grpo.lora_sharded`; pipeline stages: :mod:`torchtitan_grpo.lora_pp`. ``[lora] base_dtype = "bfloat16"``
+:mod:`torchtitan_grpo.lora_sharded`; pipeline stages: :mod:`torchtitan_grpo.lora_pp`; tensor parallelism:
+:mod:`torchtitan_grpo.lora_tp`. ``[lora] base_dtype = "bfloat16"``
 stores the adapted projections' frozen weights in bf16 (the adapters stay
 float32): the forward computes with the weight cast to the input's dtype,
 and the merge is done in the adapters' dtype.
@@ -112,19 +113,24 @@ def merge(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) 
     return torch.addmm(weight.detach().to(a.dtype), b.detach(), a.detach(), alpha=scale)
 
 
-# [parallelism] degrees LoRA does not handle; data parallelism (FSDP2, HSDP, DDP) and PP are supported
-_REFUSED = ("tensor_parallel_degree", "context_parallel_degree", "expert_parallel_degree")
+# [parallelism] degrees LoRA does not handle; data parallelism (FSDP2, HSDP, DDP), TP and PP are supported
+_REFUSED = ("context_parallel_degree", "expert_parallel_degree")
 
 
 def check_layout(parallelism) -> None:
     """Refuse the layouts LoRA does not handle (one line naming lora.enable and the key):
-    one process, FSDP2, HSDP, DDP and PP are fine; TP, CP and EP are not (docs/LORA.md)."""
+    one process, FSDP2, HSDP, DDP, TP (also with FSDP2) and PP are fine; CP, EP and
+    PP x TP are not (docs/LORA.md)."""
     for key in _REFUSED:
         degree = getattr(parallelism, key, 1)
         if degree != 1:
             raise ValueError(f"lora.enable = true is not supported with parallelism.{key} = {degree}: LoRA runs on "
-                             "one process, data-parallel layouts (FSDP2, HSDP, DDP) and pipeline parallelism only "
-                             "(see docs/LORA.md)")
+                             "one process, data-parallel layouts (FSDP2, HSDP, DDP), tensor and pipeline "
+                             "parallelism only (see docs/LORA.md)")
+    tp, pp = getattr(parallelism, "tensor_parallel_degree", 1), getattr(parallelism, "pipeline_parallel_degree", 1)
+    if tp != 1 and pp != 1:
+        raise ValueError(f"lora.enable = true is not supported with parallelism.tensor_parallel_degree = {tp} "
+                         f"and pipeline_parallel_degree = {pp} together: use one of them (see docs/LORA.md)")
 
 
 def _targets(model: nn.Module, target_modules: list[str]) -> list[tuple[str, nn.Module, str, nn.Linear]]:

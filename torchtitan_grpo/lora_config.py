@@ -77,11 +77,15 @@ def validate_lora(cfg, check) -> None:
     base_dtype = getattr(lo, "base_dtype", "float32")
     check(base_dtype in ("float32", "bfloat16"), "lora.base_dtype", 'must be "float32" or "bfloat16"', base_dtype)
     p = cfg.parallelism
-    for key in ("tensor_parallel_degree", "context_parallel_degree", "expert_parallel_degree"):
+    for key in ("context_parallel_degree", "expert_parallel_degree"):
         degree = getattr(p, key, 1)
         check(degree == 1, "lora.enable", f"is not supported with parallelism.{key} = {degree} (one process, FSDP2, "
-              "HSDP, DDP or PP only; docs/LORA.md)", lo.enable)
-    pp = getattr(p, "pipeline_parallel_degree", 1)
+              "HSDP, DDP, TP or PP only; docs/LORA.md)", lo.enable)
+    pp, tp = getattr(p, "pipeline_parallel_degree", 1), getattr(p, "tensor_parallel_degree", 1)
+    check(tp == 1 or pp == 1, "lora.enable", f"is not supported with parallelism.tensor_parallel_degree = {tp} and "
+          f"pipeline_parallel_degree = {pp} together (docs/LORA.md)", lo.enable)
+    check(tp == 1 or lo.dropout == 0, "lora.dropout", f"must be 0 with parallelism.tensor_parallel_degree = {tp} "
+          "(the dropout mask would differ between TP ranks)", lo.dropout)
     hf_export = getattr(cfg.checkpoint, "hf_export", False)
     check(not (hf_export and pp > 1), "checkpoint.hf_export", "with lora.enable is not supported under "
           f"parallelism.pipeline_parallel_degree = {pp} yet (the export would write stage 0's adapters and the "

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_grpo import _titan  # noqa: F401
-from torchtitan_grpo import lora, lora_pp, lora_sharded
+from torchtitan_grpo import lora, lora_pp, lora_sharded, lora_tp
 from torchtitan_grpo import loss as grpo_losses
 from torchtitan_grpo import model as hf_model
 from torchtitan_grpo import context_parallel, moe_step, packing
@@ -166,7 +166,8 @@ def build_policy(job_config, hf_dir: str, d: Dist) -> Policy:
         model = hf_model.build_model(name, model_args, "meta", dtype)
         if sharded_lora:  # adapters on meta: fully_shard must see them in the blocks it wraps
             lora_sharded.inject(model, lora_cfg)
-        model, parallel_dims = parallel.parallelize(model, job_config, d.world_size, d.device)
+        with lora_tp.lora_plan(name) if sharded_lora else contextlib.nullcontext():  # TP: adapters' placements
+            model, parallel_dims = parallel.parallelize(model, job_config, d.world_size, d.device)
         parallel.materialize(model, d.device)
         if sharded_lora:
             lora_sharded.load_and_init(model, adapter, hf_dir, job_config.grpo.seed)
