@@ -237,7 +237,6 @@ def test_export_loads_in_transformers_and_peft(dirs, name, tmp_path):
     ({"tp": 2, "dropout": 0.1}, "lora.dropout"),
     ({"base_dtype": "float16"}, "lora.base_dtype"),
     ({"last_save_in_hf": True}, "checkpoint.last_save_in_hf"),
-    ({"pp": 2, "hf_export": True}, "checkpoint.hf_export"),  # PP alone is fine (test_lora_pp.py)
 ])
 def test_config_errors_name_the_key(change, key):
     from torchtitan_grpo.config import _check, ConfigError

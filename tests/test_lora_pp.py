@@ -9,7 +9,8 @@ the losses, the adapters' gradients and weights, the merged HF-named weights
 and the adapters that ``trainer_push``'s object (``PipelineLoraPush``) hands
 rank 0's Pusher; every stage's frozen base stays bit-identical; each stage's
 optimizer holds its adapters only. A DCP checkpoint of the stages restores
-adapters and optimizer state into a fresh PP policy. In the same launch,
+adapters and optimizer state into a fresh PP policy; ``checkpoint.export_hf``
+writes every stage's merged weights and the whole peft adapter. In the same launch,
 TP=2 (``tensor_parallel_degree``, :mod:`torchtitan_grpo.lora_tp`) against
 the same reference: the adapters' placements, losses, gradients, adapters,
 merged HF weights and both pushes within 1e-6, the base bit-identical and
@@ -54,7 +55,7 @@ def _worker(model_dir: str, out_dir: str) -> dict:
     import torch.distributed as dist
 
     from torchtitan_grpo import lora, lora_sharded, trainer
-    from torchtitan_grpo.checkpoint import Checkpointer
+    from torchtitan_grpo.checkpoint import Checkpointer, export_hf
     from torchtitan_grpo.lora_peft import peft_adapter_tensors
     from torchtitan_grpo.weight_sync.gather import trainer_push
 
@@ -104,6 +105,17 @@ def _worker(model_dir: str, out_dir: str) -> dict:
             want = ref_peft if only else ref_hf
             res[f"push_diff_{'adapter' if only else 'merged'}"] = max(_maxdiff(want, rec.pushed[v]) for v in (5, 6))
     res["merged_differs_from_base"] = _maxdiff(ref_hf, ref.adapter.to_hf(ref_base))
+
+    # checkpoint.hf_export under PP: every stage's merged weights and adapters, written by rank 0
+    exp = export_hf(pol, model_dir, os.path.join(out_dir, "export"), d)
+    if rank == 0:
+        from safetensors.torch import load_file
+
+        written = load_file(os.path.join(exp, "model.safetensors"))
+        res["export_missing"] = sorted(ref_hf.keys() - written.keys() - {"lm_head.weight"})  # tied: written once
+        res["export_diff"] = _maxdiff({k: ref_hf[k] for k in written}, written)
+        res["export_peft_diff"] = _maxdiff(ref_peft, load_file(os.path.join(exp, "lora_adapter",
+                                                                            "adapter_model.safetensors")))
 
     # DCP: save the stages, a fresh PP policy resumes adapters and optimizer state
     ckpt = Checkpointer(cfg, pol, d)
@@ -229,6 +241,12 @@ def test_pp_lora_push_merged_and_adapter(results):
     assert r["push_kind"] == "PipelineLoraPush"
     assert r["merged_differs_from_base"] > 1e-4  # the merge is not the base
     assert r["push_diff_merged"] <= TOL and r["push_diff_adapter"] <= TOL
+
+
+def test_pp_lora_hf_export_merges_every_stage(results):
+    r = results[0]
+    assert r["export_missing"] == []
+    assert r["export_diff"] <= TOL and r["export_peft_diff"] <= TOL, (r["export_diff"], r["export_peft_diff"])
 
 
 def test_pp_lora_checkpoint_resumes_adapters_and_optimizer(results):

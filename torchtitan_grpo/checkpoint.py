@@ -267,14 +267,13 @@ _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json
 def _pipeline_hf_weights(policy: Policy, d: Dist) -> dict[str, torch.Tensor]:
     """Under PP, the whole model's HF tensors on rank 0 ({} elsewhere).
 
-    Each rank maps its stage (full tensors: a collective within the stage),
+    Each rank maps its stage (full tensors: a collective within the stage;
+    with LoRA the merged ones, as one process's ``hf_weights``),
     and the stages' dicts are gathered to rank 0 on the CPU; ranks that
     repeat a stage (FSDP/TP peers) send nothing. A one-off for the export,
     so it favours simplicity over memory.
     """
-    from torchtitan_grpo.model import hf_state_dict
-
-    stage = {k: v.detach().to("cpu") for k, v in hf_state_dict(policy.model, policy.adapter).items()}
+    stage = {k: v.detach().to("cpu") for k, v in hf_weights(policy).items()}  # LoRA: the stage's merged weights
     # "pp" is the outermost dim of TorchTitan's meshes: a stage's ranks are one block of the world
     first_of_stage = d.rank % (d.world_size // policy.pipeline.num_stages) == 0
     parts = [None] * d.world_size if d.is_main else None
@@ -283,6 +282,20 @@ def _pipeline_hf_weights(policy: Policy, d: Dist) -> dict[str, torch.Tensor]:
     for part in parts or []:
         merged.update(part)
     return merged
+
+
+def _pipeline_peft_tensors(policy: Policy) -> dict[str, torch.Tensor] | None:
+    """Under PP with LoRA, every stage's peft-named adapters on rank 0 (a
+    collective: the stages' adapters go to rank 0 as the adapter push sends
+    them); None without LoRA (decided over every rank: a stage may hold none)."""
+    from torchtitan_grpo.lora import has_lora
+    from torchtitan_grpo.lora_pp import PipelineLoraPush
+
+    anyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(anyone, any(has_lora(part) for part in policy.model_parts))
+    if not any(anyone):
+        return None
+    return PipelineLoraPush(policy.model_parts, policy.adapter, None, True, adapter_only=True).tensors()
 
 
 def export_hf(policy: Policy, hf_dir: str, out_dir: str, d: Dist, dtype: str = "float32",
@@ -309,6 +322,7 @@ def export_hf(policy: Policy, hf_dir: str, out_dir: str, d: Dist, dtype: str = "
     from torchtitan_grpo.lora_peft import ADAPTER_FOLDER, export_peft_adapter
 
     tensors = hf_weights(policy) if policy.pipeline is None else _pipeline_hf_weights(policy, d)
+    peft = _pipeline_peft_tensors(policy) if policy.pipeline is not None else None
     if d.is_main:
         torch_dtype = _DTYPES[dtype]
         tmp = out_dir.rstrip("/") + ".tmp"
@@ -349,7 +363,8 @@ def export_hf(policy: Policy, hf_dir: str, out_dir: str, d: Dist, dtype: str = "
             with open(config_path, "w") as f:
                 json.dump(config, f, indent=2)
         if has_lora(policy.model):  # the merged weights above; the adapters alone, for peft on the base
-            export_peft_adapter(policy.model, policy.adapter, os.path.join(tmp, ADAPTER_FOLDER), hf_dir, torch_dtype)
+            export_peft_adapter(policy.model, policy.adapter, os.path.join(tmp, ADAPTER_FOLDER), hf_dir, torch_dtype,
+                                peft)
         shutil.rmtree(out_dir, ignore_errors=True)
         os.replace(tmp, out_dir)
         logger.info("exported the policy as an HF checkpoint (%s, %d file(s)) to %s", dtype, n, out_dir)

@@ -86,10 +86,6 @@ def validate_lora(cfg, check) -> None:
           f"pipeline_parallel_degree = {pp} together (docs/LORA.md)", lo.enable)
     check(tp == 1 or lo.dropout == 0, "lora.dropout", f"must be 0 with parallelism.tensor_parallel_degree = {tp} "
           "(the dropout mask would differ between TP ranks)", lo.dropout)
-    hf_export = getattr(cfg.checkpoint, "hf_export", False)
-    check(not (hf_export and pp > 1), "checkpoint.hf_export", "with lora.enable is not supported under "
-          f"parallelism.pipeline_parallel_degree = {pp} yet (the export would write stage 0's adapters and the "
-          "unmerged base; docs/LORA.md)", hf_export)
     check(not cfg.checkpoint.last_save_in_hf, "checkpoint.last_save_in_hf",
           "cannot be used with lora.enable (TorchTitan's HF save would write the unmerged base): use "
           "checkpoint.hf_export, which writes the merged model and the peft adapter", cfg.checkpoint.last_save_in_hf)

@@ -102,13 +102,17 @@ def _adapter_config(model: torch.nn.Module, tensors: dict[str, torch.Tensor], ba
 
 
 def export_peft_adapter(model: torch.nn.Module, adapter, out_dir: str, base_path: str,
-                        dtype: torch.dtype = torch.float32) -> str:
+                        dtype: torch.dtype = torch.float32, tensors: dict[str, torch.Tensor] | None = None) -> str:
     """Write ``model``'s adapters into ``out_dir`` (created) as a peft LoRA
     folder for the HF checkpoint at ``base_path`` (the frozen base: the
-    run's ``model.hf_assets_path``); returns ``out_dir``."""
+    run's ``model.hf_assets_path``); returns ``out_dir``. ``tensors``: the
+    peft-named tensors to write instead of ``model``'s own (under PP, every
+    stage's, gathered to rank 0); ``model`` then gives rank and alpha only."""
     from safetensors.torch import save_file
 
-    tensors = {k: v.to(dtype) for k, v in peft_adapter_tensors(model, adapter).items()}
+    if tensors is None:
+        tensors = peft_adapter_tensors(model, adapter)
+    tensors = {k: v.detach().cpu().to(dtype) for k, v in tensors.items()}
     if not tensors:
         raise ValueError("LoRA export: the model has no adapters")
     os.makedirs(out_dir, exist_ok=True)
