@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_grpo import _titan  # noqa: F401
-from torchtitan_grpo import lora, lora_pp, lora_sharded, lora_tp
+from torchtitan_grpo import lora, lora_sharded, policy_model
 from torchtitan_grpo import loss as grpo_losses
 from torchtitan_grpo import model as hf_model
 from torchtitan_grpo import context_parallel, moe_step, packing
@@ -124,58 +124,8 @@ def build_policy(job_config, hf_dir: str, d: Dist) -> Policy:
     hf_config = hf_model.load_hf_config(hf_dir)
     model_args = hf_model.model_args_from_hf(name, hf_config, max_seq_len=parallel.rope_len(job_config))
     moe_step.configure(job_config, model_args, d.device)
-    pipelined = job_config.parallelism.pipeline_parallel_degree > 1
-    lora_cfg = getattr(job_config, "lora", None)
-    lora_on = lora_cfg is not None and lora_cfg.enable
-    if lora_on:
-        lora.check_layout(job_config.parallelism)
-    sharded_lora = lora_on and d.world_size > 1 and not pipelined  # see lora_sharded (PP: lora_pp)
-    if pipelined:  # PP settings fail here, before any weight is loaded
-        parallel_dims = parallel.build_parallel_dims(job_config, d.world_size, d.device)
-        pipeline_parallel.stage_module_names(job_config, model_args.n_layers)
-    dtype = torch.float32  # master weights; bf16 compute on GPUs: FSDP's mixed precision, else autocast (amp)
     adapter = hf_model.state_dict_adapter(name, model_args, hf_dir)
-
-    # [parallelism] layout (FSDP / HSDP / DDP / TP / PP); gradients are summed
-    # over data-parallel ranks in every layout, see torchtitan_grpo.parallel.
-    pipe = None
-    if pipelined and getattr(model_args, "enable_weight_tying", False):
-        # Tied checkpoints (Qwen3 <= 4B) load whole, then each rank keeps its
-        # stage: the first and the last stage both start from the embedding.
-        model = hf_model.build_model(name, model_args, d.device, dtype)
-        hf_model.load_hf_weights(model, adapter, hf_dir)
-        if lora_on:  # on the whole model, before the split (lora_pp)
-            lora_pp.adapt_whole(model, lora_cfg, job_config.grpo.seed)
-        pipe = pipeline_parallel.build_pipeline(model, job_config, parallel_dims, d.device, _PipelineLoss())
-        pipe.tied = pipe.tied and not lora_on  # LoRA freezes the embedding: no gradient for its copies to share
-        model = pipe.module
-    elif pipelined:
-        # cut to this rank's stage and shard on meta, then allocate and load
-        # the stage's tensors only: a rank never holds more than its shards
-        model = hf_model.build_model(name, model_args, "meta", dtype)
-        whole = hf_model.checkpoint_names(model, adapter)  # the checkpoint must fit the whole model
-        order = lora_pp.inject(model, lora_cfg) if lora_on else None  # the whole model's adapters, on meta
-        pipe = pipeline_parallel.build_pipeline(model, job_config, parallel_dims, d.device, _PipelineLoss())
-        model = parallel.materialize(pipe.module, d.device)
-        if lora_on:
-            lora_pp.load_and_init(model, adapter, hf_dir, whole, order, job_config.grpo.seed)
-        else:
-            hf_model.load_hf_weights(model, adapter, hf_dir, whole)
-    else:
-        # shard on meta, then allocate: a rank's memory holds its shards only
-        model = hf_model.build_model(name, model_args, "meta", dtype)
-        if sharded_lora:  # adapters on meta: fully_shard must see them in the blocks it wraps
-            lora_sharded.inject(model, lora_cfg)
-        with lora_tp.lora_plan(name) if sharded_lora else contextlib.nullcontext():  # TP: adapters' placements
-            model, parallel_dims = parallel.parallelize(model, job_config, d.world_size, d.device)
-        parallel.materialize(model, d.device)
-        if sharded_lora:
-            lora_sharded.load_and_init(model, adapter, hf_dir, job_config.grpo.seed)
-        else:
-            hf_model.load_hf_weights(model, adapter, hf_dir)
-    if lora_on and not (sharded_lora or pipelined):
-        # on the loaded base, before the optimizer: it takes only the adapters (the base is frozen)
-        lora.apply_lora(model, lora_cfg)
+    model, parallel_dims, pipe = policy_model.build(job_config, model_args, adapter, hf_dir, d, _PipelineLoss())
     moe_step.prepare(model, job_config)
     model.train()
 
