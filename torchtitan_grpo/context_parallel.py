@@ -157,7 +157,7 @@ def enable_cpu_ring_attention() -> None:
     and backward) on sequence-sharded DTensors through PyTorch's ring attention
     templates (a sharding strategy without its handler would attend within
     each shard only). Idempotent; overrides the head-only strategy that
-    :func:`torchtitan_grpo.parallel.register_cpu_sdpa_sharding` may have set."""
+    :func:`torchtitan_grpo.cpu_sdpa_sharding.register_cpu_sdpa_sharding` may have set."""
     from torch.distributed.tensor import DTensor
 
     aten = torch.ops.aten
