@@ -86,3 +86,44 @@ def multirank_launched(request, tmp_path_factory, worker_id):
             done.write_bytes(pickle.dumps(launched))
     return multirank._SESSION["launched"]
 
+
+# Test files by their measured wall seconds, slowest first (a loaded suite
+# run on 2 cores, 2026-11-27): under `--dist loadfile` each file is one unit
+# of work, handed to whichever worker runs low. xdist's default queue is
+# ordered by test count, which put the slowest files (few tests each, minutes
+# of processes: test_atropos_e2e, test_faults, test_e2e) last, so one worker
+# ran them alone at the end. Slowest first, the short files fill the gaps at
+# the end instead. Files not named keep their collection order after these.
+SLOWEST_FIRST = (
+    "test_bench_scripts",    # ~260 s
+    "test_parallel_parity",  # the shared multirank launch (~160 s) starts early
+    "test_pusher",           # ~150 s
+    "test_e2e",              # ~110 s
+    "test_atropos_e2e",      # ~100 s
+    "test_slurm",            # ~75 s
+    "test_faults",           # ~65 s
+    "test_moe_e2e",          # ~55 s
+    "test_client_process",   # ~55 s
+    "test_rough_edges",      # ~40 s
+    "test_hf_mapping",
+    "test_fanout",
+    "test_resume",
+    "test_config",
+    "test_eval",
+    "test_launcher",
+    "test_delta_push",
+    "test_lora_push",
+    "test_pool",
+    "test_vllm_protocol",
+)
+
+
+def pytest_configure(config):
+    if getattr(config.option, "dist", "no") == "loadfile":
+        config.option.loadscopereorder = False  # keep the order below, not xdist's by test count
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    # stable: each file's tests keep their order (module fixtures), other files theirs
+    items.sort(key=lambda item: rank.get(os.path.splitext(os.path.basename(str(item.fspath)))[0], len(rank)))
