@@ -19,7 +19,7 @@ import torch
 
 from torchtitan_grpo.inference import paged_attention
 from torchtitan_grpo.inference.paged_attention import MIN_SPLIT, paged_decode, splits
-from tests.kv_stubs import Req as _Req, Seq as _Seq
+from tests.kv_stubs import Req as _Req, Seq as _Seq, scripted_decode
 
 DEVICE = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
 needs_kernel = pytest.mark.skipif(
@@ -142,22 +142,7 @@ def test_paged_batch_with_the_kernel_equals_static(model, graphs):
                         ("paged", PagedBatch(model, DEVICE, slots=6, max_len=640, num_blocks=6 * 40 + 1,
                                              graphs=graphs))):
         assert name == "static" or batch.kernel
-        seqs = [_Seq(s.req, s.index, list(s.output_ids)) for s in first]
-        out = []
-        with torch.no_grad():
-            logits = batch.prefill(seqs)
-            for step in range(20):
-                out.append(logits.clone())  # a graph replay returns views of its fixed output buffer
-                nxt = logits.argmax(-1)
-                for s, t in zip(batch.rows, nxt.tolist()):
-                    s.output_ids.append(t)
-                if step == 5:
-                    batch.keep([0, 2, 3])
-                    nxt = nxt[[0, 2, 3]]
-                logits = batch.decode(nxt)
-                if step == 9:
-                    out.append(batch.prefill([_Seq(_Req(late))]))
-                    logits = torch.cat([logits, out[-1]])
+        out = scripted_decode(batch, first, late)
         if batch.graphs:
             assert batch._graphs, "no decode graph was captured"
         runs[name] = out

@@ -17,7 +17,7 @@ from torchtitan_grpo.inference.kv_pool import NULL_BLOCK, BlockPool, bytes_per_t
 from torchtitan_grpo.inference.paged_batch import PagedBatch
 from torchtitan_grpo.inference.requests import RequestError, SamplingParams
 from torchtitan_grpo.inference.static_batch import StaticBatch
-from tests.kv_stubs import Req as _Req, Seq as _Seq
+from tests.kv_stubs import Req as _Req, Seq as _Seq, scripted_decode
 
 CPU = torch.device("cpu")
 BS = 16
@@ -153,24 +153,7 @@ def test_paged_logits_equal_static_across_block_boundaries(model):
     runs = {}
     for name, batch in (("static", StaticBatch(model, CPU, slots=6, max_len=96)),
                         ("paged", PagedBatch(model, CPU, slots=6, max_len=96, num_blocks=40))):
-        seqs = [_Seq(s.req, s.index, list(s.output_ids)) for s in first]
-        out = []
-        with torch.no_grad():
-            logits = batch.prefill(seqs)
-            for step in range(20):
-                out.append(logits)
-                nxt = logits.argmax(-1)
-                for s, t in zip(batch.rows, nxt.tolist()):
-                    s.output_ids.append(t)
-                if step == 5:
-                    batch.keep([0, 2, 3])
-                    nxt = nxt[[0, 2, 3]]
-                logits = batch.decode(nxt)
-                if step == 9:
-                    joiner = [_Seq(_Req(late))]
-                    out.append(batch.prefill(joiner))
-                    logits = torch.cat([logits, out[-1]])
-        runs[name] = out
+        runs[name] = scripted_decode(batch, first, late)
     for s, p in zip(runs["static"], runs["paged"]):
         torch.testing.assert_close(p, s, atol=1e-5, rtol=1e-5)
 
