@@ -33,6 +33,7 @@ import torch  # noqa: E402
 
 import torchtitan_grpo  # noqa: E402,F401  (before torchtitan)
 from tests.test_lora_sharded import SEED, _base, _cfg, _maxdiff, _Recorder, _train, _whole  # noqa: E402
+from tests.test_lora_sharded import _main as sharded_main, save_every_rank  # noqa: E402
 
 WORLD = 2
 TOL = 1e-6  # fp32 on CPU
@@ -189,27 +190,7 @@ def rank_models(root: str) -> dict[str, str]:
 def run_ranks(out_dir: str, model_dirs: dict[str, str]) -> None:
     """In an initialised 2-rank gloo group: :func:`_worker`, every rank's results in rank 0's ``results.pt``
     (tests/multirank.py's protocol for a file whose cases can ride on a shared launch)."""
-    import torch.distributed as dist
-
-    res = _worker(model_dirs["qwen3"], os.path.join(out_dir, "dump"))
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, res)
-    if dist.get_rank() == 0:
-        torch.save(every, os.path.join(out_dir, "results.pt"))
-    dist.barrier()
-
-
-def _main(model_dir: str, out_dir: str) -> None:
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    try:
-        run_ranks(out_dir, {"qwen3": model_dir})
-    finally:
-        dist.destroy_process_group()
+    save_every_rank(_worker(model_dirs["qwen3"], os.path.join(out_dir, "dump")), out_dir)
 
 
 # ------------------------------------------------------------------ tests
@@ -272,4 +253,4 @@ def test_tp_lora_equals_one_process(results):
 
 
 if __name__ == "__main__":
-    _main(sys.argv[1], sys.argv[2])
+    sharded_main(sys.argv[1], sys.argv[2], run_ranks, gpus=False)

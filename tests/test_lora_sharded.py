@@ -215,11 +215,10 @@ def rank_models(root: str) -> dict[str, str]:
     return {}
 
 
-def run_ranks(out_dir: str, model_dirs: dict[str, str]) -> None:
-    """In an initialised 2-rank group: :func:`_worker`, every rank's results in rank 0's ``results.pt``."""
+def save_every_rank(res, out_dir: str) -> None:
+    """Every rank's ``res`` in rank 0's ``results.pt`` (a list by rank); the ranks leave together."""
     import torch.distributed as dist
 
-    res = _worker(model_dirs["qwen3"], os.path.join(out_dir, "dump"))
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, res)
     if dist.get_rank() == 0:
@@ -227,17 +226,24 @@ def run_ranks(out_dir: str, model_dirs: dict[str, str]) -> None:
     dist.barrier()
 
 
-def _main(model_dir: str, out_dir: str) -> None:
+def run_ranks(out_dir: str, model_dirs: dict[str, str]) -> None:
+    """In an initialised 2-rank group: :func:`_worker`, every rank's results in rank 0's ``results.pt``."""
+    save_every_rank(_worker(model_dirs["qwen3"], os.path.join(out_dir, "dump")), out_dir)
+
+
+def _main(model_dir: str, out_dir: str, run=None, gpus: bool = ON_GPUS) -> None:
+    """A torchrun worker: the group (NCCL on GPUs), ``run`` (this file's
+    :func:`run_ranks` unless given) on the tiny model, the group closed."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    if ON_GPUS:
+    if gpus:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if ON_GPUS else "gloo", timeout=timedelta(seconds=120))
+    dist.init_process_group("nccl" if gpus else "gloo", timeout=timedelta(seconds=120))
     try:
-        run_ranks(out_dir, {"qwen3": model_dir})
+        (run or run_ranks)(out_dir, {"qwen3": model_dir})
     finally:
         dist.destroy_process_group()
 
