@@ -32,8 +32,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import torchtitan_grpo  # noqa: E402,F401  (before torchtitan)
-from tests.test_lora_sharded import SEED, _base, _cfg, _maxdiff, _Recorder, _train, _whole  # noqa: E402
-from tests.test_lora_sharded import _main as sharded_main, save_every_rank  # noqa: E402
+from tests.test_lora_sharded import SEED, _base, _cfg, _maxdiff, _Recorder, _train  # noqa: E402
+from tests.test_lora_sharded import _main as sharded_main, resume_check, save_every_rank  # noqa: E402
 
 WORLD = 2
 TOL = 1e-6  # fp32 on CPU
@@ -56,7 +56,7 @@ def _worker(model_dir: str, out_dir: str) -> dict:
     import torch.distributed as dist
 
     from torchtitan_grpo import lora, lora_sharded, trainer
-    from torchtitan_grpo.checkpoint import Checkpointer, export_hf
+    from torchtitan_grpo.checkpoint import export_hf
     from torchtitan_grpo.lora_peft import peft_adapter_tensors
     from torchtitan_grpo.weight_sync.gather import trainer_push
 
@@ -119,20 +119,8 @@ def _worker(model_dir: str, out_dir: str) -> dict:
                                                                             "adapter_model.safetensors")))
 
     # DCP: save the stages, a fresh PP policy resumes adapters and optimizer state
-    ckpt = Checkpointer(cfg, pol, d)
-    ckpt.save(2, weight_version=2)
-    ckpt.close()
-    saved_opt = {k: _whole(v) for k, v in pol.optimizers.state_dict().items() if torch.is_tensor(v)}
-    fresh = trainer.build_policy(cfg, model_dir, d)
-    ckpt = Checkpointer(cfg, fresh, d)
-    resumed = ckpt.load()
-    ckpt.close()
-    res["resumed_step"] = resumed.step if resumed else None
-    res["resumed_model_diff"] = _maxdiff({k: _whole(v) for k, v in pol.model.state_dict().items()},
-                                         {k: _whole(v) for k, v in fresh.model.state_dict().items()})
-    res["n_opt"] = len(saved_opt)
-    res["resumed_opt_diff"] = _maxdiff(saved_opt, {k: _whole(v) for k, v in fresh.optimizers.state_dict().items()
-                                                   if torch.is_tensor(v)})
+    resumed, fresh = resume_check(cfg, pol, model_dir, d)
+    res.update(resumed)
     res["resumed_next_loss"] = (_train(pol, cfg, d, 0, 1, 1)["losses"][0], _train(fresh, cfg, d, 0, 1, 1)["losses"][0])
     res |= _tp(model_dir, ref_base, ref_out, ref_hf, ref_peft)
     return res

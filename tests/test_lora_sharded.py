@@ -122,7 +122,6 @@ def _worker(model_dir: str, out_dir: str) -> dict:
     import torch.distributed as dist
 
     from torchtitan_grpo import lora, lora_sharded, trainer
-    from torchtitan_grpo.checkpoint import Checkpointer
     from torchtitan_grpo.lora_peft import peft_adapter_tensors
     from torchtitan_grpo.parallel import data_parallel_rank_and_degree
 
@@ -174,20 +173,8 @@ def _worker(model_dir: str, out_dir: str) -> dict:
             res[f"push_diff_{'adapter' if only else 'merged'}"] = _maxdiff(ref_peft if only else ref_hf, rec.pushed[5])
 
     # DCP: save, then a fresh policy resumes the adapters and their optimizer state
-    ckpt = Checkpointer(cfg, pol, d)
-    ckpt.save(2, weight_version=2)
-    ckpt.close()
-    saved_opt = {k: _whole(v) for k, v in pol.optimizers.state_dict().items() if torch.is_tensor(v)}
-    fresh = trainer.build_policy(cfg, model_dir, d)
-    ckpt = Checkpointer(cfg, fresh, d)
-    resumed = ckpt.load()
-    ckpt.close()
-    res["resumed_step"] = resumed.step if resumed else None
-    res["resumed_model_diff"] = _maxdiff({k: _whole(v) for k, v in pol.model.state_dict().items()},
-                                         {k: _whole(v) for k, v in fresh.model.state_dict().items()})
-    loaded_opt = {k: _whole(v) for k, v in fresh.optimizers.state_dict().items() if torch.is_tensor(v)}
-    res["n_opt"] = len(saved_opt)
-    res["resumed_opt_diff"] = _maxdiff(saved_opt, loaded_opt)
+    resumed, fresh = resume_check(cfg, pol, model_dir, d)
+    res.update(resumed)
     res["resumed_next_loss"] = (_train(pol, cfg, d, dp_rank, dp_degree, 1)["losses"][0],
                                 _train(fresh, cfg, d, dp_rank, dp_degree, 1)["losses"][0])
 
@@ -213,6 +200,28 @@ def _worker(model_dir: str, out_dir: str) -> dict:
 def rank_models(root: str) -> dict[str, str]:
     """The checkpoint of :func:`run_ranks`: the demo's tiny Qwen3 (tests/multirank.py's ``qwen3``)."""
     return {}
+
+
+def resume_check(cfg, pol, model_dir: str, d) -> tuple[dict, object]:
+    """A DCP save of ``pol`` at step 2, a fresh policy built and resumed from it:
+    the resumed step and the max differences of the model and optimizer states,
+    and the resumed policy."""
+    from torchtitan_grpo import trainer
+    from torchtitan_grpo.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(cfg, pol, d)
+    ckpt.save(2, weight_version=2)
+    ckpt.close()
+    saved_opt = {k: _whole(v) for k, v in pol.optimizers.state_dict().items() if torch.is_tensor(v)}
+    fresh = trainer.build_policy(cfg, model_dir, d)
+    ckpt = Checkpointer(cfg, fresh, d)
+    resumed = ckpt.load()
+    ckpt.close()
+    loaded_opt = {k: _whole(v) for k, v in fresh.optimizers.state_dict().items() if torch.is_tensor(v)}
+    return {"resumed_step": resumed.step if resumed else None,
+            "resumed_model_diff": _maxdiff({k: _whole(v) for k, v in pol.model.state_dict().items()},
+                                           {k: _whole(v) for k, v in fresh.model.state_dict().items()}),
+            "n_opt": len(saved_opt), "resumed_opt_diff": _maxdiff(saved_opt, loaded_opt)}, fresh
 
 
 def save_every_rank(res, out_dir: str) -> None:
