@@ -11,7 +11,7 @@ of the model (:mod:`torchtitan_grpo.pipeline`), so in ``trainer.build_policy``:
   split and returns the whole model's adapter order; the split keeps each
   stage's ``LoRALinear`` modules with their ``A`` / ``B``, the stage's layout
   (FSDP over the non-PP dims) wraps them with their blocks, and
-  :func:`load_and_init` loads the stage's base (adapters hidden from the
+  :func:`lora_sharded.load_and_init` loads the stage's base (adapters hidden from the
   strict loader) and draws every ``A`` of the whole model in module order
   from a generator seeded with ``grpo.seed``, each stage keeping its own.
   So a PP run gets exactly the ``A`` a one-process run seeded alike gets.
@@ -44,23 +44,16 @@ from torch import nn
 from torchtitan_grpo import lora, lora_sharded
 from torchtitan_grpo.lora_sharded import ShardedLoraPush
 
-__all__ = ["inject", "load_and_init", "adapt_whole", "stage_tensors_to_rank0", "PipelineLoraPush"]
+__all__ = ["inject", "adapt_whole", "stage_tensors_to_rank0", "PipelineLoraPush"]
 
 logger = logging.getLogger(__name__)
 
 
 def inject(model: nn.Module, cfg) -> list[tuple[str, torch.Size]]:
     """Adapters on the whole meta ``model`` before the pipeline split; returns
-    the whole model's :func:`lora_sharded.adapter_order` (for :func:`load_and_init`)."""
+    the whole model's :func:`lora_sharded.adapter_order` (for :func:`lora_sharded.load_and_init`)."""
     lora_sharded.inject(model, cfg)
     return lora_sharded.adapter_order(model)
-
-
-def load_and_init(stage: nn.Module, adapter, hf_dir: str, whole: dict, order: list[tuple[str, torch.Size]],
-                  seed: int) -> None:
-    """The stage's base from the HF checkpoint (``whole``: the whole model's
-    checkpoint names), then its ``A`` drawn as the whole model's, ``B`` zero."""
-    lora_sharded.load_and_init(stage, adapter, hf_dir, seed, whole, order)
 
 
 def adapt_whole(model: nn.Module, cfg, seed: int) -> None:

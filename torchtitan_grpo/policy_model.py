@@ -83,7 +83,8 @@ def _pipeline(job_config, model_args, adapter, hf_dir: str, d, parallel_dims, pi
     pipe = pipeline_parallel.build_pipeline(model, job_config, parallel_dims, d.device, pipeline_loss)
     model = parallel.materialize(pipe.module, d.device)
     if lora_cfg is not None:
-        lora_pp.load_and_init(model, adapter, hf_dir, whole, order, job_config.grpo.seed)
+        # the stage's base, then every A of the whole model drawn in order, the stage keeping its own
+        lora_sharded.load_and_init(model, adapter, hf_dir, job_config.grpo.seed, whole, order)
     else:
         hf_model.load_hf_weights(model, adapter, hf_dir, whole)
     return model, pipe
