@@ -168,3 +168,33 @@ def test_make_batch_picks_by_kv_cache_and_device(model):
     assert make_batch(model, cfg(kv_cache="static"), CPU, 0).max_len == min(own, 2048)
     with pytest.raises(ValueError, match="kv_cache must be one of"):
         make_batch(model, cfg(kv_cache="ring"), CPU, 0)
+
+
+def test_auto_is_static_on_a_gpu_while_its_slots_fit_the_budget_else_paged(model, monkeypatch):
+    """No GPU needed: the choice reads the device's free memory only
+    (faked here), and allocates nothing."""
+    from torchtitan_grpo.inference import batch as batch_mod
+    from torchtitan_grpo.inference import kv_pool
+    from torchtitan_grpo.inference.engine import EngineConfig
+
+    cuda = torch.device("cuda", 0)
+    per_token = kv_pool.bytes_per_token(model, torch.float32)
+    cfg = lambda **kw: EngineConfig("unused", max_batch_size=8, **kw)  # noqa: E731
+    free = {"bytes": 0}
+    monkeypatch.setattr(kv_pool.torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 1 << 40))
+    pick = lambda c: batch_mod.auto_kind(model, c, cuda, None)  # noqa: E731
+    # 8 slots x 1,000 positions against 0.8 of the free memory (the pool's default share)
+    need = 8 * 1000 * per_token
+    free["bytes"] = int(need / 0.8) + 1024
+    assert pick(cfg(max_model_len=1000)) == "static"
+    free["bytes"] = int(need / 0.8) - 1024
+    assert pick(cfg(max_model_len=1000)) == "paged"
+    assert pick(cfg(max_model_len=1000, kv_cache_memory_fraction=0.5)) == "paged"
+    free["bytes"] = 1 << 40
+    assert pick(cfg(max_model_len=1000)) == "static"
+    assert pick(cfg(max_model_len=1000, kv_cache_memory_gb=1.0)) == "paged"  # a GiB budget asks for the pool
+    # unset max_model_len: the static default length (the model's context up to 2,048) is what is weighed
+    free["bytes"] = int(8 * batch_mod.static_len(model, cfg()) * per_token / 0.8) - 1024
+    assert pick(cfg()) == "paged"
+    assert batch_mod.auto_kind(model, cfg(), CPU, None) == "dynamic"
+    assert batch_mod.auto_kind(model, cfg(), cuda, "sliding-window layers") == "dynamic"

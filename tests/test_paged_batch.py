@@ -295,3 +295,10 @@ def test_inference_kv_cache_paged_reaches_the_started_servers(tiny_model_dir):
                         "--inference.kv_cache", "paged", "--inference.kv_cache_memory_gb", "1.5"])
     args = server_engine_args(cfg.inference)
     assert args[:2] == ("--kv-cache", "paged") and args[-2:] == ("--kv-cache-memory-gb", "1.5"), args
+    # "auto" with a GiB budget: the servers get the budget too (auto then picks the pool on a GPU)
+    cfg = parse_config(["--job.config_file", demo, "--model.hf_assets_path", tiny_model_dir,
+                        "--inference.kv_cache", "auto", "--inference.kv_cache_memory_gb", "2"])
+    assert server_engine_args(cfg.inference)[-2:] == ("--kv-cache-memory-gb", "2.0")
+    cfg = parse_config(["--job.config_file", demo, "--model.hf_assets_path", tiny_model_dir,
+                        "--inference.kv_cache", "static", "--inference.kv_cache_memory_gb", "2"])
+    assert "--kv-cache-memory-gb" not in server_engine_args(cfg.inference)

@@ -264,7 +264,8 @@ class Inference:
     weights), sequences admitted by free blocks and retracted when it runs
     out (long samples: max_model_len up to the model's context); "dynamic"
     runs the HF forward on a growing cache (any model, the CPU default);
-    "auto" picks static on a GPU when the model allows it."""
+    "auto" picks static on a GPU when the model allows it and its slots fit
+    the KV budget, paged when they do not (or kv_cache_memory_gb is set)."""
 
     kv_cache_memory_gb: float = 0.0
     """kv_cache "paged": GiB of KV blocks per started server (0: the server's

@@ -223,7 +223,7 @@ def server_engine_args(i) -> tuple[str, ...]:
     """The ``[inference]`` engine settings (``i``) as the started built-in
     servers' command-line flags."""
     args = ("--kv-cache", i.kv_cache, "--max-model-len", str(i.max_model_len), "--max-batch-size", str(i.max_batch_size))
-    if i.kv_cache == "paged" and i.kv_cache_memory_gb > 0:
+    if i.kv_cache in ("paged", "auto") and i.kv_cache_memory_gb > 0:
         args += ("--kv-cache-memory-gb", str(i.kv_cache_memory_gb))
     if i.chat_template:  # a file's path made absolute: the servers may start elsewhere
         template = os.path.abspath(i.chat_template) if os.path.isfile(i.chat_template) else i.chat_template

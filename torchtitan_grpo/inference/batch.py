@@ -12,13 +12,16 @@ sampled tokens not yet fed, the queue, the locks).
 
 from __future__ import annotations
 
+import logging
 from contextlib import nullcontext
 from typing import Any, Protocol
 
 import torch
 
-from torchtitan_grpo.inference import moe_routes, paged_batch, static_batch
+from torchtitan_grpo.inference import kv_pool, moe_routes, paged_batch, static_batch
 from torchtitan_grpo.inference.to_device import upload  # noqa: F401  (engine.py and sampling.py take it from here)
+
+logger = logging.getLogger(__name__)
 
 
 class KVBatch(Protocol):
@@ -82,19 +85,50 @@ def make_batch(model: Any, cfg: Any, device: torch.device, pad_token_id: int) ->
     kind = cfg.kv_cache
     unsupported = static_batch.supports(model)
     if kind == "auto":
-        kind = "static" if device.type == "cuda" and unsupported is None else "dynamic"
+        kind = auto_kind(model, cfg, device, unsupported)
     if kind == "dynamic":
         return DynamicBatch(model, device, cfg.max_batch_size, pad_token_id, routes=cfg.return_routed_experts)
     if unsupported is not None:
         raise ValueError(f"kv_cache {kind}: {unsupported}; use kv_cache dynamic")
     if kind == "paged":
         return paged_batch.make_paged(model, cfg, device)
-    own = int(getattr(model.config, "max_position_embeddings", None) or DEFAULT_STATIC_LEN)
-    max_len = cfg.max_model_len or min(own, DEFAULT_STATIC_LEN)
+    max_len = static_len(model, cfg)
     if max_len < 2:
         raise ValueError(f"max_model_len must be >= 2, got {max_len}")
     return static_batch.StaticBatch(model, device, cfg.max_batch_size, max_len, graphs=cfg.cuda_graphs,
                                     routes=cfg.return_routed_experts)
+
+
+def static_len(model: Any, cfg: Any) -> int:
+    """Positions per slot of the static cache: ``max_model_len``, else the
+    model's context up to :data:`DEFAULT_STATIC_LEN`."""
+    own = int(getattr(model.config, "max_position_embeddings", None) or DEFAULT_STATIC_LEN)
+    return cfg.max_model_len or min(own, DEFAULT_STATIC_LEN)
+
+
+def auto_kind(model: Any, cfg: Any, device: torch.device, unsupported: str | None) -> str:
+    """What ``kv_cache = "auto"`` means for this model, config and device.
+
+    Dynamic on a CPU or for a model the slot caches do not support. On a GPU
+    static while its slots fit the KV budget, the paged pool's own budget
+    (``kv_cache_memory_gb`` or a fraction of the free memory): static is a
+    little faster at short lengths (no block tables, measured in
+    docs/PERFORMANCE.md) but reserves every slot's whole length up front, so
+    at long ``max_model_len`` it could not start at all (64 x 16k positions
+    of a 4B shape are 154 GB) where the paged pool, admitting by free blocks,
+    serves. A memory budget given in GiB asks for the pool outright."""
+    if device.type != "cuda" or unsupported is not None:
+        return "dynamic"
+    if cfg.kv_cache_memory_gb > 0:
+        return "paged"
+    dtype = model.model.embed_tokens.weight.dtype
+    need = cfg.max_batch_size * static_len(model, cfg) * kv_pool.bytes_per_token(model, dtype)
+    budget = kv_pool.budget_bytes(device, 0.0, cfg.kv_cache_memory_fraction)
+    if budget is not None and need > budget:
+        logger.info("kv_cache auto: paged (a static cache of %d x %d positions needs %.1f GiB, the budget is "
+                    "%.1f GiB)", cfg.max_batch_size, static_len(model, cfg), need / 2**30, budget / 2**30)
+        return "paged"
+    return "static"
 
 
 class DynamicBatch:

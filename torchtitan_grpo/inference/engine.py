@@ -90,8 +90,9 @@ class EngineConfig:
     GPU (``static_batch.py``); "paged": the same decode on a pool of blocks
     sized by a memory budget, sequences admitted by free blocks and retracted
     when it runs out (``paged_batch.py``); "dynamic": the HF forward on a
-    growing cache (any HF causal LM); "auto": static on a GPU for Llama /
-    Qwen2 / Qwen3 / Mistral, dynamic otherwise (and on CPU)."""
+    growing cache (any HF causal LM); "auto": on a GPU for Llama / Qwen2 /
+    Qwen3 / Mistral static while its slots fit the KV budget, else paged
+    (``batch.auto_kind``); dynamic otherwise (and on CPU)."""
     max_model_len: int = 0
     """Static / paged cache: positions per sequence, prompt and output together
     (a longer prompt is refused, generation stops there with "length"); 0 =

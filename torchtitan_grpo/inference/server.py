@@ -187,7 +187,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
                    help="static: preallocated KV slots, CUDA-graph decode (Llama/Qwen2/Qwen3/Mistral); paged: the "
                         "same decode on a pool of KV blocks sized by --kv-cache-memory-*, sequences retracted and "
                         "resumed when it runs out; dynamic: the HF forward on a growing cache (any model); auto "
-                        "(default): static on a GPU when the model supports it, else dynamic")
+                        "(default): on a GPU static when the model supports it and its slots fit the KV budget, "
+                        "paged when they do not (or --kv-cache-memory-gb is given), else dynamic")
     p.add_argument("--max-model-len", type=int, default=0,
                    help="static/paged cache: positions per sequence, prompt + output (vLLM's flag); 0 = the model's "
                         "context (static: at most 2048, as it takes max-batch-size x max-model-len positions up "
