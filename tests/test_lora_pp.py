@@ -14,7 +14,8 @@ writes every stage's merged weights and the whole peft adapter. In the same laun
 TP=2 (``tensor_parallel_degree``, :mod:`torchtitan_grpo.lora_tp`) against
 the same reference: the adapters' placements, losses, gradients, adapters,
 merged HF weights and both pushes within 1e-6, the base bit-identical and
-frozen (the optimizer holds the adapters only). Helpers come from
+frozen (the optimizer holds the adapters only), and a DCP checkpoint of the
+TP shards restores adapters and optimizer state into a fresh TP policy. Helpers come from
 tests/test_lora_sharded.py (configs, batch, training loop, recorder).
 """
 
@@ -122,13 +123,15 @@ def _worker(model_dir: str, out_dir: str) -> dict:
     resumed, fresh = resume_check(cfg, pol, model_dir, d)
     res.update(resumed)
     res["resumed_next_loss"] = (_train(pol, cfg, d, 0, 1, 1)["losses"][0], _train(fresh, cfg, d, 0, 1, 1)["losses"][0])
-    res |= _tp(model_dir, ref_base, ref_out, ref_hf, ref_peft)
+    res |= _tp(model_dir, os.path.join(out_dir, "tp"), ref_base, ref_out, ref_hf, ref_peft)
     return res
 
 
-def _tp(model_dir: str, ref_base: dict, ref_out: dict, ref_hf: dict, ref_peft: dict, *extra: str) -> dict:
-    """TP=2 (torchtitan_grpo.lora_tp) against the same one-process reference, in the same launch
-    (``extra``: more [parallelism] keys, e.g. FSDP x TP on four ranks by hand)."""
+def _tp(model_dir: str, out_dir: str, ref_base: dict, ref_out: dict, ref_hf: dict, ref_peft: dict,
+        *extra: str) -> dict:
+    """TP=2 (torchtitan_grpo.lora_tp) against the same one-process reference, in the same launch, and
+    its DCP save-and-resume under ``out_dir`` (``extra``: more [parallelism] keys, e.g. FSDP x TP on four
+    ranks by hand)."""
     import torch.distributed as dist
     from torch.distributed.tensor import Replicate, Shard
 
@@ -138,7 +141,8 @@ def _tp(model_dir: str, ref_base: dict, ref_out: dict, ref_hf: dict, ref_peft: d
 
     rank, device = dist.get_rank(), torch.device("cpu")
     d = trainer.Dist(rank, dist.get_world_size(), rank, device)
-    cfg = _cfg(model_dir, *LR, "--parallelism.tensor_parallel_degree", "2", *extra)
+    cfg = _cfg(model_dir, *LR, "--parallelism.tensor_parallel_degree", "2", *extra,
+               "--job.dump_folder", out_dir, "--checkpoint.enable", "--checkpoint.interval", "1")
     pol = trainer.build_policy(cfg, model_dir, d)
     mods = lora.adapted_modules(pol.model)
     want = {"col": (Shard(0), Replicate(), Shard(0)), "row": (Shard(1), Shard(1), Replicate())}
@@ -167,6 +171,12 @@ def _tp(model_dir: str, ref_base: dict, ref_out: dict, ref_hf: dict, ref_peft: d
         if rec is not None:
             res[f"tp_push_diff_{'adapter' if only else 'merged'}"] = _maxdiff(ref_peft if only else ref_hf,
                                                                                rec.pushed[5])
+
+    # DCP: save the TP shards, a fresh TP policy resumes adapters and optimizer state
+    resumed, fresh = resume_check(cfg, pol, model_dir, d)
+    res |= {f"tp_{k}": v for k, v in resumed.items()}
+    res["tp_resumed_next_loss"] = (_train(pol, cfg, d, dp_rank, dp_degree, 1)["losses"][0],
+                                   _train(fresh, cfg, d, dp_rank, dp_degree, 1)["losses"][0])
     return res
 
 
@@ -238,6 +248,15 @@ def test_tp_lora_equals_one_process(results):
         assert r["tp_hf_diff"] <= TOL  # hf_weights: the merge of the gathered shards
     assert results[0]["tp_push_kind"] == "ShardedLoraPush"
     assert results[0]["tp_push_diff_merged"] <= TOL and results[0]["tp_push_diff_adapter"] <= TOL
+
+
+def test_tp_lora_checkpoint_resumes_adapters_and_optimizer(results):
+    """TP=2: the resumed shards (model and AdamW state) are the saved ones bit for bit; the next step agrees."""
+    for r in results:
+        assert r["tp_resumed_step"] == 2 and r["tp_n_opt"] > 0
+        assert r["tp_resumed_model_diff"] == 0.0 and r["tp_resumed_opt_diff"] == 0.0
+        a, b = r["tp_resumed_next_loss"]
+        assert abs(a - b) <= TOL, (a, b)
 
 
 if __name__ == "__main__":
