@@ -85,6 +85,9 @@ request of the pusher, every broadcast call of its sender, and on the replica
 every route's handling, receive and install, in ms from the start of
 ``push``. It is where the push loses time against ``raw``. The wrappers are
 installed by the bench only; the product code has no tracing in it.
+
+The replica stand-in (``TensorEngine`` behind the server's routes) and the
+trace live in bench/weight_push_parts.py; this file measures and prints.
 """
 
 from __future__ import annotations
@@ -106,10 +109,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torchtitan_grpo  # noqa: E402,F401  (triton shim before torchtitan)
 from torchtitan_grpo.aio import LoopThread  # noqa: E402
-from torchtitan_grpo.inference.engine import Engine  # noqa: E402
 from torchtitan_grpo.inference.weights import install_weights  # noqa: E402
 from torchtitan_grpo.net import free_port  # noqa: E402
 from torchtitan_grpo.weight_sync import buckets as bk  # noqa: E402
+
+from bench import weight_push_parts as parts  # noqa: E402  (the replica stand-in, --trace)
 
 GPU_SETS = "0.6B,4B,8B"
 CPU_SETS = "debugmodel"
@@ -145,185 +149,6 @@ def qwen3_hf_specs(flavor: str) -> list[bk.TensorSpec]:
 def checksum(tensors: dict[str, torch.Tensor], names: list[str]) -> list[int]:
     """Exact integer checksums of bf16 tensors (no large temporaries)."""
     return [int(tensors[n].view(torch.int16).sum(dtype=torch.int64)) for n in names]
-
-
-# -------------------------------------------------------------- the replica stand-in
-
-
-class TensorEngine:
-    """What the built-in server's weight-update routes (SGLang and vLLM) need
-    of an ``Engine``: named parameters (real names, shapes, dtype), the same
-    all-or-nothing checks and ``install_weights`` as ``Engine.load_weights``,
-    pause/resume, and a served version. Generation never runs."""
-
-    tokenizer = None
-    max_context = 4096  # sizes the server's generation body limit (never used here)
-    static_cache = False  # no captured graphs read the parameters: received buffers may become them
-
-    def __init__(self, params: dict[str, torch.Tensor], device: torch.device):
-        from types import SimpleNamespace
-
-        self.device = device
-        self._tensors = params
-        self.weight_version = "default"
-        self.paused = None
-        self.alive = True
-        # what the routes read off a model at start-up (the LoRA and delta receivers: names -> tensors)
-        self.model = SimpleNamespace(config=SimpleNamespace(model_type="qwen3"),
-                                     parameters=lambda: iter(params.values()),
-                                     state_dict=lambda keep_vars=False: dict(params),
-                                     named_modules=lambda: iter(()))
-
-    check_weights = Engine.check_weights  # they read only ``_tensors`` (name -> parameter)
-    check_received = Engine.check_received
-
-    def load_weights(self, named, weight_version: str | None = None, checked: bool = False, adopt=None) -> None:
-        if not checked:
-            self.check_weights([bk.TensorSpec.of(n, t) for n, t in named])
-        install_weights(self._tensors, named, adopt)
-        if weight_version is not None:
-            self.weight_version = weight_version
-
-    def set_weight_version(self, version: str) -> None:
-        self.weight_version = version
-
-    def pause(self, mode: str = "abort") -> int:
-        self.paused = mode
-        return 0
-
-    def resume(self) -> None:
-        self.paused = None
-
-    def abort_all(self, message: str = "") -> int:
-        return 0
-
-    def num_live_requests(self) -> int:
-        return 0
-
-
-async def _serve_routes(engine: TensorEngine, device: torch.device):
-    """The built-in server's app (SGLang and vLLM routes) over ``engine`` on a free port."""
-    from aiohttp import web
-
-    from torchtitan_grpo.inference.server import ServerConfig, build_app
-
-    app, _ = build_app(engine, ServerConfig(model="bench-stand-in", device=str(device), port=0,
-                                            weight_group_timeout_s=120))
-    if TRACE is not None:
-        _trace_replica(app, engine)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, runner.addresses[0][1]
-
-
-# ---------------------------------------------------------------------- tracing
-
-
-class Trace:
-    """(label, start, end) of wrapped calls, in ``time.perf_counter`` seconds."""
-
-    def __init__(self):
-        self.events: list[tuple[str, float, float]] = []
-
-    def add(self, label: str, t0: float) -> None:
-        self.events.append((label, t0, time.perf_counter()))
-
-    def wrap(self, owner, attr: str, label, only_if=None) -> None:
-        """Replace ``owner.attr`` (a function, sync or async) with a timed
-        wrapper; ``label(*args)`` names each call; ``only_if(result)``: which
-        calls of a sync function to record."""
-        import functools
-        import inspect
-
-        fn = inspect.getattr_static(owner, attr)
-        static = isinstance(fn, staticmethod)
-        if static:
-            fn = fn.__func__
-        elif not inspect.isclass(owner) and not inspect.ismodule(owner):
-            fn = getattr(owner, attr)  # an instance: its bound method
-        if inspect.iscoroutinefunction(fn):
-            @functools.wraps(fn)
-            async def timed(*a, **k):
-                t0 = time.perf_counter()
-                try:
-                    return await fn(*a, **k)
-                finally:
-                    self.add(label(*a), t0)
-        else:
-            @functools.wraps(fn)
-            def timed(*a, **k):
-                t0 = time.perf_counter()
-                out = None
-                try:
-                    out = fn(*a, **k)
-                    return out
-                finally:
-                    if only_if is None or only_if(out):
-                        self.add(label(*a), t0)
-        setattr(owner, attr, staticmethod(timed) if static else timed)
-
-
-TRACE: Trace | None = None
-
-
-def _trace_trainer() -> None:
-    from torchtitan_grpo.weight_sync import control, group_push
-
-    TRACE.wrap(control, "post", lambda session, url, *a: "trainer POST " + url.split("/", 3)[-1])
-    real_pipelined = control.PipelinedConnection.post
-
-    def pipelined(conn, path, body, params=None):  # from its write to its reply
-        t0 = time.perf_counter()
-        fut = real_pipelined(conn, path, body, params)
-        fut.add_done_callback(lambda f: TRACE.add("trainer POST (pipelined) " + path.lstrip("/"), t0))
-        return fut
-
-    control.PipelinedConnection.post = pipelined
-    TRACE.wrap(group_push.GroupPush, "broadcast_all",
-               lambda r, staged, ks, stop, wait=True:
-               f"trainer broadcast x{len(ks)} ({sum(staged.buffers[k].numel() for k in ks) >> 20} MiB)")
-
-
-def _trace_replica_receives() -> None:
-    from torchtitan_grpo.inference import packed_receive, sglang_weights, vllm_weights, weights
-
-    # The routes post the receives and answer; the session's end waits for the bytes.
-    TRACE.wrap(sglang_weights, "post_receive", lambda group, specs, *a: f"replica post receive ({len(specs)} tensors)")
-    TRACE.wrap(packed_receive, "post_packed", lambda group, specs, *a: f"replica post packed ({len(specs)} tensors)")
-    TRACE.wrap(weights.PostedReceive, "wait", lambda p: f"replica wait for the bytes ({len(p.named)} tensors)")
-    # A session's end: the waits and the install inside, on the transfer thread.
-    TRACE.wrap(weights.PendingVersion, "load", lambda p, *a: f"replica load session ({len(p.parts)} updates)")
-    # A route's hop to the transfer thread and back, around what it runs there
-    for routes in (sglang_weights.SGLangWeightRoutes, vllm_weights.VLLMWeightRoutes):
-        TRACE.wrap(routes, "_run", lambda self, fn, *a: f"replica transfer-thread call {fn.__name__}")
-    # ?ack=posted: the views cut after the reply (the calls that found nothing to cut are left out)
-    TRACE.wrap(weights.PostedReceive, "cut_views", lambda p: f"replica cut views ({len(p.named)} tensors)",
-               only_if=bool)
-
-
-def _trace_replica(app, engine: "TensorEngine") -> None:
-    """The routes and the install of one app (the receives are wrapped once per process)."""
-    from aiohttp import web
-
-    TRACE.wrap(engine, "load_weights", lambda named, *a: f"replica install ({len(named)} tensors)")
-
-    @web.middleware
-    async def timed(request, handler):
-        t0 = time.perf_counter()
-        try:
-            return await handler(request)
-        finally:
-            TRACE.add("replica route " + request.path.lstrip("/"), t0)
-
-    app.middlewares.insert(0, timed)
-
-
-def print_trace(title: str, t0: float, events: list[tuple[str, float, float]]) -> None:
-    print(f"trace: {title}: ms from the start of push()")
-    for label, a, b in sorted(events, key=lambda e: e[1]):
-        print(f"trace:   {(a - t0) * 1e3:8.2f} {(b - t0) * 1e3:8.2f} {(b - a) * 1e3:7.2f}  {label}")
 
 
 # ----------------------------------------------------------------- measurement
@@ -475,6 +300,7 @@ def _push(r: Ranks, tensors: dict[str, torch.Tensor], names: list[str], expected
     copy is mostly still inside) and of the async push from the trainer's
     return to the replica serving it, and whether the replica ended with the
     trainer's bytes and the last version."""
+    trace = parts.TRACE  # None unless --trace
     push_times: list[float] = []
     transfer_times: list[float] = []
     async_times: list[float] = []
@@ -491,8 +317,8 @@ def _push(r: Ranks, tensors: dict[str, torch.Tensor], names: list[str], expected
                 m = pusher.push(tensors, version=v, wait=True)
                 push_times.append(time.perf_counter() - t0)
                 transfer_times.append(push_times[-1] - m["time/push_stall_s"])
-                if TRACE is not None:
-                    TRACE.events.append((f"trainer snapshot (host stall) v{v}", t0, t0 + m["time/push_stall_s"]))
+                if trace is not None:
+                    trace.events.append((f"trainer snapshot (host stall) v{v}", t0, t0 + m["time/push_stall_s"]))
             async_start = time.perf_counter()  # the trace below is of the last waited push, from t0
             for v in range(reps + 2, last + 1):  # async mode: published once staged
                 ta0 = time.perf_counter()
@@ -500,8 +326,8 @@ def _push(r: Ranks, tensors: dict[str, torch.Tensor], names: list[str], expected
                 t1 = time.perf_counter()
                 if "push/bytes" not in m:
                     raise RuntimeError(f"async version {v} was skipped: {m}")
-                if TRACE is not None:
-                    TRACE.events.append((f"trainer snapshot (host stall, async) v{v}", ta0, t1))
+                if trace is not None:
+                    trace.events.append((f"trainer snapshot (host stall, async) v{v}", ta0, t1))
                 pusher.wait_for(v, timeout_s=cfg.deadline_s)
                 async_times.append(time.perf_counter() - t1)
         finally:
@@ -510,26 +336,26 @@ def _push(r: Ranks, tensors: dict[str, torch.Tensor], names: list[str], expected
             gc.collect()  # its staging buffers (cyclic references through its tasks)
         dist.barrier(group=r.ctrl)
         ok = True  # judged by the replica
-        if TRACE is not None:
+        if trace is not None:
             theirs = r.share(None, src=1)
             name = f"{path} push of version {reps + 1}"
-            print_trace(name, t0, [e for e in TRACE.events + theirs if t0 <= e[2] and e[1] < async_start])
-            print_trace(f"{path} async push of version {last}", ta0,
-                        [e for e in TRACE.events + theirs if ta0 <= e[2]])
-            TRACE.events.clear()
+            parts.print_trace(name, t0, [e for e in trace.events + theirs if t0 <= e[2] and e[1] < async_start])
+            parts.print_trace(f"{path} async push of version {last}", ta0,
+                        [e for e in trace.events + theirs if ta0 <= e[2]])
+            trace.events.clear()
     else:
         holder = LoopThread("bench-replica")
-        engine = TensorEngine(tensors, r.device)
-        runner, http_port = holder.run(_serve_routes(engine, r.device))
+        engine = parts.TensorEngine(tensors, r.device)
+        runner, http_port = holder.run(parts.serve_routes(engine, r.device))
         r.share(f"http://127.0.0.1:{http_port}", src=1)
         dist.barrier(group=r.ctrl)  # rank 0 pushes meanwhile
         r.sync()
         ok = checksum(tensors, names) == expected and engine.weight_version == str(last)
         holder.run(runner.cleanup())
         holder.close()
-        if TRACE is not None:
-            r.share(list(TRACE.events), src=1)
-            TRACE.events.clear()
+        if trace is not None:
+            r.share(list(trace.events), src=1)
+            trace.events.clear()
         for t in tensors.values():
             t.zero_()
     ok = _all_ok(r, ok)
@@ -611,12 +437,7 @@ def _worker(rank: int, args: argparse.Namespace) -> None:
     loop = LoopThread() if rank == 0 else None
     r = Ranks(rank, device, ctrl)
     if args.trace:
-        global TRACE
-        TRACE = Trace()
-        if rank == 0:
-            _trace_trainer()
-        else:
-            _trace_replica_receives()
+        parts.start_trace(rank)
     rows = []
     try:
         for flavor in args.sets:
