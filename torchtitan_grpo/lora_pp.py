@@ -29,8 +29,9 @@ The merged weights and the adapters are per stage (each rank merges its own
 ``W + scale B A``, gathering FSDP shards within the stage when there are
 any); :class:`PipelineLoraPush` brings the stages' HF-named (merged) or
 peft-named (adapter) tensors to rank 0, point to point, as the full-weight
-``ShardGatherer`` brings stages' weights (each tensor rank 0 lacks comes from
-the lowest rank that has it; planned once), and rank 0's Pusher sends them.
+``ShardGatherer`` brings stages' weights (:mod:`weight_sync.stage_transfer`:
+each tensor rank 0 lacks comes from the lowest rank that has it; planned
+once), and rank 0's Pusher sends them.
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ from torch import nn
 
 from torchtitan_grpo import lora, lora_sharded
 from torchtitan_grpo.lora_sharded import ShardedLoraPush
+from torchtitan_grpo.weight_sync import stage_transfer
 
-__all__ = ["inject", "adapt_whole", "stage_tensors_to_rank0", "PipelineLoraPush"]
+__all__ = ["inject", "adapt_whole", "PipelineLoraPush"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,37 +68,6 @@ def adapt_whole(model: nn.Module, cfg, seed: int) -> None:
 # ------------------------------------------------------------------- push
 
 
-def _plan(local: dict[str, torch.Tensor]) -> list[tuple[int, str, tuple[int, ...], torch.dtype]]:
-    """``(src, name, shape, dtype)`` of every tensor rank 0 lacks, and the
-    lowest rank that has it (a collective over the world; same list on all)."""
-    mine = [(k, tuple(v.shape), v.dtype) for k, v in local.items()]
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    have = {k for k, _, _ in everyone[0]}
-    plan = []
-    for src in range(1, len(everyone)):
-        for k, shape, dtype in everyone[src]:
-            if k not in have:
-                have.add(k)
-                plan.append((src, k, shape, dtype))
-    return plan
-
-
-def stage_tensors_to_rank0(local: dict[str, torch.Tensor], plan, device: torch.device) -> dict[str, torch.Tensor]:
-    """Every stage's ``local`` tensors on rank 0 (the others get ``local`` back,
-    after sending their part). ``plan``: from :func:`_plan` on the same keys."""
-    rank = dist.get_rank()
-    out = dict(local)
-    for src, k, shape, dtype in plan:
-        if rank == 0:
-            t = torch.empty(shape, dtype=dtype, device=device)
-            dist.recv(t, src=src)
-            out[k] = t
-        elif rank == src:
-            dist.send(local[k].detach().to(device).contiguous(), dst=0)
-    return out
-
-
 class PipelineLoraPush(ShardedLoraPush):
     """The weight push of a LoRA policy under PP (``trainer_push``'s object):
     every rank computes its stage's merged (or adapter) tensors, as
@@ -112,14 +83,19 @@ class PipelineLoraPush(ShardedLoraPush):
             cuda = dist.get_backend() == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.device = device
-        self._plan: list | None = None
+        self._plan: list[stage_transfer.Transfer] | None = None
         self._keys: list[str] | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
         local = super().tensors()
         keys = list(local)
         if self._plan is None:
-            self._plan, self._keys = _plan(local), keys
+            entries = [([k], tuple(v.shape), v.dtype) for k, v in local.items()]
+            self._plan, self._keys = stage_transfer.plan_to_rank0(entries), keys
         elif keys != self._keys:
             raise RuntimeError("PipelineLoraPush: this stage's tensor names changed since the first push")
-        return stage_tensors_to_rank0(local, self._plan, self.device)
+        # rank 0: every stage's tensors; the others: their own, after sending their part
+        out = dict(local)
+        stage_transfer.exchange_to_rank0(self._plan, out, self.device,
+                                         prepare=lambda t: t.detach().to(self.device).contiguous())
+        return out

@@ -41,6 +41,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from torchtitan_grpo.weight_sync import stage_transfer
+
 logger = logging.getLogger(__name__)
 
 # TorchTitan 0.2.2's ParallelDims: the names of the dims its meshes unflatten
@@ -241,26 +243,16 @@ class ShardGatherer:
         return chunks
 
     def _plan_stage_transfers(self) -> None:
-        """Which tensors rank 0 lacks (other PP stages) and who sends them.
-
-        Every rank learns every rank's parameter names, shapes and dtypes
-        once; the lowest rank holding a name rank 0 lacks sends it (the
-        lowest rank of a stage takes part in all of its stage's gathers).
-        Both sides walk the same list in the same order."""
+        """Which tensors rank 0 lacks (other PP stages) and who sends them
+        (:func:`stage_transfer.plan_to_rank0`, once, on the sidecar's world
+        group): ``incoming`` on every rank, ``outgoing`` the names this rank sends."""
         mine = [(p.names, tuple(p.live.shape), self._push_dtype(p.live)) for p in self.params]
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine, group=self.world_group)
-        have = {n for names, _, _ in everyone[0] for n in names}
-        self.incoming: list[tuple[int, list[str], tuple, torch.dtype]] = []  # rank 0: (src, names, shape, dtype)
-        sent: set[str] = set(have)
-        for src in range(1, len(everyone)):
-            for names, shape, dtype in everyone[src]:
-                if not self.adapter.to_hf({names[0]: torch.empty(shape, dtype=dtype, device="meta")}):
-                    continue  # no HF name (the last stage's copy of tied embeddings): nothing to send
-                if names[0] not in sent:
-                    sent.update(names)
-                    self.incoming.append((src, names, shape, dtype))
-        self.outgoing = {n for src, names, _, _ in self.incoming if src == self.rank for n in names}
+        self.incoming = stage_transfer.plan_to_rank0(mine, self.world_group, skip=self._no_hf_name)
+        self.outgoing = stage_transfer.sent_by(self.incoming, self.rank)
+
+    def _no_hf_name(self, names: list[str], shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+        """No HF name (the last stage's copy of tied embeddings): nothing to send."""
+        return not self.adapter.to_hf({names[0]: torch.empty(shape, dtype=dtype, device="meta")})
 
     def _push_dtype(self, t: torch.Tensor) -> torch.dtype:
         return self.dtype if self.dtype is not None and t.is_floating_point() else t.dtype
@@ -397,7 +389,7 @@ class ShardGatherer:
                 elif p.kind == "dtensor":
                     keep(p, DTensor.from_local(local, p.mesh, p.live.placements, run_check=False,
                                                shape=p.live.shape, stride=p.live.stride()).full_tensor())
-            self._exchange_stages(full)
+            stage_transfer.exchange_to_rank0(self.incoming, full, self.device, self.world_group)
             if self.stream is not None:
                 self.stream.synchronize()
             if self.rank == 0 and self.deliver is not None:
@@ -407,16 +399,6 @@ class ShardGatherer:
                 # delivered straight from it) is queued on this stream.
                 slot.released = torch.cuda.Event()
                 slot.released.record(self.stream)
-
-    def _exchange_stages(self, full: dict[str, torch.Tensor]) -> None:
-        for src, names, shape, dtype in self.incoming:
-            if self.rank == 0:
-                t = torch.empty(shape, dtype=dtype, device=self.device)
-                dist.recv(t, src=src, group=self.world_group)
-                for n in names:
-                    full[n] = t
-            elif self.rank == src:
-                dist.send(full[names[0]].contiguous(), dst=0, group=self.world_group)
 
 
 class DirectPush:
