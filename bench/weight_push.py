@@ -191,6 +191,7 @@ def _measure_set(r: Ranks, flavor: str, bucket_mbs: list[int], reps: int, backen
                  staging: str = "device") -> list[dict]:
     from torchtitan_grpo.inference.weights import receive_weights
     from torchtitan_grpo.weight_sync.group import init_weight_group, master_store
+    from torchtitan_grpo.weight_sync.pusher import PushConfig
 
     specs = qwen3_hf_specs(flavor)
     nbytes = sum(s.nbytes for s in specs)
@@ -206,7 +207,7 @@ def _measure_set(r: Ranks, flavor: str, bucket_mbs: list[int], reps: int, backen
     # raw: one flat buffer, one broadcast
     flat = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     t_raw = r.timed(lambda: dist.broadcast(flat, 0, group=raw_group), reps)
-    del flat
+    flat = None  # not del: the lambda above holds it (pyflakes)
 
     rows = []
     for k, mb in enumerate(bucket_mbs):
@@ -220,7 +221,7 @@ def _measure_set(r: Ranks, flavor: str, bucket_mbs: list[int], reps: int, backen
         group = init_weight_group("127.0.0.1", port, r.rank, 2, backend=backend, group_name=f"bench{k}",
                                   timeout_s=120, device=dev if backend == "nccl" else None, store=store)
         if r.rank == 0:
-            from torchtitan_grpo.weight_sync.pusher import PushConfig, Pusher
+            from torchtitan_grpo.weight_sync.pusher import Pusher
             from torchtitan_grpo.weight_sync.upload import Uploader
 
             # The Pusher's own staging copy, on a Pusher that never connects.
@@ -262,8 +263,6 @@ def _measure_set(r: Ranks, flavor: str, bucket_mbs: list[int], reps: int, backen
         row |= {"bucketed": nbytes / t_bucketed / 2**30, "snapshot_ms": t_snap * 1e3}
 
         # push: Pusher (trainer side) -> HTTP + broadcasts -> the server's routes, per protocol
-        from torchtitan_grpo.weight_sync.pusher import PushConfig
-
         pushes = {path: _push(r, tensors, names, expected, loop, reps, PushConfig(
             mode="sync", backend=backend, protocol=path.split("-")[0], bucket_bytes=mb << 20,
             packed_buffer_bytes=mb << 20, num_staging_buffers=1, deadline_s=300, init_timeout_s=120, staging=staging,
@@ -283,7 +282,7 @@ def _measure_set(r: Ranks, flavor: str, bucket_mbs: list[int], reps: int, backen
             row["check"] = "MISMATCH " + "+".join(wrong) if wrong else "ok"
             print("row: " + _format_row(row, [p for p in PATHS if p in row]), flush=True)
         rows.append(row)
-    del tensors
+    tensors = None  # not del: the closures above hold it (pyflakes)
     gc.collect()  # the last pusher's staging buffers
     if dev.type == "cuda":
         torch.cuda.empty_cache()
