@@ -12,8 +12,8 @@ from torchtitan_grpo.inference.types import Completion, SamplingParams
 from torchtitan_grpo.rollout.groups import GroupScorer
 from torchtitan_grpo.rollout.ledger import PromptLedger
 from torchtitan_grpo.rollout.offpolicy import select_samples
-from torchtitan_grpo.rollout.prompt_budget import check_budgets, group_budget
-from torchtitan_grpo.rollout.producer import ProducerSpec, RolloutProducer, build_producer
+from torchtitan_grpo.rollout.prompt_budget import check_budgets, fit_budget, group_budget
+from torchtitan_grpo.rollout.producer import ProducerSpec, ProducerStopped, RolloutProducer, build_producer
 from torchtitan_grpo.rollout.tasks import PromptIterator
 
 CAP = 6  # rollout.max_new_tokens
@@ -100,3 +100,74 @@ def test_each_group_generates_at_its_own_budget_and_a_cut_counts_as_truncated():
     kept, m = select_samples(batch.samples, 0, max_staleness=1, mask_truncated=True)
     assert m["offpolicy/truncated_dropped"] == 2
     assert sorted({"".join(map(chr, s.prompt_ids)) for s in kept}) == ["p5", "p9", "pn"]
+
+
+# ---- the sequence limit: training.seq_len / inference.max_model_len ----------- #
+
+
+class ListSource:
+    """The rows in their order, one at a time, over and over (a PromptSource)."""
+
+    def __init__(self, rows):
+        self.rows, self.pos = rows, 0
+
+    def next_batch(self):
+        row = self.rows[self.pos % len(self.rows)]
+        self.pos += 1
+        return [row]
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state):
+        self.pos = state["pos"]
+
+
+def test_fit_budget_leaves_the_prompt_room_under_the_limit():
+    assert fit_budget(5, 6, 0) == 6  # no limit
+    assert fit_budget(2, 6, 8) == 6
+    assert fit_budget(5, 6, 8) == 3
+    assert fit_budget(7, 6, 8) == 1
+    assert fit_budget(8, 6, 8) is None and fit_budget(20, 6, 8) is None
+
+
+def _producer(rows, limit, pps, pool=None):
+    scorer = GroupScorer(CharTokenizer(), lambda p, c, r: float(c.startswith("a")), group_size=2)
+    ledger = PromptLedger(ListSource(rows))
+    return RolloutProducer(LoopThread(), pool or BudgetPool(), ledger, scorer, prompts_per_step=pps, depth=0,
+                           sampling=SamplingParams(max_new_tokens=CAP), max_sequence_tokens=limit)
+
+
+def test_a_long_prompt_is_skipped_and_a_budget_cut_to_fit_the_sequence_limit():
+    """Limit 8 tokens: "ab" keeps the config's 6, "cd" (its row asks 9) gets 6,
+    "efgh" gets 4; the 10- and 8-token prompts leave no room: never sent,
+    counted, and handed in the ledger (a resume draws the next row)."""
+    rows = [{"prompt": "ab"}, {"prompt": "x" * 10}, {"prompt": "cd", "max_new_tokens": 9}, {"prompt": "y" * 8},
+            {"prompt": "efgh"}, {"prompt": "next"}]
+    pool = BudgetPool()
+    prod = _producer(rows, 8, 3, pool)
+    try:
+        prod.start(0)
+        batch = prod.next_batch()
+        state = prod.state_dict()
+    finally:
+        prod.close()
+        prod.loop.close()
+    assert pool.budgets == {"ab": 6, "cd": 6, "efgh": 4}
+    assert all(len(s.prompt_ids) + len(s.completion_ids) <= 8 for s in batch.samples)
+    assert batch.metrics["rollout/skipped_long_prompts"] == 2
+    resumed = PromptLedger(ListSource(rows))
+    resumed.load_state_dict(state)
+    assert resumed.draw() == (5, {"prompt": "next"})
+
+
+def test_a_limit_below_every_prompt_stops_the_run_in_one_line():
+    prod = _producer([{"prompt": "longer than four"}, {"prompt": "also too long"}], 4, 2)
+    prod.MAX_SKIPPED_IN_A_ROW = 25
+    try:
+        prod.start(0)
+        with pytest.raises(ProducerStopped, match=r"25 prompts in a row left no room .* training\.seq_len / inference\.max_model_len \(4 tokens; the last had 1[36]\)"):
+            prod.next_batch()
+    finally:
+        prod.close()
+        prod.loop.close()

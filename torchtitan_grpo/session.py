@@ -99,7 +99,8 @@ class RolloutSide:
         n = min(10, len(h))
         resumed = (f" (run resumed at step {self.log.resume_step}; earlier steps read from metrics.jsonl)"
                    if self.log.earlier else "")
-        logger.info("mean reward: first %d steps %.3f, last %d steps %.3f%s", n, first, n, last, resumed)
+        if n:  # a run stopped before its first step has no reward to report
+            logger.info("mean reward: first %d steps %.3f, last %d steps %.3f%s", n, first, n, last, resumed)
         out = {"reward_first10": first, "reward_last10": last, "steps": len(self.log.history)}
         if self.eval_results:
             a, b = self.eval_results[0], self.eval_results[-1]
@@ -160,7 +161,16 @@ def producer_spec(cfg, hf_dir: str, tok, resume: Resumed | None) -> ProducerSpec
                                 top_k=r.top_k, stop_token_ids=_stop_ids(tok)),
         scale_rewards=g.scale_rewards, filter_constant_groups=g.filter_constant_groups,
         reward_timeout_s=r.reward_timeout_s, use_chat_template=r.use_chat_template,
-        resume_prompts=resume.prompts if resume is not None else None)
+        resume_prompts=resume.prompts if resume is not None else None,
+        max_sequence_tokens=max_sequence_tokens(cfg))
+
+
+def max_sequence_tokens(cfg) -> int:
+    """The longest sample the run can use: ``training.seq_len`` (the trainer's
+    RoPE table ends there), or ``inference.max_model_len`` when set and
+    smaller (the started servers refuse longer requests)."""
+    limit = cfg.training.seq_len
+    return min(limit, cfg.inference.max_model_len) if cfg.inference.max_model_len > 0 else limit
 
 
 def push_mode_hint(cfg) -> str | None:

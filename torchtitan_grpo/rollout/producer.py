@@ -43,7 +43,7 @@ from torchtitan_grpo.inference.pool import InferencePool
 from torchtitan_grpo.inference.types import SamplingParams
 from torchtitan_grpo.rollout.groups import GroupScorer, ScoredGroup, batch_metrics
 from torchtitan_grpo.rollout.ledger import PromptLedger
-from torchtitan_grpo.rollout.prompt_budget import check_budgets, group_budget
+from torchtitan_grpo.rollout.prompt_budget import check_budgets, fit_budget, group_budget
 from torchtitan_grpo.rollout.sample import Sample
 
 logger = logging.getLogger("torchtitan_grpo")
@@ -67,11 +67,13 @@ class RolloutProducer:
 
     def __init__(self, loop: LoopThread, pool: InferencePool, ledger: PromptLedger, scorer: GroupScorer, *,
                  prompts_per_step: int, depth: int, sampling: SamplingParams, seed: int = 0,
+                 max_sequence_tokens: int = 0,
                  on_group: Callable[[ScoredGroup], None] | None = None,
                  on_error: Callable[[BaseException], None] | None = None):
-        """``on_group`` (on the loop's thread, in buffer order) and ``on_error``
-        let a rollout client process mirror the buffer in the trainer's process
-        (``client_process.py``)."""
+        """``max_sequence_tokens``: prompt plus completion at most this (0: no
+        limit; ``prompt_budget.fit_budget``). ``on_group`` (on the loop's
+        thread, in buffer order) and ``on_error`` let a rollout client process
+        mirror the buffer in the trainer's process (``client_process.py``)."""
         if depth < 0:
             raise ValueError(f"depth must be >= 0, got {depth}")
         self.loop, self.pool, self.ledger, self.scorer = loop, pool, ledger, scorer
@@ -79,7 +81,10 @@ class RolloutProducer:
         self.depth = depth
         self.sampling = sampling
         self.seed = seed
+        self.max_sequence_tokens = max_sequence_tokens
         self.on_group, self.on_error = on_group, on_error
+        # prompts too long for max_sequence_tokens: in all, since the last take, one after another
+        self._skipped_total = self._skipped = self._skipped_in_a_row = 0
         self._cond = threading.Condition()
         self._buffer: deque[ScoredGroup] = deque()  # finished, in finishing order
         self._in_flight = 0
@@ -129,10 +134,12 @@ class RolloutProducer:
             self._training = True
             queued = len(self._buffer)
             in_flight = self._in_flight
+            skipped, self._skipped = self._skipped, 0
         now = time.monotonic()
         self.ledger.handed([g.index for g in groups])
         self._wake_admission()
-        return groups, self._metrics(groups, wait_s, now, queued, in_flight)
+        return groups, self._metrics(groups, wait_s, now, queued, in_flight) | {
+            "rollout/skipped_long_prompts": float(skipped)}
 
     def published(self, version: int) -> None:
         """The trainer finished its step and published ``version`` (the same
@@ -195,9 +202,13 @@ class RolloutProducer:
             # A distinct, reproducible seed per prompt of the run: groups differ, runs
             # repeat (prompt k of step s before pipelining: the same seeds as then).
             step, k = divmod(index, self.prompts_per_step)
+            budget = fit_budget(len(ids), group_budget(row, self.sampling.max_new_tokens), self.max_sequence_tokens)
+            if budget is None:
+                self._skip_long_prompt(index, len(ids))
+                return
             params = SamplingParams(**{**self.sampling.__dict__,
                                        "seed": (self.seed * 1_000_003 + (step + 1) * 9973 + k) % (2**31),
-                                       "max_new_tokens": group_budget(row, self.sampling.max_new_tokens)})
+                                       "max_new_tokens": budget})
             completions = await self.pool.generate(ids, self.scorer.group_size, params)
             group = await asyncio.to_thread(self.scorer.score, index, row, ids, completions)
         except asyncio.CancelledError:
@@ -207,11 +218,38 @@ class RolloutProducer:
             return
         group.started, group.finished, group.admitted_version = started, time.monotonic(), version
         with self._cond:
+            self._skipped_in_a_row = 0
             self._in_flight -= 1
             self._buffer.append(group)
             self._cond.notify_all()
         if self.on_group is not None:
             self.on_group(group)
+
+    MAX_SKIPPED_IN_A_ROW = 1000
+    """Prompts skipped as too long, one after another, before the run stops
+    (a limit below every prompt of the dataset would otherwise spin forever)."""
+
+    def _skip_long_prompt(self, index: int, prompt_tokens: int) -> None:
+        """The prompt leaves no room under ``max_sequence_tokens``: not sent,
+        marked handed in the ledger (a resume does not draw it again)."""
+        with self._cond:
+            self._in_flight -= 1
+            self._skipped_total += 1
+            self._skipped += 1
+            self._skipped_in_a_row += 1
+            first, in_a_row = self._skipped_total == 1, self._skipped_in_a_row
+        self.ledger.handed([index])
+        if in_a_row >= self.MAX_SKIPPED_IN_A_ROW:
+            if in_a_row == self.MAX_SKIPPED_IN_A_ROW:  # once: groups drawn meanwhile end here silently
+                self._fail(ValueError(
+                    f"{in_a_row} prompts in a row left no room for a completion under training.seq_len / "
+                    f"inference.max_model_len ({self.max_sequence_tokens} tokens; the last had {prompt_tokens})"))
+            return
+        if first:
+            logger.warning("skipping prompt %d: %d tokens leave no room for a completion under training.seq_len / "
+                           "inference.max_model_len (%d); such prompts are counted in rollout/skipped_long_prompts",
+                           index, prompt_tokens, self.max_sequence_tokens)
+        self._wake_admission()
 
     def _fail(self, e: BaseException) -> None:
         # Every group in flight fails alike when the fleet is gone (one
@@ -281,6 +319,9 @@ class ProducerSpec:
     use_chat_template: bool
     resume_prompts: dict | None = None
     """The checkpoint's ledger state (``state_dict()``), on resume."""
+    max_sequence_tokens: int = 0
+    """Prompt plus completion at most this many tokens (``training.seq_len``,
+    and ``inference.max_model_len`` when smaller); 0: no limit."""
 
 
 def build_producer(spec: ProducerSpec, loop: LoopThread, pool: InferencePool, tokenizer=None,
@@ -306,7 +347,8 @@ def build_producer(spec: ProducerSpec, loop: LoopThread, pool: InferencePool, to
                          filter_constant_groups=spec.filter_constant_groups, reward_timeout_s=spec.reward_timeout_s,
                          use_chat_template=spec.use_chat_template)
     return RolloutProducer(loop, pool, ledger, scorer, prompts_per_step=spec.prompts_per_step, depth=spec.depth,
-                           sampling=spec.sampling, seed=spec.seed, **hooks)
+                           sampling=spec.sampling, seed=spec.seed, max_sequence_tokens=spec.max_sequence_tokens,
+                           **hooks)
 
 
 def task_scorer(tokenizer, task: str, reward_fn: str, *, use_chat_template: bool, **kw) -> GroupScorer:

@@ -11,6 +11,14 @@ column missing from some rows reads) get the config's value.
 A completion cut at its own budget ends with finish reason "length", like
 one cut at the config's: it counts in ``rollout/truncated_frac`` and
 ``grpo.mask_truncated`` drops it.
+
+The sequence limit (:func:`fit_budget`): a sample longer than
+``training.seq_len`` cannot be trained (the model's RoPE table ends there),
+and a request whose prompt plus budget passes a server's context is refused
+by SGLang and vLLM alike (HTTP 400, which would stop the run). So a group's
+budget is also cut to what its prompt leaves of the limit, and a prompt that
+leaves no room is skipped (counted in ``rollout/skipped_long_prompts``)
+rather than sent. Reasoning datasets have a few such rows; the run goes on.
 """
 
 from __future__ import annotations
@@ -32,6 +40,15 @@ def check_budgets(rows: Sequence[dict], source: str) -> None:
     for i, row in enumerate(rows):
         if _bad(row.get(FIELD)):
             raise ValueError(f"{source}: row {i}: field {FIELD!r} must be a positive integer, got {row[FIELD]!r}")
+
+
+def fit_budget(prompt_tokens: int, budget: int, max_sequence_tokens: int) -> int | None:
+    """``budget`` cut so that prompt and completion fit ``max_sequence_tokens``
+    (0: no limit); None when the prompt alone leaves no room for one token."""
+    if max_sequence_tokens <= 0:
+        return budget
+    room = max_sequence_tokens - prompt_tokens
+    return min(budget, room) if room >= 1 else None
 
 
 def group_budget(row: dict, cap: int) -> int:
