@@ -106,6 +106,23 @@ def test_evaluator_scores_every_row_greedy_after_the_version_is_served(loop):
     assert ev.poll() == []
 
 
+def test_eval_prompts_fit_the_sequence_limit(loop):
+    """Limit 8: "ab" is asked for 6 new tokens and "abcdef" for 2, not 8; the
+    9-token prompt leaves no room: never sent, left out of the scores, counted."""
+    rows = [{"prompt": "ab", "answer": "ba"}, {"prompt": "abcdef", "answer": "fe"},
+            {"prompt": "x" * 9, "answer": "x"}]
+    pool = _EchoPool()
+    scorer = GroupScorer(_Tok(), _reversed_is_answer, group_size=1, scale_rewards=False)
+    ev = Evaluator(loop, pool, scorer, rows, sampling=SamplingParams(max_new_tokens=8, temperature=0.0),
+                   pass_threshold=1.0, max_concurrent=2, max_sequence_tokens=8)
+    ev.submit(1, version=1)
+    (result,) = ev.wait()
+    asked = {"".join(map(chr, ids)): p.max_new_tokens for ids, _, p in pool.calls}
+    assert asked == {"ab": 6, "abcdef": 2}
+    assert result.metrics["eval/skipped_long_prompts"] == 1 and result.metrics["eval/prompts"] == 2
+    assert result.metrics["eval/pass@1"] == pytest.approx(1 / 2)  # "ab" reversed is its answer, "fedcba" is not "fe"
+
+
 def test_a_failed_evaluation_is_skipped_with_a_warning_not_raised(loop, caplog):
     ev = _evaluator(loop, _EchoPool(fail=True), [{"prompt": "ab", "answer": "ba"}])
     ev.submit(2, version=2)

@@ -302,3 +302,10 @@ def test_inference_kv_cache_paged_reaches_the_started_servers(tiny_model_dir):
     cfg = parse_config(["--job.config_file", demo, "--model.hf_assets_path", tiny_model_dir,
                         "--inference.kv_cache", "static", "--inference.kv_cache_memory_gb", "2"])
     assert "--kv-cache-memory-gb" not in server_engine_args(cfg.inference)
+    # max_model_len 0: the servers' context is the trainer's training.seq_len
+    args = server_engine_args(cfg.inference, cfg.training.seq_len)
+    assert args[args.index("--max-model-len") + 1] == str(cfg.training.seq_len) != "0"
+    cfg = parse_config(["--job.config_file", demo, "--model.hf_assets_path", tiny_model_dir,
+                        "--inference.max_model_len", "48"])
+    args = server_engine_args(cfg.inference, cfg.training.seq_len)
+    assert args[args.index("--max-model-len") + 1] == "48"

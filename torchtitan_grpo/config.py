@@ -273,9 +273,10 @@ class Inference:
     when a trainer shares the GPU)."""
 
     max_model_len: int = 0
-    """Static cache of started built-in servers: positions per sequence,
-    prompt and completion together (their ``--max-model-len``); 0 = the
-    model's context, at most 2048. Its memory is taken at start-up."""
+    """Started built-in servers' context: positions per sequence, prompt and
+    completion together (their ``--max-model-len``); 0 = training.seq_len (no
+    longer sample can be trained). The static cache takes its memory at
+    start-up. Set, it also caps the rollouts' sequences (prompt_budget.py)."""
 
     max_batch_size: int = 64
     """Sequences each started built-in server decodes together (its

@@ -226,13 +226,16 @@ def _evaluator(cfg, tok, loop: LoopThread, pool: InferencePool | None, urls: lis
     # a few deadlines bound the wait for the version to evaluate.
     wait = None if w.mode == "off" else (lambda v: pusher.wait_for(v, timeout_s=4 * w.replica_deadline_s))
     return Evaluator(loop, pool, scorer, eval_rows(e, r), sampling=sampling, pass_threshold=e.pass_threshold,
-                     max_concurrent=e.max_concurrent, wait_version=wait)
+                     max_concurrent=e.max_concurrent, wait_version=wait, max_sequence_tokens=max_sequence_tokens(cfg))
 
 
-def server_engine_args(i) -> tuple[str, ...]:
+def server_engine_args(i, seq_len: int = 0) -> tuple[str, ...]:
     """The ``[inference]`` engine settings (``i``) as the started built-in
-    servers' command-line flags."""
-    args = ("--kv-cache", i.kv_cache, "--max-model-len", str(i.max_model_len), "--max-batch-size", str(i.max_batch_size))
+    servers' command-line flags. Their context is ``max_model_len``, else
+    ``seq_len`` (``training.seq_len``: no longer sample can be trained, and
+    the engine's own default stops at 2,048 positions)."""
+    max_len = i.max_model_len or seq_len
+    args = ("--kv-cache", i.kv_cache, "--max-model-len", str(max_len), "--max-batch-size", str(i.max_batch_size))
     if i.kv_cache in ("paged", "auto") and i.kv_cache_memory_gb > 0:
         args += ("--kv-cache-memory-gb", str(i.kv_cache_memory_gb))
     if i.chat_template:  # a file's path made absolute: the servers may start elsewhere
@@ -269,7 +272,7 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
         if i.urls or i.replica_file:
             urls = list(i.urls)
         else:
-            engine_args = server_engine_args(i)
+            engine_args = server_engine_args(i, cfg.training.seq_len)
             if cfg.grpo.router_replay == "rollout":  # the servers capture what the trainer replays
                 engine_args += ("--enable-return-routed-experts",)
             devices = server_devices(cfg)[1]  # inference.server_devices spread over the servers, or server_device

@@ -10,6 +10,10 @@ generated under, so a pipelined evaluation that overlapped a push says so.
 
 An evaluation that fails (no healthy replica, a group that cannot be
 generated) is logged as one warning and skipped: it never stops the run.
+Prompts fit the run's sequence limit as the rollouts' do
+(``prompt_budget.fit_budget``): a budget is cut to what the prompt leaves,
+and a prompt that leaves no room is left out of the scores and counted
+(``eval/skipped_long_prompts``), the same rows at every evaluation.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from torchtitan_grpo.aio import LoopThread
 from torchtitan_grpo.inference.pool import InferencePool, PoolError
 from torchtitan_grpo.inference.types import SamplingParams
 from torchtitan_grpo.rollout.groups import GroupScorer, ScoredGroup
+from torchtitan_grpo.rollout.prompt_budget import fit_budget
 
 logger = logging.getLogger("torchtitan_grpo")
 
@@ -85,13 +90,15 @@ class Evaluator:
 
     def __init__(self, loop: LoopThread, pool: InferencePool, scorer: GroupScorer, rows: list[dict], *,
                  sampling: SamplingParams, pass_threshold: float, max_concurrent: int,
-                 wait_version: Callable[[int], None] | None = None):
+                 wait_version: Callable[[int], None] | None = None, max_sequence_tokens: int = 0):
         """``scorer``: prompt encoding and the training reward (its
         group_size is the completions per prompt). ``wait_version(v)``
         blocks until the servers hold version ``v`` (the pusher's
         ``wait_for``); None: nothing is pushed, the servers' weights are the
-        ones to evaluate."""
+        ones to evaluate. ``max_sequence_tokens``: prompt plus completion at
+        most this (0: no limit)."""
         self.loop, self.pool, self.scorer, self.rows = loop, pool, scorer, rows
+        self.max_sequence_tokens = max_sequence_tokens
         self.sampling, self.threshold = sampling, pass_threshold
         self.max_concurrent = max_concurrent
         self.wait_version = wait_version
@@ -137,14 +144,21 @@ class Evaluator:
             except TimeoutError as e:  # evaluate what they serve; the versions logged say which
                 logger.warning("eval: %s; evaluating the weights the servers hold", e)
         gate = asyncio.Semaphore(self.max_concurrent)
-        groups = await asyncio.gather(*(self._one(i, row, gate) for i, row in enumerate(self.rows)))
+        scored = await asyncio.gather(*(self._one(i, row, gate) for i, row in enumerate(self.rows)))
+        groups = [g for g in scored if g is not None]
         versions = [int(v) for g in groups for v in g.versions if _is_int(v)]
-        return eval_metrics(list(groups), self.threshold, versions, time.monotonic() - t0)
+        return eval_metrics(groups, self.threshold, versions, time.monotonic() - t0) | {
+            "eval/skipped_long_prompts": float(len(scored) - len(groups))}
 
-    async def _one(self, index: int, row: dict, gate: asyncio.Semaphore) -> ScoredGroup:
+    async def _one(self, index: int, row: dict, gate: asyncio.Semaphore) -> ScoredGroup | None:
         async with gate:
             ids = self.scorer.encode_prompt(row[self.scorer.prompt_key])
-            completions = await self.pool.generate(ids, self.scorer.group_size, self.sampling)
+            budget = fit_budget(len(ids), self.sampling.max_new_tokens, self.max_sequence_tokens)
+            if budget is None:
+                return None
+            sampling = self.sampling if budget == self.sampling.max_new_tokens else \
+                SamplingParams(**{**self.sampling.__dict__, "max_new_tokens": budget})
+            completions = await self.pool.generate(ids, self.scorer.group_size, sampling)
         return await asyncio.to_thread(self.scorer.score, index, row, ids, completions)
 
 
