@@ -84,6 +84,18 @@ class GRPO:
     contribute no loss (and do not count in the loss normalisers); counted in
     offpolicy/truncated_dropped."""
 
+    overlong_buffer_tokens: int = 0
+    """DAPO's soft overlong punishment (rollout/overlong.py): a completion in
+    the last this-many tokens of its budget (its group's max_new_tokens) gets
+    a penalty growing linearly from 0 to -overlong_penalty_factor at the
+    budget, added to its reward before the group advantages; the hard cut of
+    a truncated answer is a late, noisy signal. 0: off. Built-in source only
+    (Atropos environments compute their rewards); [eval] reports unshaped
+    rewards."""
+
+    overlong_penalty_factor: float = 1.0
+    """Scale of the overlong penalty: -overlong_penalty_factor at the budget."""
+
     micro_batch_tokens: int = 0
     """Packed micro-batches: samples are concatenated into rows of at most
     this many tokens (a sample longer than that gets a row of its own), each

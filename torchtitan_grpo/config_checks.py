@@ -63,6 +63,16 @@ def validate(cfg) -> None:
             _check(False, "rollout.reward_fn", f"cannot be loaded: {e}", r.reward_fn)
     _check(r.reward_timeout_s > 0, "rollout.reward_timeout_s", "must be > 0", r.reward_timeout_s)
     _check(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1", r.max_new_tokens)
+    _check(g.overlong_buffer_tokens >= 0, "grpo.overlong_buffer_tokens", "must be >= 0 (0: off)",
+           g.overlong_buffer_tokens)
+    _check(g.overlong_penalty_factor >= 0, "grpo.overlong_penalty_factor", "must be >= 0", g.overlong_penalty_factor)
+    if g.overlong_buffer_tokens > 0:
+        _check(g.overlong_buffer_tokens < r.max_new_tokens, "grpo.overlong_buffer_tokens",
+               f"must be < rollout.max_new_tokens ({r.max_new_tokens}): the buffer is the budget's last tokens",
+               g.overlong_buffer_tokens)
+        _check(r.source == "builtin", "grpo.overlong_buffer_tokens",
+               'needs rollout.source = "builtin" (Atropos environments compute their own rewards)',
+               g.overlong_buffer_tokens)
     _check(r.temperature > 0, "rollout.temperature", "must be > 0 (GRPO needs sampled, not greedy, completions)", r.temperature)
     _check(0 < r.top_p <= 1, "rollout.top_p", "must be in (0, 1]", r.top_p)
     _check(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", "must be -1 (off) or >= 1", r.top_k)

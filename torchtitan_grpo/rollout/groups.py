@@ -18,6 +18,7 @@ from torchtitan_grpo.inference.route_codec import for_sample
 from torchtitan_grpo.inference.types import Completion
 from torchtitan_grpo.rollout import rewards as rw
 from torchtitan_grpo.rollout.advantages import constant_group_mask, group_advantages
+from torchtitan_grpo.rollout.overlong import shape_rewards
 from torchtitan_grpo.rollout.sample import Sample
 
 
@@ -30,6 +31,8 @@ class ScoredGroup:
     samples: list[Sample]
     """Empty when the group was filtered (``grpo.filter_constant_groups``)."""
     rewards: list[float]
+    """The rewards that train: the task's, plus the overlong penalty when
+    ``grpo.overlong_buffer_tokens`` shapes them."""
     tokens: int
     """Completion tokens generated for the group (filtered or not)."""
     truncated: int
@@ -47,6 +50,9 @@ class ScoredGroup:
     """Trainer version published when the group was admitted."""
     versions: list[str] = field(default_factory=list)
     """Every weight version that produced part of the group."""
+    overlong_penalty: float | None = None
+    """Mean overlong penalty of the group's completions (``rollout/overlong.py``,
+    already in ``rewards``); None: not shaped."""
 
     def __reduce__(self):
         # Pickled (the rollout client process sends groups to the trainer's)
@@ -71,7 +77,10 @@ class GroupScorer:
 
     def __init__(self, tokenizer, reward_fn: rw.RewardFn, *, group_size: int, prompt_key: str = "prompt",
                  scale_rewards: bool = True, filter_constant_groups: bool = False, reward_timeout_s: float = 10.0,
-                 use_chat_template: bool = False):
+                 use_chat_template: bool = False, overlong_buffer_tokens: int = 0,
+                 overlong_penalty_factor: float = 1.0):
+        """``overlong_buffer_tokens`` > 0: rewards get DAPO's overlong penalty
+        (``rollout/overlong.py``) against the budget each ``score`` call is given."""
         self.tok = tokenizer
         self.reward_fn = reward_fn
         self.group_size = group_size
@@ -79,6 +88,8 @@ class GroupScorer:
         self.scale_rewards = scale_rewards
         self.filter_constant_groups = filter_constant_groups
         self.reward_timeout_s = reward_timeout_s
+        self.overlong_buffer_tokens = overlong_buffer_tokens
+        self.overlong_penalty_factor = overlong_penalty_factor
         # Chat models expect their template: the prompt becomes one user turn
         # followed by the assistant header (tokenizers without one: raw text).
         self.use_chat_template = use_chat_template and bool(getattr(tokenizer, "chat_template", None))
@@ -90,13 +101,23 @@ class GroupScorer:
                                                 add_generation_prompt=True)
         return list(self.tok.encode(text, add_special_tokens=False))
 
-    def score(self, index: int, row: dict, prompt_ids: list[int], group: list[Completion]) -> ScoredGroup:
+    def score(self, index: int, row: dict, prompt_ids: list[int], group: list[Completion], *,
+              budget: int | None = None) -> ScoredGroup:
         """Decode, reward (a reward that raises or hangs scores 0, see
-        ``rewards.score_all``), and advantages within the group. Runs off the
-        event loop: a slow reward must not hold the pool's HTTP traffic."""
+        ``rewards.score_all``), overlong penalty (against ``budget``, the
+        group's ``max_new_tokens``; needed when shaping is on), and advantages
+        within the group. Runs off the event loop: a slow reward must not hold
+        the pool's HTTP traffic."""
         prompt = row[self.prompt_key]
         texts = [self.tok.decode(c.token_ids, skip_special_tokens=True) for c in group]
         scores = rw.score_all(self.reward_fn, [(prompt, t, row) for t in texts], timeout_s=self.reward_timeout_s)
+        penalty = None
+        if self.overlong_buffer_tokens > 0:
+            if budget is None:
+                raise ValueError("GroupScorer.score: overlong shaping (grpo.overlong_buffer_tokens) needs the "
+                                 "group's budget")
+            scores, penalty = shape_rewards(scores, [len(c.token_ids) for c in group], budget,
+                                            self.overlong_buffer_tokens, self.overlong_penalty_factor)
         rewards = torch.tensor(scores, dtype=torch.float32).view(1, len(group))
         adv = group_advantages(rewards, scale_by_std=self.scale_rewards)[0]
         constant = bool(constant_group_mask(rewards)[0])
@@ -109,7 +130,7 @@ class GroupScorer:
         return ScoredGroup(index, samples, scores, sum(len(c.token_ids) for c in group),
                            sum(c.finish_reason == "length" for c in group), constant,
                            replica=group[0].replica if group else "",
-                           versions=sorted({v for c in group for v in c.weight_versions}))
+                           versions=sorted({v for c in group for v in c.weight_versions}), overlong_penalty=penalty)
 
 
 def batch_metrics(groups: list[ScoredGroup]) -> dict[str, float]:
@@ -125,7 +146,18 @@ def batch_metrics(groups: list[ScoredGroup]) -> dict[str, float]:
         "rollout/completion_len": tokens / n,
         "rollout/truncated_frac": sum(g.truncated for g in groups) / n,
         "rollout/tokens": float(tokens),
-    }
+    } | _overlong_metrics(groups, rewards)
+
+
+def _overlong_metrics(groups: list[ScoredGroup], rewards: torch.Tensor) -> dict[str, float]:
+    """With overlong shaping on (every group of the run is shaped): the mean
+    penalty and the mean task reward without it; nothing when off."""
+    shaped = [g for g in groups if g.overlong_penalty is not None]
+    if not shaped:
+        return {}
+    n = max(rewards.numel(), 1)
+    penalty = sum(g.overlong_penalty * len(g.rewards) for g in shaped)
+    return {"reward/overlong_penalty_mean": penalty / n, "reward/task_mean": (float(rewards.sum()) - penalty) / n}
 
 
 def make_reward_fn(spec: str, default: Callable) -> rw.RewardFn:

@@ -210,7 +210,8 @@ class RolloutProducer:
                                        "seed": (self.seed * 1_000_003 + (step + 1) * 9973 + k) % (2**31),
                                        "max_new_tokens": budget})
             completions = await self.pool.generate(ids, self.scorer.group_size, params)
-            group = await asyncio.to_thread(self.scorer.score, index, row, ids, completions)
+            # the group's own budget is the overlong penalty's L_max
+            group = await asyncio.to_thread(self.scorer.score, index, row, ids, completions, budget=budget)
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # noqa: BLE001
@@ -322,6 +323,10 @@ class ProducerSpec:
     max_sequence_tokens: int = 0
     """Prompt plus completion at most this many tokens (``training.seq_len``,
     and ``inference.max_model_len`` when smaller); 0: no limit."""
+    overlong_buffer_tokens: int = 0
+    """``grpo.overlong_buffer_tokens`` (0: rewards not shaped)."""
+    overlong_penalty_factor: float = 1.0
+    """``grpo.overlong_penalty_factor``."""
 
 
 def build_producer(spec: ProducerSpec, loop: LoopThread, pool: InferencePool, tokenizer=None,
@@ -345,7 +350,9 @@ def build_producer(spec: ProducerSpec, loop: LoopThread, pool: InferencePool, to
     scorer = task_scorer(tokenizer or AutoTokenizer.from_pretrained(spec.hf_dir), spec.task, spec.reward_fn,
                          group_size=spec.group_size, prompt_key=spec.prompt_key, scale_rewards=spec.scale_rewards,
                          filter_constant_groups=spec.filter_constant_groups, reward_timeout_s=spec.reward_timeout_s,
-                         use_chat_template=spec.use_chat_template)
+                         use_chat_template=spec.use_chat_template,
+                         overlong_buffer_tokens=spec.overlong_buffer_tokens,
+                         overlong_penalty_factor=spec.overlong_penalty_factor)
     return RolloutProducer(loop, pool, ledger, scorer, prompts_per_step=spec.prompts_per_step, depth=spec.depth,
                            sampling=spec.sampling, seed=spec.seed, max_sequence_tokens=spec.max_sequence_tokens,
                            **hooks)
@@ -355,7 +362,9 @@ def task_scorer(tokenizer, task: str, reward_fn: str, *, use_chat_template: bool
     """The scorer of ``rollout.task``'s prompts (the rollouts' and ``[eval]``'s):
     ``reward_fn``, or the task's own reward when empty (digits); the chat
     template only for dataset prompts (the digits task is raw text for a
-    character tokenizer). ``kw``: GroupScorer's other settings."""
+    character tokenizer). ``kw``: GroupScorer's other settings (the
+    rollouts' overlong shaping among them; ``[eval]`` passes none: it reports
+    the task reward)."""
     from torchtitan_grpo.rollout import tasks
     from torchtitan_grpo.rollout.groups import make_reward_fn
 
