@@ -70,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens", default=None, help="tokens per sample, comma-separated (default 4096,8192,16384)")
     p.add_argument("--chunk", type=int, default=None, help="logprob_chunk_tokens of the chunked rows (default 2048)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if there is one; --tiny: cpu)")
-    p.add_argument("--ac", choices=("full", "none"), default="full", help="TorchTitan activation checkpointing")
+    p.add_argument("--ac", choices=AC_CHOICES, default="full", help=AC_HELP)
     p.add_argument("--samples", type=int, default=2, help="samples per step (one micro-batch each)")
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens of each sample (default 128; --tiny 32)")
     p.add_argument("--reps", type=int, default=3, help="timed steps per row (after one warm-up)")
@@ -90,6 +90,21 @@ def hf_config(args: argparse.Namespace) -> dict:
     return {**(TINY if args.tiny else QWEN3_4B), "num_hidden_layers": args.layers}
 
 
+AC_CHOICES = ("full", "none", "layer2", "op")
+AC_HELP = ("TorchTitan activation checkpointing: full, none, layer2 (selective: every second block), "
+           "op (selective per op: matmul outputs kept, the rest recomputed)")
+
+
+def ac_flags(ac: str) -> tuple[str, ...]:
+    """``--ac`` as ``[activation_checkpoint]`` flags: the selective modes
+    trade memory for less recompute, which full AC spends (about a third
+    more compute, not counted in MFU)."""
+    if ac in ("full", "none"):
+        return ("--activation_checkpoint.mode", ac)
+    option = {"layer2": "2", "op": "op"}[ac]
+    return ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", option)
+
+
 def job_config(args: argparse.Namespace, model_dir: str, extra: tuple[str, ...] = ()):
     """The trainer's validated JobConfig (the model dir holds only config.json);
     ``extra``: more ``--section.key value`` flags (e.g. ``[parallelism]``)."""
@@ -100,7 +115,7 @@ def job_config(args: argparse.Namespace, model_dir: str, extra: tuple[str, ...] 
             "--training.max_norm", "1.0", "--training.mixed_precision_param", "bfloat16",
             # lr 0: both paths see the same weights every step (AdamW still runs its update)
             "--optimizer.lr", "0", "--optimizer.weight_decay", "0.0", "--lr_scheduler.warmup_steps", "1",
-            "--activation_checkpoint.mode", args.ac, "--grpo.micro_batch_size", "1",
+            *ac_flags(args.ac), "--grpo.micro_batch_size", "1",
             "--job.dump_folder", model_dir, *extra]
     if args.device == "cpu":
         argv += ["--optimizer.implementation", "for-loop"]

@@ -85,7 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--samples-per-rank", type=int, default=2,
                    help="samples per data-parallel rank and step (CP ranks share theirs)")
     p.add_argument("--chunk", type=int, default=None, help="grpo.logprob_chunk_tokens (default 2048; --tiny 32)")
-    p.add_argument("--ac", choices=("full", "none"), default="full", help="TorchTitan activation checkpointing")
+    p.add_argument("--ac", choices=long_step.AC_CHOICES, default="full", help=long_step.AC_HELP)
     p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens of each sample (default 128; --tiny 32)")
     p.add_argument("--reps", type=int, default=3, help="timed steps per row (after one warm-up)")
     p.add_argument("--temperature", type=float, default=1.0)

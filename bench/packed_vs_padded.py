@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "--tiny: 512), comma-separated")
     p.add_argument("--chunk", type=int, default=None, help="logprob_chunk_tokens (default 2048; --tiny: 128)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if there is one; --tiny: cpu)")
-    p.add_argument("--ac", choices=("full", "none"), default="full", help="TorchTitan activation checkpointing")
+    p.add_argument("--ac", choices=long_step.AC_CHOICES, default="full", help=long_step.AC_HELP)
     p.add_argument("--reps", type=int, default=2, help="timed steps per row (after one warm-up)")
     p.add_argument("--temperature", type=float, default=1.0)
     a = p.parse_args(argv)

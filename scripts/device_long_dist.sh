@@ -14,6 +14,8 @@
 # collective) costs that layout only. The first run writes the checkpoint
 # (~8 GB bf16) to $WORK/ckpt; the second reuses it.
 # TINY=1: the same on CPU with gloo and the tiny shape (the script's smoke test).
+# AC=full|none|layer2|op (bench/long_step.py's --ac: selective modes recompute
+# less than full AC); LAYOUTS="fsdp" runs one layout.
 # Logs: $OUT/long_dist-fsdp.log, $OUT/long_dist-fsdp_cp.log; both tables in
 # $OUT/long_dist.md (the same on stdout).
 set -uo pipefail
@@ -26,6 +28,8 @@ LAYERS=${LAYERS:-36}
 SAMPLES=${SAMPLES:-2}  # per data-parallel rank (CP ranks share theirs)
 REPS=${REPS:-3}
 WORK=${WORK:-/tmp/device_long_dist}
+AC=${AC:-full}
+LAYOUTS=${LAYOUTS:-fsdp fsdp_cp}
 mkdir -p "$OUT" "$WORK"
 source scripts/device_env.sh
 if [[ ${TINY:-0} == 1 ]]; then
@@ -37,19 +41,19 @@ else
 fi
 
 rc=0
-for layout in fsdp fsdp_cp; do
+for layout in $LAYOUTS; do
   left_s=$(left)
   limit=$(( left_s < LAYOUT_S ? left_s : LAYOUT_S ))
   if (( limit <= 0 )); then echo "$layout skipped: no time left in BUDGET=$BUDGET" | tee "$OUT/long_dist-$layout.log"; rc=1; continue; fi
   t=$SECONDS
   timeout -k 10 "$limit" torchrun --standalone --nproc_per_node=2 bench/long_step_dist.py --layout "$layout" \
-    "${ARGS[@]}" --samples-per-rank "$SAMPLES" --ac full --ckpt "$WORK/ckpt" > "$OUT/long_dist-$layout.log" 2>&1
+    "${ARGS[@]}" --samples-per-rank "$SAMPLES" --ac "$AC" --ckpt "$WORK/ckpt" > "$OUT/long_dist-$layout.log" 2>&1
   status=$?
   echo "$layout: exit $status after $((SECONDS - t)) s (limit $limit s)" | tee -a "$OUT/long_dist-$layout.log"
   (( status == 0 )) || { rc=1; grep -v -i warn "$OUT/long_dist-$layout.log" | grep -v "^ " | tail -15; }
 done
-{ grep -h "^# long_step_dist" "$OUT"/long_dist-fsdp.log | head -1
-  for layout in fsdp fsdp_cp; do echo; grep -h -E "^(# $layout:|\| )" "$OUT/long_dist-$layout.log" | sed '/^# /G'; done
+{ grep -h "^# long_step_dist" "$OUT"/long_dist-*.log | head -1
+  for layout in $LAYOUTS; do echo; grep -h -E "^(# $layout:|\| )" "$OUT/long_dist-$layout.log" | sed '/^# /G'; done
 } > "$OUT/long_dist.md"
 cat "$OUT/long_dist.md"
 echo "device_long_dist: exit $rc after $((SECONDS - T0)) s"
