@@ -6,7 +6,7 @@ replica serves, per fan-out (``weight_sync.fanout``), for 1..N replicas.
 
 The trainer is this process (cuda:0, or CPU with ``--cpu``); replica k is a
 process of its own (cuda:k) serving the built-in server's real weight routes
-over a stand-in model (``weight_push.TensorEngine``: real HF names and
+over a stand-in model (``weight_push_parts.TensorEngine``: real HF names and
 shapes of TorchTitan's qwen3 flavor, bf16, the same checks and installs).
 Both fan-outs run in the same run over the same replica processes:
 
@@ -54,7 +54,8 @@ def _replica_main(flavor: str, device: str) -> None:
     """A replica process: zeros of the set's shapes behind the real routes; prints its URL."""
     import asyncio
 
-    from weight_push import TensorEngine, _serve_routes, qwen3_hf_specs
+    from weight_push import qwen3_hf_specs
+    from weight_push_parts import TensorEngine, serve_routes
 
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -64,7 +65,7 @@ def _replica_main(flavor: str, device: str) -> None:
     engine = TensorEngine(params, dev)
     engine.model.state_dict = lambda keep_vars=False: dict(params)  # what the LoRA routes read at start-up
     engine.model.named_modules = lambda: iter(())
-    runner, port = loop.run_until_complete(_serve_routes(engine, dev))
+    runner, port = loop.run_until_complete(serve_routes(engine, dev))
     print(f"ready http://127.0.0.1:{port}", flush=True)
     try:
         loop.run_forever()
