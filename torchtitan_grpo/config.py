@@ -114,6 +114,24 @@ class GRPO:
     filter_constant_groups: bool = False
     """Drop groups whose rewards are all equal (they carry no signal); they are counted either way."""
 
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling (rollout/dynamic_sampling.py): a group whose
+    rewards are all equal is discarded before it joins the rollout buffer and
+    another prompt is drawn in its place, so every step trains on
+    prompts_per_step groups with signal (filtering alone shrinks the batch,
+    to almost nothing for a strong model on an easy set). Implies filtering;
+    costs the generation of the discarded groups. Discarded groups are
+    counted in rollout/filtered_groups (per step) and are not drawn again on
+    resume; rollout/constant_groups then counts only the constant groups the
+    guard below let into the batch. Built-in source only (an Atropos
+    environment decides which groups it sends)."""
+
+    dynamic_sampling_max_filtered: int = 0
+    """Guard of dynamic_sampling: after this many constant groups discarded in
+    a row, constant groups are kept (zero advantages; or dropped as
+    filter_constant_groups says) until a group with signal arrives, and one
+    warning is logged; the run never stops for it. 0: 10 x prompts_per_step."""
+
     logprob_chunk_tokens: int = 2048
     """Tokens per chunk when the trainer computes log-probs and entropy from
     the final hidden states: float32 temporaries of chunk x vocabulary

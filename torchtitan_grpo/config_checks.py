@@ -73,6 +73,11 @@ def validate(cfg) -> None:
         _check(r.source == "builtin", "grpo.overlong_buffer_tokens",
                'needs rollout.source = "builtin" (Atropos environments compute their own rewards)',
                g.overlong_buffer_tokens)
+    _check(g.dynamic_sampling_max_filtered >= 0, "grpo.dynamic_sampling_max_filtered",
+           "must be >= 0 (0: 10 x grpo.prompts_per_step)", g.dynamic_sampling_max_filtered)
+    _check(not g.dynamic_sampling or r.source == "builtin", "grpo.dynamic_sampling",
+           'needs rollout.source = "builtin" (an Atropos environment decides which groups it sends)',
+           g.dynamic_sampling)
     _check(r.temperature > 0, "rollout.temperature", "must be > 0 (GRPO needs sampled, not greedy, completions)", r.temperature)
     _check(0 < r.top_p <= 1, "rollout.top_p", "must be in (0, 1]", r.top_p)
     _check(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", "must be -1 (off) or >= 1", r.top_k)

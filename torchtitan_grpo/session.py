@@ -163,7 +163,8 @@ def producer_spec(cfg, hf_dir: str, tok, resume: Resumed | None) -> ProducerSpec
         reward_timeout_s=r.reward_timeout_s, use_chat_template=r.use_chat_template,
         resume_prompts=resume.prompts if resume is not None else None,
         max_sequence_tokens=max_sequence_tokens(cfg),
-        overlong_buffer_tokens=g.overlong_buffer_tokens, overlong_penalty_factor=g.overlong_penalty_factor)
+        overlong_buffer_tokens=g.overlong_buffer_tokens, overlong_penalty_factor=g.overlong_penalty_factor,
+        dynamic_sampling=g.dynamic_sampling, dynamic_sampling_max_filtered=g.dynamic_sampling_max_filtered)
 
 
 def max_sequence_tokens(cfg) -> int:

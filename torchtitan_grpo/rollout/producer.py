@@ -23,6 +23,10 @@ steady state nothing generated is thrown away for staleness; samples that are
 staler still (a replica catching up on weights) are dropped by the trainer's
 ``offpolicy.select_samples`` and counted.
 
+Dynamic sampling (``grpo.dynamic_sampling``, ``dynamic_sampling.py``): a
+group whose rewards are all equal is discarded instead of buffered, like a
+skipped long prompt: handed in the ledger, its slot freed for another prompt.
+
 Failures: the pool retries a group on another replica (and re-sends groups
 in flight on a replica it learns is down). A group that fails for good stops
 the run: ``next_batch`` raises its error in the trainer's thread.
@@ -41,6 +45,7 @@ from typing import Callable
 from torchtitan_grpo.aio import LoopThread
 from torchtitan_grpo.inference.pool import InferencePool
 from torchtitan_grpo.inference.types import SamplingParams
+from torchtitan_grpo.rollout.dynamic_sampling import DynamicSampler
 from torchtitan_grpo.rollout.groups import GroupScorer, ScoredGroup, batch_metrics
 from torchtitan_grpo.rollout.ledger import PromptLedger
 from torchtitan_grpo.rollout.prompt_budget import check_budgets, fit_budget, group_budget
@@ -67,11 +72,14 @@ class RolloutProducer:
 
     def __init__(self, loop: LoopThread, pool: InferencePool, ledger: PromptLedger, scorer: GroupScorer, *,
                  prompts_per_step: int, depth: int, sampling: SamplingParams, seed: int = 0,
-                 max_sequence_tokens: int = 0,
+                 max_sequence_tokens: int = 0, dynamic_sampling: bool = False,
+                 dynamic_sampling_max_filtered: int = 0,
                  on_group: Callable[[ScoredGroup], None] | None = None,
                  on_error: Callable[[BaseException], None] | None = None):
         """``max_sequence_tokens``: prompt plus completion at most this (0: no
-        limit; ``prompt_budget.fit_budget``). ``on_group`` (on the loop's
+        limit; ``prompt_budget.fit_budget``). ``dynamic_sampling``: groups with
+        equal rewards never enter the buffer (``rollout/dynamic_sampling.py``,
+        guarded by ``dynamic_sampling_max_filtered``). ``on_group`` (on the loop's
         thread, in buffer order) and ``on_error`` let a rollout client process
         mirror the buffer in the trainer's process (``client_process.py``)."""
         if depth < 0:
@@ -85,6 +93,8 @@ class RolloutProducer:
         self.on_group, self.on_error = on_group, on_error
         # prompts too long for max_sequence_tokens: in all, since the last take, one after another
         self._skipped_total = self._skipped = self._skipped_in_a_row = 0
+        self._sampler = (DynamicSampler(dynamic_sampling_max_filtered, prompts_per_step)
+                         if dynamic_sampling else None)
         self._cond = threading.Condition()
         self._buffer: deque[ScoredGroup] = deque()  # finished, in finishing order
         self._in_flight = 0
@@ -135,11 +145,13 @@ class RolloutProducer:
             queued = len(self._buffer)
             in_flight = self._in_flight
             skipped, self._skipped = self._skipped, 0
+            extra = {"rollout/skipped_long_prompts": float(skipped)}
+            if self._sampler is not None:
+                extra["rollout/filtered_groups"] = float(self._sampler.take_filtered())
         now = time.monotonic()
         self.ledger.handed([g.index for g in groups])
         self._wake_admission()
-        return groups, self._metrics(groups, wait_s, now, queued, in_flight) | {
-            "rollout/skipped_long_prompts": float(skipped)}
+        return groups, self._metrics(groups, wait_s, now, queued, in_flight) | extra
 
     def published(self, version: int) -> None:
         """The trainer finished its step and published ``version`` (the same
@@ -221,8 +233,14 @@ class RolloutProducer:
         with self._cond:
             self._skipped_in_a_row = 0
             self._in_flight -= 1
-            self._buffer.append(group)
-            self._cond.notify_all()
+            keep = self._sampler is None or self._sampler.keep(group.constant)
+            if keep:
+                self._buffer.append(group)
+                self._cond.notify_all()
+        if not keep:  # dynamic sampling: no signal; handed (a resume skips it), another prompt takes its place
+            self.ledger.handed([index])
+            self._wake_admission()
+            return
         if self.on_group is not None:
             self.on_group(group)
 
@@ -327,6 +345,10 @@ class ProducerSpec:
     """``grpo.overlong_buffer_tokens`` (0: rewards not shaped)."""
     overlong_penalty_factor: float = 1.0
     """``grpo.overlong_penalty_factor``."""
+    dynamic_sampling: bool = False
+    """``grpo.dynamic_sampling``."""
+    dynamic_sampling_max_filtered: int = 0
+    """``grpo.dynamic_sampling_max_filtered`` (0: its default)."""
 
 
 def build_producer(spec: ProducerSpec, loop: LoopThread, pool: InferencePool, tokenizer=None,
@@ -355,7 +377,8 @@ def build_producer(spec: ProducerSpec, loop: LoopThread, pool: InferencePool, to
                          overlong_penalty_factor=spec.overlong_penalty_factor)
     return RolloutProducer(loop, pool, ledger, scorer, prompts_per_step=spec.prompts_per_step, depth=spec.depth,
                            sampling=spec.sampling, seed=spec.seed, max_sequence_tokens=spec.max_sequence_tokens,
-                           **hooks)
+                           dynamic_sampling=spec.dynamic_sampling,
+                           dynamic_sampling_max_filtered=spec.dynamic_sampling_max_filtered, **hooks)
 
 
 def task_scorer(tokenizer, task: str, reward_fn: str, *, use_chat_template: bool, **kw) -> GroupScorer:
