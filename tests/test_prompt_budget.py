@@ -171,3 +171,22 @@ def test_a_limit_below_every_prompt_stops_the_run_in_one_line():
     finally:
         prod.close()
         prod.loop.close()
+
+
+@pytest.mark.parametrize("args, expected", [
+    ((), 64),  # the demo's training.seq_len
+    (("--training.seq_len", "40"), 40),
+    (("--inference.max_model_len", "32"), 32),  # the started servers' context, when smaller
+    (("--inference.max_model_len", "128"), 64),
+])
+def test_the_sequence_limit_reaches_the_producer(args, expected):
+    import os
+
+    from torchtitan_grpo import session
+    from torchtitan_grpo.config import parse_config
+
+    demo = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train_configs", "demo_cpu.toml")
+    tok = CharTokenizer()
+    tok.eos_token_id = None
+    spec = session.producer_spec(parse_config(["--job.config_file", demo, *args]), "", tok, None)
+    assert build_producer(spec, None, None, tokenizer=tok).max_sequence_tokens == expected
