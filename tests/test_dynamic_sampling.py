@@ -12,6 +12,7 @@ import os
 import pytest
 
 from tests.conftest import ROOT
+from tests.producer_stubs import CharTokenizer, ListSource, started
 from torchtitan_grpo.aio import LoopThread
 from torchtitan_grpo.config import ConfigError, parse_config
 from torchtitan_grpo.inference.types import Completion, SamplingParams
@@ -22,35 +23,6 @@ from torchtitan_grpo.rollout.producer import RolloutProducer
 
 DEMO = os.path.join(ROOT, "train_configs", "demo_cpu.toml")
 GROUP = 3
-
-
-class CharTokenizer:
-    chat_template = None
-    eos_token_id = 0
-
-    def encode(self, text, add_special_tokens=False):
-        return [ord(c) for c in text]
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(i) for i in ids)
-
-
-class ListSource:
-    """The rows in their order, one at a time, over and over (a PromptSource)."""
-
-    def __init__(self, rows):
-        self.rows, self.pos = rows, 0
-
-    def next_batch(self):
-        row = self.rows[self.pos % len(self.rows)]
-        self.pos += 1
-        return [row]
-
-    def state_dict(self):
-        return {"pos": self.pos}
-
-    def load_state_dict(self, state):
-        self.pos = state["pos"]
 
 
 class DistinctPool:
@@ -85,16 +57,12 @@ def _steps(prod, n):
     """``n`` trainer steps (take, then publish the next version); the batches
     and the ledger's state after the last."""
     batches = []
-    try:
-        prod.start(0)
+    with started(prod):
         for v in range(1, n + 1):
             batches.append(prod.next_batch())
             if v < n:
                 prod.published(v)
         state = prod.state_dict()
-    finally:
-        prod.close()
-        prod.loop.close()
     return batches, state
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT
+from tests.producer_stubs import CharTokenizer, started
 from torchtitan_grpo.aio import LoopThread
 from torchtitan_grpo.config import ConfigError, parse_config
 from torchtitan_grpo.inference.types import Completion, SamplingParams
@@ -21,17 +22,6 @@ from torchtitan_grpo.rollout.producer import RolloutProducer
 from torchtitan_grpo.rollout.tasks import PromptIterator
 
 DEMO = os.path.join(ROOT, "train_configs", "demo_cpu.toml")
-
-
-class CharTokenizer:
-    chat_template = None
-    eos_token_id = 0
-
-    def encode(self, text, add_special_tokens=False):
-        return [ord(c) for c in text]
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(i) for i in ids)
 
 
 def _completion(n: int, reason: str = "stop") -> Completion:
@@ -129,12 +119,8 @@ def test_producer_shapes_against_each_groups_own_budget():
     scorer = GroupScorer(CharTokenizer(), _always_right, group_size=2, overlong_buffer_tokens=2)
     prod = RolloutProducer(loop, FourTokenPool(), PromptLedger(PromptIterator(rows, 3, seed=0)), scorer,
                            prompts_per_step=3, depth=0, sampling=SamplingParams(max_new_tokens=8))
-    try:
-        prod.start(0)
+    with started(prod):
         batch = prod.next_batch()
-    finally:
-        prod.close()
-        loop.close()
     rewards = {"".join(map(chr, s.prompt_ids)): s.reward for s in batch.samples}
     assert rewards == pytest.approx({"p4": 0.0, "p5": 0.5, "pn": 1.0})
     assert batch.metrics["reward/overlong_penalty_mean"] == pytest.approx(-0.5)

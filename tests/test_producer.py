@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from tests.producer_stubs import CharTokenizer
 from torchtitan_grpo.aio import LoopThread
 from torchtitan_grpo.inference.pool import GenerationFailed
 from torchtitan_grpo.inference.types import Completion, SamplingParams
@@ -22,14 +23,6 @@ from torchtitan_grpo.rollout.producer import ProducerStopped, RolloutProducer
 from torchtitan_grpo.rollout.tasks import PromptIterator
 
 G = 2  # group size
-
-
-class CharTokenizer:
-    def encode(self, text, add_special_tokens=False):
-        return [ord(c) for c in text]
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(i) for i in ids)
 
 
 class ScriptedPool:

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from tests.producer_stubs import CharTokenizer, ListSource, started
 from torchtitan_grpo.aio import LoopThread
 from torchtitan_grpo.inference.types import Completion, SamplingParams
 from torchtitan_grpo.rollout.groups import GroupScorer
@@ -18,16 +19,6 @@ from torchtitan_grpo.rollout.tasks import PromptIterator
 
 CAP = 6  # rollout.max_new_tokens
 NATURAL = 4  # the stand-in engine's completions end (EOS) after this many tokens
-
-
-class CharTokenizer:
-    chat_template = None
-
-    def encode(self, text, add_special_tokens=False):
-        return [ord(c) for c in text]
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(i) for i in ids)
 
 
 class BudgetPool:
@@ -86,12 +77,8 @@ def test_each_group_generates_at_its_own_budget_and_a_cut_counts_as_truncated():
     scorer = GroupScorer(CharTokenizer(), lambda p, c, r: float(c.startswith("a")), group_size=2)
     prod = RolloutProducer(loop, pool, PromptLedger(PromptIterator(rows, 4, seed=0)), scorer, prompts_per_step=4,
                            depth=0, sampling=SamplingParams(max_new_tokens=CAP))
-    try:
-        prod.start(0)
+    with started(prod):
         batch = prod.next_batch()
-    finally:
-        prod.close()
-        loop.close()
     assert pool.budgets == {"p2": 2, "p5": 5, "p9": CAP, "pn": CAP}
     lengths = {"".join(map(chr, s.prompt_ids)): (len(s.completion_ids), s.finish_reason) for s in batch.samples}
     assert lengths == {"p2": (2, "length"), "p5": (NATURAL, "stop"), "p9": (NATURAL, "stop"), "pn": (NATURAL, "stop")}
@@ -103,24 +90,6 @@ def test_each_group_generates_at_its_own_budget_and_a_cut_counts_as_truncated():
 
 
 # ---- the sequence limit: training.seq_len / inference.max_model_len ----------- #
-
-
-class ListSource:
-    """The rows in their order, one at a time, over and over (a PromptSource)."""
-
-    def __init__(self, rows):
-        self.rows, self.pos = rows, 0
-
-    def next_batch(self):
-        row = self.rows[self.pos % len(self.rows)]
-        self.pos += 1
-        return [row]
-
-    def state_dict(self):
-        return {"pos": self.pos}
-
-    def load_state_dict(self, state):
-        self.pos = state["pos"]
 
 
 def test_fit_budget_leaves_the_prompt_room_under_the_limit():
@@ -146,13 +115,9 @@ def test_a_long_prompt_is_skipped_and_a_budget_cut_to_fit_the_sequence_limit():
             {"prompt": "efgh"}, {"prompt": "next"}]
     pool = BudgetPool()
     prod = _producer(rows, 8, 3, pool)
-    try:
-        prod.start(0)
+    with started(prod):
         batch = prod.next_batch()
         state = prod.state_dict()
-    finally:
-        prod.close()
-        prod.loop.close()
     assert pool.budgets == {"ab": 6, "cd": 6, "efgh": 4}
     assert all(len(s.prompt_ids) + len(s.completion_ids) <= 8 for s in batch.samples)
     assert batch.metrics["rollout/skipped_long_prompts"] == 2
@@ -164,13 +129,9 @@ def test_a_long_prompt_is_skipped_and_a_budget_cut_to_fit_the_sequence_limit():
 def test_a_limit_below_every_prompt_stops_the_run_in_one_line():
     prod = _producer([{"prompt": "longer than four"}, {"prompt": "also too long"}], 4, 2)
     prod.MAX_SKIPPED_IN_A_ROW = 25
-    try:
-        prod.start(0)
+    with started(prod):
         with pytest.raises(ProducerStopped, match=r"25 prompts in a row left no room .* training\.seq_len / inference\.max_model_len \(4 tokens; the last had 1[36]\)"):
             prod.next_batch()
-    finally:
-        prod.close()
-        prod.loop.close()
 
 
 @pytest.mark.parametrize("args, expected", [
@@ -187,6 +148,5 @@ def test_the_sequence_limit_reaches_the_producer(args, expected):
 
     demo = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train_configs", "demo_cpu.toml")
     tok = CharTokenizer()
-    tok.eos_token_id = None
     spec = session.producer_spec(parse_config(["--job.config_file", demo, *args]), "", tok, None)
     assert build_producer(spec, None, None, tokenizer=tok).max_sequence_tokens == expected
