@@ -34,7 +34,7 @@ import torch  # noqa: E402
 
 import torchtitan_grpo  # noqa: E402,F401  (before torchtitan)
 from tests.test_lora_sharded import SEED, _base, _cfg, _maxdiff, _Recorder, _train  # noqa: E402
-from tests.test_lora_sharded import _main as sharded_main, resume_check, save_every_rank  # noqa: E402
+from tests.test_lora_sharded import _main as sharded_main, check_resumed, resume_check, save_every_rank  # noqa: E402
 
 WORLD = 2
 TOL = 1e-6  # fp32 on CPU
@@ -229,11 +229,7 @@ def test_pp_lora_hf_export_merges_every_stage(results):
 
 
 def test_pp_lora_checkpoint_resumes_adapters_and_optimizer(results):
-    for r in results:
-        assert r["resumed_step"] == 2 and r["n_opt"] > 0
-        assert r["resumed_model_diff"] == 0.0 and r["resumed_opt_diff"] == 0.0
-        a, b = r["resumed_next_loss"]
-        assert abs(a - b) <= TOL, (a, b)
+    check_resumed(results, TOL)
 
 
 def test_tp_lora_equals_one_process(results):
@@ -252,11 +248,7 @@ def test_tp_lora_equals_one_process(results):
 
 def test_tp_lora_checkpoint_resumes_adapters_and_optimizer(results):
     """TP=2: the resumed shards (model and AdamW state) are the saved ones bit for bit; the next step agrees."""
-    for r in results:
-        assert r["tp_resumed_step"] == 2 and r["tp_n_opt"] > 0
-        assert r["tp_resumed_model_diff"] == 0.0 and r["tp_resumed_opt_diff"] == 0.0
-        a, b = r["tp_resumed_next_loss"]
-        assert abs(a - b) <= TOL, (a, b)
+    check_resumed(results, TOL, "tp_")
 
 
 if __name__ == "__main__":
