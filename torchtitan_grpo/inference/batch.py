@@ -122,11 +122,12 @@ def auto_kind(model: Any, cfg: Any, device: torch.device, unsupported: str | Non
     if cfg.kv_cache_memory_gb > 0:
         return "paged"
     dtype = model.model.embed_tokens.weight.dtype
-    need = cfg.max_batch_size * static_len(model, cfg) * kv_pool.bytes_per_token(model, dtype)
+    positions = static_len(model, cfg)
+    need = cfg.max_batch_size * positions * kv_pool.bytes_per_token(model, dtype)
     budget = kv_pool.budget_bytes(device, 0.0, cfg.kv_cache_memory_fraction)
     if budget is not None and need > budget:
         logger.info("kv_cache auto: paged (a static cache of %d x %d positions needs %.1f GiB, the budget is "
-                    "%.1f GiB)", cfg.max_batch_size, static_len(model, cfg), need / 2**30, budget / 2**30)
+                    "%.1f GiB)", cfg.max_batch_size, positions, need / 2**30, budget / 2**30)
         return "paged"
     return "static"
 

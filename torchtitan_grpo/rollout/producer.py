@@ -91,8 +91,9 @@ class RolloutProducer:
         self.seed = seed
         self.max_sequence_tokens = max_sequence_tokens
         self.on_group, self.on_error = on_group, on_error
-        # prompts too long for max_sequence_tokens: in all, since the last take, one after another
-        self._skipped_total = self._skipped = self._skipped_in_a_row = 0
+        # prompts too long for max_sequence_tokens: since the last take, one after another; the first one logged
+        self._skipped = self._skipped_in_a_row = 0
+        self._warned_long_prompt = False
         self._sampler = (DynamicSampler(dynamic_sampling_max_filtered, prompts_per_step)
                          if dynamic_sampling else None)
         self._cond = threading.Condition()
@@ -253,10 +254,10 @@ class RolloutProducer:
         marked handed in the ledger (a resume does not draw it again)."""
         with self._cond:
             self._in_flight -= 1
-            self._skipped_total += 1
             self._skipped += 1
             self._skipped_in_a_row += 1
-            first, in_a_row = self._skipped_total == 1, self._skipped_in_a_row
+            first, self._warned_long_prompt = not self._warned_long_prompt, True
+            in_a_row = self._skipped_in_a_row
         self.ledger.handed([index])
         if in_a_row >= self.MAX_SKIPPED_IN_A_ROW:
             if in_a_row == self.MAX_SKIPPED_IN_A_ROW:  # once: groups drawn meanwhile end here silently
