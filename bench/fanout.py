@@ -55,7 +55,7 @@ def _replica_main(flavor: str, device: str) -> None:
     import asyncio
 
     from weight_push import qwen3_hf_specs
-    from weight_push_parts import TensorEngine, serve_routes
+    from bench.weight_push_parts import TensorEngine, serve_routes
 
     dev = torch.device(device)
     if dev.type == "cuda":
