@@ -15,6 +15,12 @@ when it reports them, else a constant by name (H100 SXM 3.35 TB/s, H200 4.8
 TB/s, as NVIDIA publishes them). A pool smaller than the rows' contexts
 retracts: the roofline still assumes every row resident (the ideal).
 
+``--hf-static`` adds a row per (seqs, new): transformers' generate on the same
+checkpoint, prompts and lengths with its static cache (which transformers
+compiles), timed on a second run after an untimed one of the same work, so
+compilation is not in the figure (the engine's rows include their prefill
+and no warm-up: they start with their graphs captured).
+
   python bench/paged_speed.py --shape qwen3-4b --seqs 64,128 --new 1024,4096,16384
 """
 
@@ -90,6 +96,31 @@ def run_row(model_dir: str, kv: str, seqs: int, prompt_len: int, new: int, gb: f
     return out
 
 
+def hf_static_row(model_dir: str, seqs: int, prompt_len: int, new: int, vocab: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, vocab - 10, (prompt_len,), generator=g) for _ in range(seqs // 8)]
+    ids = torch.stack([p for p in prompts for _ in range(8)]).cuda()  # n = 8 per prompt, equal lengths
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+              cache_implementation="static")
+    try:
+        secs = 0.0
+        for _ in range(2):  # the first compiles and is not counted
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
+            torch.cuda.synchronize()
+            secs = time.perf_counter() - t0
+        tokens = (out.shape[1] - ids.shape[1]) * out.shape[0]
+    finally:
+        del model
+        torch.cuda.empty_cache()
+    return {"tok/s": tokens / secs, "seconds": secs}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen3-0.6b", choices=["qwen3-0.6b", "qwen3-4b", "tiny"])
@@ -98,6 +129,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--kv-cache", default="paged", help="comma list: paged, static")
     ap.add_argument("--kv-cache-memory-gb", type=float, default=0.0, help="paged pool (default: a fraction of free)")
+    ap.add_argument("--hf-static", action="store_true", help="also transformers' compiled static-cache generate")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("paged_speed.py needs a GPU")
@@ -120,6 +152,17 @@ def main() -> None:
                           f"{r['pool GiB']:.1f} | {r['late graphs']} |", flush=True)
                 except Exception as e:  # noqa: BLE001 - one failing row must not hide the others
                     print(f"| {kv} | {seqs} | {new} | error: {type(e).__name__}: {str(e)[:160]} |", flush=True)
+                    torch.cuda.empty_cache()
+    if args.hf_static:
+        for seqs in (int(x) for x in args.seqs.split(",")):
+            for new in (int(x) for x in args.new.split(",")):
+                try:
+                    r = hf_static_row(model_dir, seqs, args.prompt_len, new, s.vocab_size)
+                    print(f"| transformers static | {seqs} | {new} | {r['tok/s']:,.0f} | - | - | {r['seconds']:.1f} "
+                          "| - | - | - |", flush=True)
+                except Exception as e:  # noqa: BLE001
+                    print(f"| transformers static | {seqs} | {new} | error: {type(e).__name__}: {str(e)[:160]} |",
+                          flush=True)
                     torch.cuda.empty_cache()
 
 

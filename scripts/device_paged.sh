@@ -4,7 +4,8 @@
 # lengths against the HBM roofline). From the repo root with .whl/ carried:
 #
 #   OUT=... BUDGET=560 [SHAPE=qwen3-0.6b|qwen3-4b] [SEQS=64,128] [NEW=1024,4096,16384] \
-#     [KV=paged,static] [PROMPT_LEN=256] [TESTS=tests/test_paged_batch.py] bash scripts/device_paged.sh
+#     [KV=paged,static] [PROMPT_LEN=256] [TESTS=tests/test_paged_batch.py] [ARGS=--hf-static] \
+#     bash scripts/device_paged.sh
 #
 # PROMPT_LEN=12288 NEW=4096: decode at 12k-16k contexts in 4,096 steps (a
 # 16k-token sample's last quarter) instead of 16,384 steps from a short prompt.
@@ -19,7 +20,7 @@ if [ -n "${TESTS-tests/test_paged_batch.py}" ]; then
   tail -5 "$OUT/gpu_tests.log"
 fi
 budgeted paged_speed.log python3 bench/paged_speed.py --shape "${SHAPE:-qwen3-0.6b}" --seqs "${SEQS:-64,128}" \
-  --new "${NEW:-1024,4096,16384}" --kv-cache "${KV:-paged}" --prompt-len "${PROMPT_LEN:-256}"
+  --new "${NEW:-1024,4096,16384}" --kv-cache "${KV:-paged}" --prompt-len "${PROMPT_LEN:-256}" ${ARGS:-}
 rc=$?
 cat "$OUT/paged_speed.log"
 exit $rc
