@@ -90,7 +90,8 @@ def run_row(model_dir: str, kv: str, seqs: int, prompt_len: int, new: int, gb: f
     out = {"tok/s": tokens / secs, "roofline": roofline(weights, kvb, seqs, prompt_len, new, bandwidth()),
            "seconds": secs, "retractions": getattr(eng, "retractions", 0),
            "pool GiB": getattr(eng._batch, "nbytes", 0) / 2**30,
-           "late graphs": getattr(eng._batch, "late_captures", 0)}
+           "late graphs": getattr(eng._batch, "late_captures", 0),
+           "batch": type(eng._batch).__name__}  # what kv_cache "auto" picked
     del eng
     torch.cuda.empty_cache()
     return out
@@ -140,8 +141,8 @@ def main() -> None:
     model_dir = write_tiny_qwen3(os.path.join(tmp, "model"), s)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.shape} bf16, prompt {args.prompt_len}, "
           f"HBM {bandwidth() / 1e12:.2f} TB/s", flush=True)
-    print("| kv | seqs | new | tok/s | roofline tok/s | % roofline | seconds | retractions | pool GiB | late graphs |\n"
-          "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |", flush=True)
+    print("| kv | seqs | new | tok/s | roofline tok/s | % roofline | seconds | retractions | pool GiB | late graphs | batch |\n"
+          "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |", flush=True)
     for kv in args.kv_cache.split(","):
         for seqs in (int(x) for x in args.seqs.split(",")):
             for new in (int(x) for x in args.new.split(",")):
@@ -149,7 +150,7 @@ def main() -> None:
                     r = run_row(model_dir, kv, seqs, args.prompt_len, new, args.kv_cache_memory_gb, s.vocab_size)
                     print(f"| {kv} | {seqs} | {new} | {r['tok/s']:,.0f} | {r['roofline']:,.0f} | "
                           f"{100 * r['tok/s'] / r['roofline']:.0f}% | {r['seconds']:.1f} | {r['retractions']} | "
-                          f"{r['pool GiB']:.1f} | {r['late graphs']} |", flush=True)
+                          f"{r['pool GiB']:.1f} | {r['late graphs']} | {r['batch']} |", flush=True)
                 except Exception as e:  # noqa: BLE001 - one failing row must not hide the others
                     print(f"| {kv} | {seqs} | {new} | error: {type(e).__name__}: {str(e)[:160]} |", flush=True)
                     torch.cuda.empty_cache()
