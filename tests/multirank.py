@@ -14,8 +14,8 @@ instead of one per file. The cases and their checks are the files' own
 
 On CPU the 2-rank launch also runs the 2-rank cases of ``EXTRAS`` (LoRA x
 FSDP2, llama3 tied, expert and context parallel, the chunked log-prob head)
-in the same process group,
-after these two files' (one torchrun start for all, not one per file).
+in the same process group, and the 4-rank launch those of ``EXTRAS_4`` (CP x
+TP), after these two files' (one torchrun start for all, not one per file).
 
 Each file's own worker (``python tests/test_gather.py ...``, ``python
 tests/test_parallel_parity.py worker ...``) still runs alone, as the device
@@ -44,12 +44,13 @@ if ROOT not in sys.path:
 # group, results under out_dir). CP last: its ring attention patches SDPA.
 EXTRAS = ("test_llama_tied", "test_expert_parallel", "test_lora_sharded", "test_chunked_logprobs",
           "test_context_parallel")
+EXTRAS_4 = ("test_context_parallel",)  # CP 2 x TP 2; its run_ranks picks its cases by world size
 
 
-def extras() -> tuple[str, ...]:
+def extras(nproc: int) -> tuple[str, ...]:
     import torch
 
-    return () if torch.cuda.is_available() else EXTRAS
+    return () if torch.cuda.is_available() else {2: EXTRAS, 4: EXTRAS_4}.get(nproc, ())
 
 
 def _run_extras(out: str, model_dirs: dict[str, str], names: tuple[str, ...]) -> None:
@@ -60,7 +61,7 @@ def _run_extras(out: str, model_dirs: dict[str, str], names: tuple[str, ...]) ->
     import torch.distributed as dist
 
     for name in names:
-        case_out = os.path.join(out, name)
+        case_out = os.path.join(out, name if dist.get_world_size() == 2 else f"{name}-{dist.get_world_size()}")
         os.makedirs(case_out, exist_ok=True)
         try:
             importlib.import_module(f"tests.{name}").run_ranks(case_out, model_dirs)
@@ -85,7 +86,7 @@ def launches(files: set[str] | None = None) -> dict[int, tuple[tuple[str, ...], 
         part = (parity.LAUNCHES.get(n, ()) if wanted("test_parallel_parity") else (),
                 gather.LAUNCHES.get(n, ()) if wanted("test_gather") else (),
                 gather.STAGED.get(n, ()) if wanted("test_gather") else (),
-                tuple(e for e in extras() if wanted(e)) if n == 2 else ())
+                tuple(e for e in extras(n) if wanted(e)))
         if any(part):
             table[n] = part
     return table
@@ -146,14 +147,15 @@ class Launched:
     root: Path = Path()
     """Every launch's results (``EXTRAS``' under their own names)."""
 
-    def extra(self, name: str) -> Path:
-        """``name``'s results (one of ``EXTRAS``); fails its test with the
-        2-rank launch's log or the traceback its cases left."""
+    def extra(self, name: str, nproc: int = 2) -> Path:
+        """``name``'s results in the ``nproc``-rank launch (one of ``EXTRAS``
+        or ``EXTRAS_4``); fails its test with that launch's log or the
+        traceback its cases left."""
         import pytest
 
-        if 2 in self.errors:
-            pytest.fail(self.errors[2])
-        out = self.root / name
+        if nproc in self.errors:
+            pytest.fail(self.errors[nproc])
+        out = self.root / (name if nproc == 2 else f"{name}-{nproc}")
         failed = sorted(out.glob("error-rank*.txt"))
         if failed:
             pytest.fail("\n".join(f"{f.name}:\n{f.read_text()}" for f in failed))
@@ -172,7 +174,7 @@ def shared(tmp_path_factory, files: set[str] | None = None) -> Launched:
 
         root = tmp_path_factory.mktemp("multirank")
         model_dirs = write_models(str(root / "models"))
-        for name in launches(files).get(2, ((), (), (), ()))[3]:
+        for name in {e for part in launches(files).values() for e in part[3]}:
             model_dirs.update(importlib.import_module(f"tests.{name}").rank_models(str(root / "models")))
         out = root / "results"
         out.mkdir()

@@ -2,7 +2,8 @@
 
 One torchrun launch of 2 ranks runs CP 2 alone (the sequence of every
 micro-batch split over both ranks; FSDP over the CP ranks, as TorchTitan
-lays CP out). CP 2 x FSDP 2 needs 4 ranks and is not launched here. Each case
+lays CP out), and on CPU the suite's 4-rank launch runs CP 2 x TP 2 (each TP
+rank's heads ringed over its CP pair). CP 2 x FSDP 2 is not launched. Each case
 builds the policy (``trainer.build_policy``) and takes one
 ``trainer.train_step`` on the parity tests' fixed batch (7 samples of uneven
 lengths, micro-batches of 2, each padded to a multiple of 2 x cp); the loss,
@@ -42,6 +43,7 @@ torch.set_num_threads(1)
 
 TOL = 1e-6
 CP = 2
+TP_WITH_CP = 2  # the 4-rank launch: CP 2 x TP 2
 # name -> (model, loss_agg, logprob_chunk_tokens, is_correction, kl_coef)
 CASES = {
     "seq_mean_token_mean": ("qwen3", "seq_mean_token_mean", 0, "none", 0.0),
@@ -58,11 +60,11 @@ def write_models(root: str) -> dict[str, str]:
                                             TinyQwen3(tie_word_embeddings=True, seed=1))}
 
 
-def case_config(name: str, cp: int, extra: tuple[str, ...] = ()):
+def case_config(name: str, cp: int, extra: tuple[str, ...] = (), tp: int = 1):
     from tests.test_parallel_parity import MICRO_BATCH, job_config
 
     model, loss_agg, chunk, is_mode, kl = CASES[name]
-    return job_config(model, (1, 1, 1), (
+    return job_config(model, (1, 1, tp), (
         "--job.custom_config_module", "torchtitan_grpo.config",
         "--parallelism.context_parallel_degree", str(cp),
         "--grpo.micro_batch_size", str(MICRO_BATCH),
@@ -74,7 +76,7 @@ def case_config(name: str, cp: int, extra: tuple[str, ...] = ()):
         *extra))
 
 
-def run_case(model_dir: str, name: str, cp: int, world_size: int) -> dict:
+def run_case(model_dir: str, name: str, cp: int, world_size: int, tp: int = 1) -> dict:
     """``build_policy`` + one ``train_step``; full tensors of what matters (a collective)."""
     import torch.distributed as dist
 
@@ -84,7 +86,7 @@ def run_case(model_dir: str, name: str, cp: int, world_size: int) -> dict:
     device = _device()
     rank = dist.get_rank() if world_size > 1 else 0
     d = trainer.Dist(rank, world_size, int(os.environ.get("LOCAL_RANK", "0")), device)
-    cfg = case_config(name, cp)
+    cfg = case_config(name, cp, tp=tp)
     policy = trainer.build_policy(cfg, model_dir, d)
     seen: list[int] = []  # sequence lengths the embedding saw: T / cp under CP
     hook = policy.model.tok_embeddings.register_forward_pre_hook(lambda _m, args: seen.append(args[0].shape[1]))
@@ -112,12 +114,14 @@ def rank_models(root: str) -> dict[str, str]:
 
 
 def run_ranks(out_dir: str, model_dirs: dict[str, str]) -> None:
-    """In an initialised group of CP ranks: every case, rank 0 saves it."""
+    """In an initialised group of CP ranks (CP x TP on 4): every case, rank 0 saves it."""
     import torch.distributed as dist
 
+    world = dist.get_world_size()
+    tp = world // CP
     for name, case in CASES.items():
         t0 = time.perf_counter()
-        result = run_case(model_dirs[case[0]], name, CP, dist.get_world_size())
+        result = run_case(model_dirs[case[0]], name, CP, world, tp)
         result["seconds"] = time.perf_counter() - t0
         if dist.get_rank() == 0:
             torch.save(result, os.path.join(out_dir, f"{name}.pt"))
@@ -178,16 +182,17 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k].cpu() - b[k].cpu()).abs().max()) for k in a)
 
 
-def check(ref: dict, got: dict) -> list[str]:
-    """What differs between the single process (``ref``) and CP (``got``)
-    beyond TOL; empty when they agree. Metrics relative beyond 1 (grad
-    norm, entropy: sums of many fp32 terms)."""
+def check(ref: dict, got: dict, tp: int = 1) -> list[str]:
+    """What differs between the single process (``ref``) and CP (``got``,
+    with ``tp`` TP ranks) beyond TOL; empty when they agree. Metrics
+    relative beyond 1 (grad norm, entropy: sums of many fp32 terms)."""
     bad = []
     if not (abs(ref["metrics"]["loss"]) > 1e-3 and ref["metrics"]["grad_norm"] > 1e-3):
         bad.append("the reference step does not move")
     # each CP rank's forward saw half of each padded micro-batch (so the ring ran, not a copy);
-    # on a GPU the chunks are padded to 32 positions (parallel.seq_len_multiple)
-    multiple = 2 * CP * (32 if torch.cuda.is_available() else 1)
+    # on a GPU the chunks are padded to 32 positions, with TP to a multiple of its degree too
+    # (parallel.seq_len_multiple)
+    multiple = 2 * CP * tp * (32 if torch.cuda.is_available() else 1)
     if len(got["seen"]) != len(ref["seen"]) or any(
             g * CP != r + (-r % multiple) for g, r in zip(got["seen"], ref["seen"])):
         bad.append(f"local lengths {got['seen']} for {ref['seen']}")
@@ -213,7 +218,17 @@ def test_cp_step_matches_single_process(launched, name):
     assert check(refs[name], torch.load(out / f"{name}.pt", weights_only=False)) == []
 
 
-@pytest.mark.parametrize("key, value", [("tensor_parallel_degree", 2), ("pipeline_parallel_degree", 2),
+@pytest.mark.parametrize("name", list(CASES))
+def test_cp_with_tp_step_matches_single_process(request, launched, name):
+    """CP 2 x TP 2 (4 CPU ranks, the suite's 4-rank launch) against one process."""
+    refs = launched[0]
+    if torch.cuda.is_available():
+        pytest.skip("CPU test (the suite's 4-rank gloo launch); on GPUs scripts/device_cp.sh runs CP alone")
+    out = request.getfixturevalue("multirank_launched").extra("test_context_parallel", 4)
+    assert check(refs[name], torch.load(out / f"{name}.pt", weights_only=False), TP_WITH_CP) == []
+
+
+@pytest.mark.parametrize("key, value", [("pipeline_parallel_degree", 2),
                                         ("expert_parallel_degree", 2),
                                         ("context_parallel_load_balancer", "ptrr")])
 def test_unsupported_cp_combinations_are_refused(key, value):

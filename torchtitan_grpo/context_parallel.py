@@ -38,9 +38,13 @@ for the GRPO forward and adds what the GRPO loss needs:
   memory-efficient kernel is allowed too (grouped-query heads repeated for
   it), so fp32 CP runs; bf16 still takes cuDNN / flash.
 
-Supported: CP alone, CP x FSDP / HSDP (``data_parallel_*``), with padded
-micro-batches. Refused in one line naming the key: CP with TP, PP, EP,
-packed micro-batches (``grpo.micro_batch_tokens``, refused in
+* **With TP.** TP hands the attention its heads as DTensors over the TP
+  mesh; :func:`_local_heads` makes them local before CP's input hook, so each
+  TP rank rings its own heads over its CP ranks.
+
+Supported: CP alone, CP x FSDP / HSDP (``data_parallel_*``), CP x TP, with
+padded micro-batches. Refused in one line naming the key:
+CP with PP, EP, packed micro-batches (``grpo.micro_batch_tokens``, refused in
 :mod:`torchtitan_grpo.packing`), and load balancers other than head-tail.
 """
 
@@ -74,7 +78,6 @@ def check_config(p, world_size: int) -> int:
     if cp < 1:
         raise ValueError(f"parallelism.context_parallel_degree={cp}: must be >= 1")
     others = {
-        "tensor_parallel_degree": "TP's local-head attention and CP's ring attention both wrap SDPA",
         "pipeline_parallel_degree": "the pipeline schedule's loss runs on one stage's local shard",
         "expert_parallel_degree": "MoE routing over CP ranks is untested",
     }
@@ -198,12 +201,29 @@ def prepare_model(model: nn.Module, parallel_dims, device: torch.device) -> None
         return
     if device.type == "cpu":
         enable_cpu_ring_attention()
-        return
     for m in model.modules():
         if isinstance(m, ScaledDotProductAttentionWrapper):
-            m.sdpa_backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
-                               SDPBackend.EFFICIENT_ATTENTION]
-            m.register_forward_pre_hook(_repeat_kv_heads, with_kwargs=True, prepend=True)
+            if device.type == "cuda":
+                m.sdpa_backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                                   SDPBackend.EFFICIENT_ATTENTION]
+                m.register_forward_pre_hook(_repeat_kv_heads, with_kwargs=True, prepend=True)
+            if parallel_dims.tp_enabled:  # registered last, prepended: runs before the hooks above
+                m.register_forward_pre_hook(_local_heads, with_kwargs=True, prepend=True)
+
+
+def _local_heads(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """CP x TP: q / k / v reach the attention as DTensors sharded over the TP
+    mesh on heads; CP's input hook makes ``Shard(seq)`` DTensors over the CP
+    mesh and accepts only plain tensors or those. Each TP rank's heads are a
+    complete attention problem, so the ring runs on the local heads; the
+    output (made local by CP's output hook) is this rank's share of the heads,
+    which the row-parallel output projection takes as ``Shard(-1)``."""
+    from torch.distributed.tensor import DTensor
+
+    def local(x):
+        return x.to_local() if isinstance(x, DTensor) else x
+
+    return tuple(local(a) for a in args), {k: local(v) for k, v in kwargs.items()}
 
 
 # ------------------------------------------------------------------ inputs
