@@ -26,6 +26,25 @@ def test_demo_config_parses_with_cli_override():
     assert cfg.inference.backend == "builtin"
 
 
+@pytest.mark.parametrize("name", sorted(os.listdir(os.path.join(ROOT, "train_configs"))))
+def test_every_shipped_config_parses_and_validates(name, tiny_model_dir, tmp_path):
+    """Each TOML under train_configs/ has only known keys and valid values
+    (a renamed key would otherwise surface first on a user's GPUs). Paths to
+    the user's model and data point at stand-ins, and GPU placements at the
+    CPU (nccl's GPU check needs GPUs); every other key is the file's own."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    path = os.path.join(ROOT, "train_configs", name)
+    cfg = parse_config(["--job.config_file", path, "--model.hf_assets_path", tiny_model_dir,
+                        "--rollout.dataset_path", str(data), "--eval.dataset_path", str(data),
+                        "--weight_sync.transport", "gloo", "--inference.server_devices", "cpu"])
+    assert cfg.job.description  # each says what it is for
+    if name == "qwen3_4b_long.toml":  # the long-rollout recipe keeps what docs/LONG_ROLLOUTS.md says
+        assert cfg.activation_checkpoint.selective_ac_option == "op" and cfg.grpo.logprob_chunk_tokens > 0
+        assert cfg.grpo.micro_batch_tokens >= cfg.training.seq_len >= cfg.rollout.max_new_tokens + 256
+        assert cfg.inference.kv_cache == "auto" and cfg.weight_sync.fanout == "broadcast"
+
+
 def test_a_model_path_to_be_written_is_not_warned_about(tmp_path, monkeypatch, caplog):
     # The demo writes its tiny model on the first run; TorchTitan's parser
     # would open that run with "HF assets path ... does not exist!".
