@@ -145,7 +145,7 @@ def test_off_without_filtering_constant_groups_train_with_zero_advantages():
 def test_the_sampler_counts_in_a_row_and_since_the_last_take():
     ds = DynamicSampler(2, prompts_per_step=8)
     assert [ds.keep(c) for c in (True, True, True, False, True)] == [False, False, True, True, False]
-    assert ds.take_filtered() == 3 and ds.take_filtered() == 0 and ds.filtered_total == 3
+    assert ds.take_filtered() == 3 and ds.take_filtered() == 0
     assert ds.in_a_row == 1
 
 

@@ -45,7 +45,6 @@ class DynamicSampler:
         self.max_filtered = resolve_max_filtered(max_filtered, prompts_per_step)
         self.filtered = 0
         """Groups discarded since the last :meth:`take_filtered`."""
-        self.filtered_total = 0
         self.in_a_row = 0
         """Constant groups discarded one after another (reset by a group with signal)."""
         self._warned = False
@@ -66,7 +65,6 @@ class DynamicSampler:
             return True
         self.in_a_row += 1
         self.filtered += 1
-        self.filtered_total += 1
         return False
 
     def take_filtered(self) -> int:
