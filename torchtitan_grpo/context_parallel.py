@@ -41,10 +41,14 @@ for the GRPO forward and adds what the GRPO loss needs:
 * **With TP.** TP hands the attention its heads as DTensors over the TP
   mesh; :func:`_local_heads` makes them local before CP's input hook, so each
   TP rank rings its own heads over its CP ranks.
+* **With PP.** The first stage takes this rank's share of the tokens
+  (:func:`pipeline_tokens`), every stage its positions (the pipeline's
+  RoPE hook), and the last stage's loss gathers whole sequences from the
+  local logits (:func:`pipeline_terms`), as above.
 
-Supported: CP alone, CP x FSDP / HSDP (``data_parallel_*``), CP x TP, with
-padded micro-batches. Refused in one line naming the key:
-CP with PP, EP, packed micro-batches (``grpo.micro_batch_tokens``, refused in
+Supported: CP alone, CP x FSDP / HSDP (``data_parallel_*``), CP x TP, CP x
+PP, with padded micro-batches. Refused in one line naming the key: CP with
+EP, packed micro-batches (``grpo.micro_batch_tokens``, refused in
 :mod:`torchtitan_grpo.packing`), and load balancers other than head-tail.
 """
 
@@ -78,7 +82,6 @@ def check_config(p, world_size: int) -> int:
     if cp < 1:
         raise ValueError(f"parallelism.context_parallel_degree={cp}: must be >= 1")
     others = {
-        "pipeline_parallel_degree": "the pipeline schedule's loss runs on one stage's local shard",
         "expert_parallel_degree": "MoE routing over CP ranks is untested",
     }
     for key, why in others.items():
@@ -291,17 +294,50 @@ def _local_logprobs(model: nn.Module, tokens: torch.Tensor, targets: torch.Tenso
     if not chunk_tokens:
         logits = model(tokens, positions=positions).float()
         lp = logits_logprobs(logits, targets, temperature)
-        ent = None
-        if with_entropy:
-            with torch.no_grad():  # per token: entropy_from_logits of one position at a time
-                x = logits / temperature if temperature > 0 and temperature != 1.0 else logits
-                logp = torch.log_softmax(x, dim=-1)
-                ent = -(logp.exp() * logp).sum(-1)
-        return lp, ent
+        return lp, _token_entropy(logits, temperature) if with_entropy else None
     with token_logprobs.logprob_head(model.output, targets, temperature, chunk_tokens,
                                      with_entropy=with_entropy) as head:
         lp = model(tokens, positions=positions)
     return lp, head.entropy
+
+
+@torch.no_grad()
+def _token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Per-token entropy of ``[B, T, V]`` float logits (a metric: no gradient)."""
+    x = logits / temperature if temperature > 0 and temperature != 1.0 else logits
+    logp = torch.log_softmax(x, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def _masked_mean_entropy(parallel_dims, ent: torch.Tensor, local_mask: torch.Tensor) -> torch.Tensor:
+    """The masked mean of per-token entropy over the whole sequences (every CP rank's share)."""
+    with torch.no_grad():
+        total = torch.stack([(ent.float() * local_mask).sum(), local_mask.sum()])
+        dist.all_reduce(total, group=parallel_dims.get_mesh("cp").get_group())
+        return total[0] / total[1].clamp(min=1.0)
+
+
+def pipeline_tokens(parallel_dims, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """CP x PP: this CP rank's ``[B, T / cp]`` share of a pipelined batch and
+    its positions (every row's are the same: one row is returned, which the
+    stages' RoPE and the last stage's loss expand to their micro-batch)."""
+    tok, _, positions, _ = shard_batch(parallel_dims, tokens)
+    return tok, positions[:1]
+
+
+def pipeline_terms(parallel_dims, logits: torch.Tensor, next_tokens: torch.Tensor, mask: torch.Tensor,
+                   positions: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """CP x PP, in the last stage's loss: ``([B, T - 1]`` log-probs of whole
+    sequences, masked mean entropy``)`` from this rank's ``[B, T / cp, V]``
+    float logits at ``positions`` (:func:`pipeline_tokens`' row) and the
+    micro-batch's whole ``[B, T - 1]`` next tokens and mask (the schedule
+    hands every CP rank the same target rows)."""
+    pos = positions.expand(logits.shape[0], -1).long()
+    targets = nn.functional.pad(next_tokens, (0, 1)).gather(1, pos)
+    local_mask = nn.functional.pad(mask, (0, 1)).gather(1, pos)
+    lp = logits_logprobs(logits, targets, temperature)
+    logprobs = gather_sequence(parallel_dims, lp.float(), pos)[:, :-1]
+    return logprobs, _masked_mean_entropy(parallel_dims, _token_entropy(logits, temperature), local_mask)
 
 
 def forward_terms(parallel_dims, model: nn.Module, tokens: torch.Tensor, mask: torch.Tensor, temperature: float,
@@ -312,11 +348,7 @@ def forward_terms(parallel_dims, model: nn.Module, tokens: torch.Tensor, mask: t
     with amp:
         lp, ent = _local_logprobs(model, tok, targets, positions, temperature, chunk_tokens, True)
     logprobs = gather_sequence(parallel_dims, lp.float(), positions)[:, :-1]
-    with torch.no_grad():
-        total = torch.stack([(ent.float() * local_mask).sum(), local_mask.sum()])
-        dist.all_reduce(total, group=parallel_dims.get_mesh("cp").get_group())
-        entropy = total[0] / total[1].clamp(min=1.0)
-    return logprobs, entropy
+    return logprobs, _masked_mean_entropy(parallel_dims, ent, local_mask)
 
 
 def forwards(parallel_dims, forward: Callable, reference: Callable) -> tuple[Callable, Callable]:

@@ -58,6 +58,7 @@ and the KL penalty (its reference model would need a pipeline of its own).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections import OrderedDict
@@ -196,6 +197,9 @@ class StagePipeline:
     tied: bool = False
     """The model's ``output.weight`` is its ``tok_embeddings.weight``: the first
     and the last stage each hold a copy, kept equal."""
+    positions: torch.Tensor | None = None
+    """CP: this rank's ``[1, T / cp]`` sequence positions of the step's batch,
+    given to every stage's RoPE (:meth:`step` sets it); None without CP."""
     _schedules: OrderedDict = field(default_factory=OrderedDict, repr=False)
 
     @property
@@ -239,7 +243,8 @@ class StagePipeline:
             self._schedules.popitem(last=False)
         return schedule
 
-    def step(self, tokens: torch.Tensor, target: torch.Tensor | None, n_microbatches: int) -> None:
+    def step(self, tokens: torch.Tensor, target: torch.Tensor | None, n_microbatches: int,
+             positions: torch.Tensor | None = None) -> None:
         """Forward and backward of one batch through the pipeline.
 
         Every PP rank passes the same ``tokens`` (only the first stage feeds
@@ -248,6 +253,7 @@ class StagePipeline:
         parameters.
         """
         schedule = self.schedule_for(n_microbatches, tuple(tokens.shape))
+        self.positions = positions
         args = (tokens,) if self.is_first else ()
         schedule.step(*args, target=target if self.is_last else None, return_outputs=False)
 
@@ -324,5 +330,14 @@ def build_pipeline(model: nn.Module, job_config, parallel_dims, device: torch.de
     schedule_cls = schedule_class(job_config.parallelism.pipeline_parallel_schedule)
     logger.info("pipeline stage %d of %d (%s): %s", stage_index, parallel_dims.pp, schedule_cls.__name__,
                 names[stage_index])
-    return StagePipeline(stage, stage_index, parallel_dims.pp, pp_mesh, device, schedule_cls, loss_fn,
-                         names, tied)
+    pipe = StagePipeline(stage, stage_index, parallel_dims.pp, pp_mesh, device, schedule_cls, loss_fn, names, tied)
+    if parallel_dims.cp_enabled:  # the schedule passes activations only: positions come from the step
+        stage.register_forward_pre_hook(functools.partial(_stage_positions, pipe), with_kwargs=True)
+    return pipe
+
+
+def _stage_positions(pipe: StagePipeline, _module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """CP x PP: the step's sequence positions (one row) for this micro-batch's rows."""
+    if pipe.positions is not None:
+        kwargs = {**kwargs, "positions": pipe.positions.expand(args[0].shape[0], -1)}
+    return args, kwargs

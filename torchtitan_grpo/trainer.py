@@ -471,11 +471,19 @@ class _PipelineLoss:
     def __init__(self) -> None:
         self.ctx: _LossContext | None = None
         self.records: list[dict] = []
+        self.cp: tuple | None = None
+        """CP: (parallel_dims, this rank's positions row) of the step."""
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         next_tokens, mask, old, adv = _unpack_target(target)
         # full logits: the chunked head does not run inside the pipeline schedule
-        loss, record = _micro_batch_loss(output[:, :-1].float(), next_tokens, mask, old, adv, self.ctx)
+        if self.cp is not None:  # logits at this rank's share of the positions: whole sequences gathered
+            dims, positions = self.cp
+            logprobs, entropy = context_parallel.pipeline_terms(dims, output.float(), next_tokens, mask, positions,
+                                                                self.ctx.temperature)
+            loss, record = _logprob_loss(logprobs, entropy, mask, old, adv, self.ctx)
+        else:
+            loss, record = _micro_batch_loss(output[:, :-1].float(), next_tokens, mask, old, adv, self.ctx)
         self.records.append(record)
         return loss
 
@@ -512,8 +520,11 @@ def _pipeline_forward_backward(policy: Policy, local: list[Sample], ctx: _LossCo
     tokens, mask, old, adv = _pack(local, pad_id, d.device, rows=n_micro * rows, length=length)
     target = _pack_target(tokens[:, 1:], mask, old, adv)
     loss_fn = pipe.loss_fn
-    loss_fn.ctx, loss_fn.records = ctx, []
-    pipe.step(tokens, target, n_micro)
+    loss_fn.ctx, loss_fn.records, loss_fn.cp, positions = ctx, [], None, None
+    if policy.parallel_dims.cp_enabled:  # the first stage gets this CP rank's share of the tokens
+        tokens, positions = context_parallel.pipeline_tokens(policy.parallel_dims, tokens)
+        loss_fn.cp = (policy.parallel_dims, positions)
+    pipe.step(tokens, target, n_micro, positions)
     if pipe.is_last:
         records = loss_fn.records[-n_micro:]
         if len(records) != n_micro:
