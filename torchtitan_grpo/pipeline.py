@@ -47,6 +47,11 @@ tied embeddings the last stage's ``output.weight`` maps to nothing: HF has
 no ``lm_head.weight`` then). Stage ``Policy.pipeline.stage_index`` is the
 rank's coordinate on ``Policy.pipeline.pp_mesh`` (TorchTitan's "pp" mesh).
 
+With CP (``parallelism.context_parallel_degree``) each CP rank feeds its
+share of the sequence; the stages' RoPE positions come from the step (the
+schedule passes activations only) and the last stage's loss gathers whole
+sequences (:func:`torchtitan_grpo.context_parallel.pipeline_terms`).
+
 Not supported under PP (rejected by :func:`check_config` with the key named):
 other schedules (interleaved/looped ones need several stages per rank), CSV
 schedules, DDP without dp_shard (TorchTitan's composable ``replicate`` is
