@@ -195,11 +195,17 @@ def run_ranks(out_dir: str, model_dirs: dict[str, str]) -> None:
 
 
 @pytest.fixture(scope="module")
-def results(tiny_model_dir, tmp_path_factory) -> list[dict]:
+def results(request, tmp_path_factory) -> list[dict]:
+    """Both ranks' results: on CPU from the suite's shared 2-rank launch
+    (tests/multirank.py), else from one 2-rank torchrun of this file's own."""
     from tests.test_parallel_parity import run_torchrun
 
-    out = str(tmp_path_factory.mktemp("lora_pp"))
-    run_torchrun(WORLD, [os.path.abspath(__file__), tiny_model_dir, out], timeout=300)  # a hang guard only
+    if not torch.cuda.is_available():
+        out = str(request.getfixturevalue("multirank_launched").extra("test_lora_pp"))
+    else:
+        out = str(tmp_path_factory.mktemp("lora_pp"))
+        run_torchrun(WORLD, [os.path.abspath(__file__), request.getfixturevalue("tiny_model_dir"), out],
+                     timeout=300)  # a hang guard only
     return torch.load(os.path.join(out, "results.pt"), weights_only=False)
 
 
