@@ -34,7 +34,7 @@ import torch  # noqa: E402
 
 import torchtitan_grpo  # noqa: E402,F401  (before torchtitan)
 from tests.test_lora_sharded import SEED, _base, _cfg, _maxdiff, _Recorder, _train  # noqa: E402
-from tests.test_lora_sharded import _main as sharded_main, check_resumed, resume_check, save_every_rank  # noqa: E402
+from tests.test_lora_sharded import _main as sharded_main, check_resumed, rank_results, resume_check, save_every_rank  # noqa: E402
 
 WORLD = 2
 TOL = 1e-6  # fp32 on CPU
@@ -196,17 +196,7 @@ def run_ranks(out_dir: str, model_dirs: dict[str, str]) -> None:
 
 @pytest.fixture(scope="module")
 def results(request, tmp_path_factory) -> list[dict]:
-    """Both ranks' results: on CPU from the suite's shared 2-rank launch
-    (tests/multirank.py), else from one 2-rank torchrun of this file's own."""
-    from tests.test_parallel_parity import run_torchrun
-
-    if not torch.cuda.is_available():
-        out = str(request.getfixturevalue("multirank_launched").extra("test_lora_pp"))
-    else:
-        out = str(tmp_path_factory.mktemp("lora_pp"))
-        run_torchrun(WORLD, [os.path.abspath(__file__), request.getfixturevalue("tiny_model_dir"), out],
-                     timeout=300)  # a hang guard only
-    return torch.load(os.path.join(out, "results.pt"), weights_only=False)
+    return rank_results(request, tmp_path_factory, __file__)
 
 
 def test_pp_lora_equals_one_process(results):

@@ -260,19 +260,25 @@ def _main(model_dir: str, out_dir: str, run=None, gpus: bool = ON_GPUS) -> None:
 # ------------------------------------------------------------------ tests
 
 
-@pytest.fixture(scope="module")
-def results(request, tmp_path_factory) -> list[dict]:
-    """Both ranks' results: on CPU from the suite's shared 2-rank launch
-    (tests/multirank.py), else from one 2-rank torchrun of this file's own."""
+def rank_results(request, tmp_path_factory, script: str) -> list[dict]:
+    """Both ranks' results of ``script`` (this file or test_lora_pp.py, whose
+    ``run_ranks`` save them alike): on CPU from the suite's shared 2-rank
+    launch (tests/multirank.py), else from one 2-rank torchrun of the file's own."""
     from tests.test_parallel_parity import run_torchrun
 
+    stem = os.path.splitext(os.path.basename(script))[0]
     if not torch.cuda.is_available():
-        out = str(request.getfixturevalue("multirank_launched").extra("test_lora_sharded"))
+        out = str(request.getfixturevalue("multirank_launched").extra(stem))
     else:
-        out = str(tmp_path_factory.mktemp("lora_sharded"))
-        run_torchrun(WORLD, [os.path.abspath(__file__), request.getfixturevalue("tiny_model_dir"), out],
+        out = str(tmp_path_factory.mktemp(stem))
+        run_torchrun(WORLD, [os.path.abspath(script), request.getfixturevalue("tiny_model_dir"), out],
                      timeout=300)  # a hang guard only
     return torch.load(os.path.join(out, "results.pt"), weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def results(request, tmp_path_factory) -> list[dict]:
+    return rank_results(request, tmp_path_factory, __file__)
 
 
 def test_fsdp2_lora_equals_one_process(results):
