@@ -65,17 +65,26 @@ def roofline(weight_bytes: int, kv_token_bytes: int, rows: int, prompt: int, new
     return rows * new / secs
 
 
+N_PER_PROMPT = 8
+"""Samples per prompt, as a GRPO group."""
+
+
+def make_prompts(seqs: int, prompt_len: int, vocab: int) -> list[list[int]]:
+    """The ``seqs / N_PER_PROMPT`` random prompts of a row (seeded: every row of
+    the same shape, the engine's and transformers', gets the same ones)."""
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(10, vocab - 10, (prompt_len,), generator=g).tolist() for _ in range(seqs // N_PER_PROMPT)]
+
+
 def run_row(model_dir: str, kv: str, seqs: int, prompt_len: int, new: int, gb: float, vocab: int) -> dict:
     from torchtitan_grpo.inference.engine import Engine, EngineConfig
     from torchtitan_grpo.inference.kv_pool import bytes_per_token
     from torchtitan_grpo.inference.requests import SamplingParams
 
-    n = 8
     eng = Engine(EngineConfig(model_dir, device="cuda:0", dtype="bfloat16", max_batch_size=seqs, kv_cache=kv,
                               max_model_len=prompt_len + new + 8, kv_cache_memory_gb=gb))
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(10, vocab - 10, (prompt_len,), generator=g).tolist() for _ in range(seqs // n)]
-    params = SamplingParams(max_new_tokens=new, temperature=1.0, ignore_eos=True, n=n)
+    prompts = make_prompts(seqs, prompt_len, vocab)
+    params = SamplingParams(max_new_tokens=new, temperature=1.0, ignore_eos=True, n=N_PER_PROMPT)
     eng.start()
     try:
         torch.cuda.synchronize()
@@ -101,9 +110,8 @@ def hf_static_row(model_dir: str, seqs: int, prompt_len: int, new: int, vocab: i
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(10, vocab - 10, (prompt_len,), generator=g) for _ in range(seqs // 8)]
-    ids = torch.stack([p for p in prompts for _ in range(8)]).cuda()  # n = 8 per prompt, equal lengths
+    rows = [p for p in make_prompts(seqs, prompt_len, vocab) for _ in range(N_PER_PROMPT)]
+    ids = torch.tensor(rows).cuda()  # equal lengths: no padding
     kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
               cache_implementation="static")
     try:
