@@ -70,9 +70,10 @@ TRANSPORTS: dict[str, str | type[Transport]] = {
     # back to the plain protocol for a replica that is not the built-in server.
     "sglang": "builtin_push.BuiltinSGLangPush",
     "vllm": "builtin_push.BuiltinVLLMPush",
-    # Transports of their own (the backend's name).
-    "ipc": "ipc_push.IpcPush",
+    # Transports of their own (the backend's name; "ipc" by protocol).
+    "ipc": "ipc_push.IpcPush",  # SGLang's /update_weights_from_tensor
     "disk": "disk_push.DiskPush",
+    "vllm_ipc": "vllm_ipc_push.VLLMIpcPush",  # vLLM's IPC weight-transfer engine
     "adapter": "adapter_push.AdapterPush",  # weight_sync.lora_push = "adapter": LoRA adapters, not weights
     "delta": "delta_push.DeltaPush",  # weight_sync.delta: changed elements against the replica's version
     "broadcast": "fanout.BroadcastFanout",  # weight_sync.fanout = "broadcast": one group over every replica
@@ -83,8 +84,10 @@ a line here."""
 
 
 def make_transport(cfg: PushConfig, device: torch.device) -> Transport:
-    """``TRANSPORTS[backend]``, or for a weight group (gloo, nccl) ``TRANSPORTS[protocol]``."""
+    """``TRANSPORTS[backend]``, or for a weight group (gloo, nccl) ``TRANSPORTS[protocol]``;
+    "ipc" is SGLang's or vLLM's by protocol."""
     name = cfg.protocol if cfg.backend in ("gloo", "nccl") else cfg.backend
+    name = "vllm_ipc" if name == "ipc" and cfg.protocol == "vllm" else name
     name = "broadcast" if cfg.backend in ("gloo", "nccl") and cfg.fanout == "broadcast" else name
     if name not in TRANSPORTS:
         raise ValueError(f"no weight-push transport {name!r} (backend {cfg.backend!r}, protocol "
