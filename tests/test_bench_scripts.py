@@ -3,6 +3,7 @@
 each must run to the end and print its table and its PASS lines, so that
 the one GPU run of them (scripts/device_issue4.sh) does not fail on a bug."""
 
+import json
 import os
 import subprocess
 import sys
@@ -320,3 +321,32 @@ def test_delta_push_bench_tiny():
             for x in lines[header + 2:] if x.startswith("| ")]
     assert [(row["version"], row["sent"]) for row in rows] == [("1", "full"), ("2", "delta")], rows
     assert 0 < float(rows[1]["changed %"]) <= 100 and rows[1]["check"] == "ok", rows
+
+
+def test_engine_vs_vllm_cpu_ours_only(tmp_path):
+    """bench/engine_vs_vllm.py with the built-in server alone on CPU (tiny
+    shape): a row per route, length and concurrency, every sample at its
+    forced length with a logprob per token, and the table and JSON written
+    (the GPU run, scripts/device_engine_vllm.sh, adds vLLM's rows)."""
+    r, out = _run([sys.executable, "bench/engine_vs_vllm.py", "--device", "cpu", "--engines", "ours",
+                   "--shapes", "tiny", "--lengths", "4,6", "--seqs", "8,16", "--prompt-len", "8",
+                   "--warmup-tokens", "2", "--top-logprobs", "1", "--out", str(tmp_path)])
+    assert r.returncode == 0, out[-4000:]
+    rows = json.loads((tmp_path / "engine_vs_vllm.json").read_text())["rows"]
+    assert [(x["route"], x["new"], x["seqs"]) for x in rows] == [
+        (route, new, seqs) for route in ("generate", "completions", "chat") for new in (4, 6) for seqs in (8, 16)]
+    assert all(x["status"] == "ok" and x["tokens"] == x["new"] * x["seqs"] and x["tok/s"] > 0 for x in rows), rows
+    # the roofline: seqs x bandwidth / weight bytes, so twice the sequences, twice the bound
+    assert rows[1]["roofline tok/s"] == pytest.approx(2 * rows[0]["roofline tok/s"])
+    table = (tmp_path / "engine_vs_vllm.md").read_text()
+    assert table.count("| ours |") == 12 and "roofline = seqs x 4.8 TB/s / weight bytes" in table
+
+
+def test_engine_vs_vllm_says_when_vllm_is_missing(tmp_path):
+    if subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True).returncode == 0:
+        pytest.skip("vLLM is importable here")
+    r, out = _run([sys.executable, "bench/engine_vs_vllm.py", "--device", "cpu", "--shapes", "tiny",
+                   "--out", str(tmp_path)])
+    assert r.returncode == 2 and r.stdout == "", out[-4000:]
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: vLLM is not importable"), r.stderr
+    assert not (tmp_path / "engine_vs_vllm.json").exists()  # refused before any model was written
