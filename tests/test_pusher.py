@@ -936,3 +936,45 @@ def test_every_push_request_carries_the_api_key(tmp_path, tiny_model_dir, loop):
         keyless.close()
         pusher.close()
         stop_process(srv.proc)
+
+
+def test_a_restarted_replica_is_caught_up_without_a_new_version(tmp_path, tiny_model_dir, loop):
+    """The lone server of a run, killed and restarted, loads the initial
+    weights from disk: no new version comes (with no replica routable no step
+    runs), so the pusher must send it the newest one it has, and readmit it.
+    Killed before any version was pushed, it holds the initial version and
+    is readmitted as it is."""
+    (srv,) = _servers(tmp_path, tiny_model_dir, [0.0])
+    rec = Recorder()
+    pusher = Pusher(loop, [srv.url], PushConfig(mode="sync", bucket_bytes=1 << 20, deadline_s=10.0,
+                    init_timeout_s=20, reconnect_interval_s=0.5), torch.device("cpu"),
+                    on_eject=rec.eject, on_readmit=rec.readmit)
+    names = list(_weights(tiny_model_dir, 0.0))
+    cmd = [sys.executable, "-m", "torchtitan_grpo.inference.server", "--model", tiny_model_dir,
+           "--port", str(srv.port)]
+    procs = [srv.proc]
+
+    def kill_and_restart(n: int) -> None:
+        procs[-1].kill()
+        procs[-1].wait()
+        pusher.replica_down(srv.url, "its process exited")
+        _wait(lambda: len(rec.ejected) == n, 20, "ejection of the killed replica")
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                      env=dict(os.environ, OMP_NUM_THREADS="1")))
+        _wait(lambda: len(rec.readmitted) == n, 180, "readmission of the restarted replica")  # a hang guard
+
+    try:
+        pusher.connect(initial_version=0)
+        kill_and_restart(1)  # nothing pushed yet: it holds version 0 from disk
+        assert _version(srv.url) == "0" and pusher.replicas[0].version == 0
+        pusher.push(_weights(tiny_model_dir, 1.0), version=1)
+        assert _version(srv.url) == "1"
+        kill_and_restart(2)  # version 1 was staged: it is sent again, with nothing new pushed
+        assert _version(srv.url) == "1" and pusher.replicas[0].version == 1
+        assert _served_markers(srv.url, names) == {1.0}
+        pusher.push(_weights(tiny_model_dir, 2.0), version=2)  # a sync push reaches it as before
+        assert _version(srv.url) == "2" and _served_markers(srv.url, names) == {2.0}
+    finally:
+        pusher.close()
+        for p in procs:
+            stop_process(p)

@@ -174,6 +174,9 @@ class Pusher:
         self._progress = threading.Condition()
         self._closed = self._started = False
         self.skipped_versions = 0
+        self.initial_version = 0
+        """The version the replicas loaded from disk (``connect``): what a
+        replica that rejoins before any version is staged holds."""
 
     @property
     def stages_async(self) -> bool:
@@ -208,6 +211,7 @@ class Pusher:
         errors = [f"{r.url}: {reason(e)}" for r, e in zip(initial, results) if isinstance(e, Exception)]
         if errors:
             raise PushError("weight groups could not be set up: " + "; ".join(errors))
+        self.initial_version = initial_version
         await self.transport.tag(initial, initial_version)
         for r in initial:
             r.joined, r.version = True, initial_version
@@ -445,11 +449,36 @@ class Pusher:
         try:
             await self.transport.reset(r)
             await asyncio.wait_for(self.transport.connect(r), self.cfg.init_timeout_s + 5)
+            at_initial = await self._settle_rejoined(r)
         except Exception as e:
             r.last_error = f"reconnect: {typed_reason(e)}"
             await asyncio.sleep(self.cfg.reconnect_interval_s)
             return False
         r.joined = True
+        if at_initial and not r.admitted:
+            r.admitted = True
+            logger.info("replica %s rejoined at the initial version %d: readmitted", r.url, r.version)
+            self.on_readmit(r.url)
+            self._notify()
+        return True
+
+    async def _settle_rejoined(self, r: Replica) -> bool:
+        """What ``r`` holds once it has rejoined is not what its number says:
+        a restarted server loaded the initial weights from disk, and one
+        ejected mid-transfer may hold part of a version. So it is sent the
+        newest staged version whatever it held; nothing else would send it,
+        since a version is only handed to senders when it is staged, and with
+        no replica routable no step runs and none is staged (a lone server
+        that crashed stayed out for good that way). With nothing staged yet,
+        it holds what every replica started from: tagged so (True: it may be
+        readmitted at once)."""
+        with self.staging.lock:
+            nothing_staged = self.staging.latest is None
+        if not nothing_staged:
+            r.version = -1
+            return False
+        await self.transport.tag([r], self.initial_version)
+        r.version = self.initial_version
         return True
 
     async def _transfer_or_give_up(self, r: Replica, staged: Staged) -> None:
