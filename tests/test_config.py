@@ -174,10 +174,10 @@ def test_server_device_must_name_a_device():
         parse_config(["--job.config_file", DEMO, "--inference.server_device", "cuda1"])
 
 
-def test_ipc_transport_needs_sglang_protocol_and_device_staging():
-    with pytest.raises(ConfigError, match=r"weight_sync\.transport = 'ipc': ipc needs the SGLang protocol"):
-        parse_config(["--job.config_file", DEMO, "--weight_sync.transport", "ipc", "--inference.backend", "vllm",
-                      "--inference.urls", "http://127.0.0.1:1"])
+def test_ipc_transport_needs_device_staging_and_takes_either_protocol():
+    vllm_ipc = parse_config(["--job.config_file", DEMO, "--weight_sync.transport", "ipc", "--inference.backend",
+                             "vllm", "--inference.urls", "http://127.0.0.1:1"])  # vLLM's IPC engine
+    assert vllm_ipc.weight_sync.transport == "ipc" and vllm_ipc.inference.backend == "vllm"
     with pytest.raises(ConfigError, match=r"weight_sync\.staging = 'host': must be \"device\""):
         parse_config(["--job.config_file", DEMO, "--weight_sync.transport", "ipc", "--weight_sync.staging", "host"])
     assert parse_config(["--job.config_file", DEMO, "--weight_sync.transport", "ipc"]).weight_sync.transport == "ipc"

@@ -125,10 +125,9 @@ def validate(cfg) -> None:
     _check(w.init_timeout_s > 0, "weight_sync.init_timeout_s", "must be > 0", w.init_timeout_s)
     _check(w.transport != "disk" or i.backend != "vllm", "weight_sync.transport",
            "disk needs the SGLang protocol (/update_weights_from_disk); vLLM has no such route", w.transport)
-    _check(w.transport != "ipc" or i.backend != "vllm", "weight_sync.transport",
-           "ipc needs the SGLang protocol (/update_weights_from_tensor); vLLM has no such route", w.transport)
     _check(w.transport != "ipc" or w.staging == "device", "weight_sync.staging",
-           'must be "device" with weight_sync.transport = "ipc" (replicas map the staging buffers)', w.staging)
+           'must be "device" with weight_sync.transport = "ipc" (replicas map the staging buffers: '
+           'SGLang\'s /update_weights_from_tensor, vLLM\'s IPC engine)', w.staging)
     _check(w.staging in ("device", "host"), "weight_sync.staging", 'must be "device" or "host"', w.staging)
     _check(w.num_staging_buffers >= 1, "weight_sync.num_staging_buffers", "must be >= 1", w.num_staging_buffers)
     _check(i.kv_cache_memory_gb >= 0, "inference.kv_cache_memory_gb", "must be >= 0 (0: the server's default)",
