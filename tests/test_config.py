@@ -1,5 +1,6 @@
 """Start-up checks: every bad input fails with a message naming the key or file."""
 
+import json
 import os
 import re
 import subprocess
@@ -140,13 +141,48 @@ def test_disk_transport_needs_sglang_protocol():
                       "--inference.urls", "http://127.0.0.1:1"])
 
 
+@pytest.mark.parametrize("args,line", [
+    (["--grpo.gruop_size", "4"], "unknown config key --grpo.gruop_size; did you mean --grpo.group_size?"),
+    (["--grpo.temperature=0.7"], "unknown config key --grpo.temperature; did you mean --rollout.temperature?"),
+    (["--grpo.group_size", "abc"], "config key grpo.group_size = 'abc': must be an integer (default 8)"),
+    (["--rollout.top_p", "high"], "config key rollout.top_p = 'high': must be a number (default 1.0)"),
+    (["--weight-sync.mode", "asyn"], "config key weight_sync.mode = 'asyn': must be one of 'async', 'sync', 'off'"),
+    (["--grpo.group_size"], "config key grpo.group_size: --grpo.group_size needs a value"),
+    (["--grpo.group_size", "4", "5"], "command line: Unrecognized options: 5"),  # tyro's own finding, one line
+])
+def test_a_misspelled_or_wrong_typed_key_on_the_command_line_is_one_line(args, line, capsys):
+    """Not tyro's 10-line box: one line naming the key and the nearest valid
+    one (or what the value must be); grpo_train.py prints it and exits 2."""
+    with pytest.raises(ConfigError) as e:
+        parse_config(["--job.config_file", DEMO, *args])
+    assert str(e.value) == line
+    assert capsys.readouterr().err == ""  # no box printed beside it
+
+
+@pytest.mark.parametrize("text,line", [
+    ("[grpo]\ngruop_size = 4\n", "unknown config key grpo.gruop_size in '{path}' ([grpo]); did you mean grpo.group_size?"),
+    ("[grop]\ngroup_size = 4\n", "unknown config key grop.group_size in '{path}' ([grop]); did you mean grpo.group_size?"),
+    ('[grpo]\ngroup_size = "abc"\n', "config key grpo.group_size = 'abc' in '{path}': must be an integer (default 8)"),
+    ("[grpo]\ngroup_size = 4.5\n", "config key grpo.group_size = 4.5 in '{path}': must be an integer (default 8)"),
+    ('[checkpoint]\nenable = "yes"\n', "config key checkpoint.enable = 'yes' in '{path}': must be true or false "
+                                       "(default False)"),
+])
+def test_a_misspelled_or_wrong_typed_key_in_the_toml_is_one_line(tmp_path, text, line):
+    """The file's keys too: a wrong type would otherwise pass the parser and
+    fail later as a TypeError deep in the checks."""
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        parse_config(["--job.config_file", path])
+    assert str(e.value) == line.format(path=path)
+
+
 def test_bad_choice_in_the_toml_names_the_key(tmp_path):
     """A Literal key set in the file (the command line's choices are tyro's to check)."""
     text = open(DEMO).read().replace("[weight_sync]\n", '[weight_sync]\nstaging = "gpu"\n')
     assert 'staging = "gpu"' in text
     path = tmp_path / "bad.toml"
     path.write_text(text)
-    with pytest.raises(ConfigError, match=r'weight_sync\.staging = .gpu.: must be "device" or "host"'):
+    with pytest.raises(ConfigError, match=r"weight_sync\.staging = 'gpu' in '.*bad\.toml': must be one of 'device', 'host'"):
         parse_config(["--job.config_file", str(path)])
 
 
@@ -252,8 +288,8 @@ BAD_CONFIGS = [  # (arguments, what the one error line must say)
 def test_a_bad_config_is_one_naming_line_and_starts_nothing(tmp_path):
     """Each bad config (one grpo_train.py process each, all at once: each
     spends its time importing, not failing) exits 2 with one naming line, no
-    traceback, no server started and no model written; an unknown flag is
-    named by the argument parser."""
+    traceback, no server started and no model written; a misspelled key
+    too, with the nearest valid key, and the same line in torchrun's error file."""
     procs = []
     for k, (args, naming) in enumerate(BAD_CONFIGS):
         dump = tmp_path / f"run{k}"
@@ -261,9 +297,10 @@ def test_a_bad_config_is_one_naming_line_and_starts_nothing(tmp_path):
                "--job.dump_folder", str(dump), *args]
         procs.append((args, naming, dump, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                                            text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))))
+    error_file = tmp_path / "error.json"  # where torchrun reads a failed worker's message ("Root Cause")
     unknown = subprocess.Popen([sys.executable, os.path.join(ROOT, "grpo_train.py"), "--job.config_file", DEMO,
-                                "--grpo.bogus_key", "3"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, cwd=ROOT)
+                                "--grpo.gruop_size", "3"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, cwd=ROOT, env=dict(os.environ, TORCHELASTIC_ERROR_FILE=str(error_file)))
     try:
         for args, naming, dump, p in procs:
             stdout, stderr = p.communicate(timeout=300)  # a hang guard (5 imports of torch at once on 2 cores)
@@ -274,7 +311,9 @@ def test_a_bad_config_is_one_naming_line_and_starts_nothing(tmp_path):
             assert not (dump / "servers").exists(), args  # no server was started
         assert not os.path.exists("/nonexistent/model")  # and no model was written
         out = unknown.communicate(timeout=300)[0]
-        assert unknown.returncode != 0 and "--grpo.bogus_key" in out, out
+        line = "unknown config key --grpo.gruop_size; did you mean --grpo.group_size?"
+        assert unknown.returncode == 2 and out == f"grpo_train.py: error: {line}\n", out
+        assert json.loads(error_file.read_text())["message"]["message"] == line
     finally:
         for p in [q[-1] for q in procs] + [unknown]:
             if p.poll() is None:

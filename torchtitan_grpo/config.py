@@ -26,6 +26,7 @@ from torchtitan_grpo.moe_config import MoE
 from torchtitan_grpo.config_checks import (  # noqa: F401
     ConfigError, _check, _check_model_dir, _check_toml_keys, check_reachable, validate,
 )
+from torchtitan_grpo.config_keys import check_cli_args
 
 CONFIG_MODULE = "torchtitan_grpo.config"
 
@@ -416,9 +417,10 @@ def api_key(cfg) -> str:
 def parse_config(argv: list[str]):
     """Parse ``--job.config_file X.toml`` plus CLI overrides into a validated JobConfig.
 
-    Our sections are merged in through ``--job.custom_config_module``; an
-    unknown key or a malformed value exits with TorchTitan's (tyro's) message
-    naming it, and a bad value of ours raises ConfigError naming the key.
+    Our sections are merged in through ``--job.custom_config_module``. An
+    unknown key (in the file or on the command line), a value of the wrong
+    type and a bad value of ours each raise a one-line ConfigError naming the
+    key (and the nearest valid key for a misspelled one).
     """
     from torchtitan.config import ConfigManager
 
@@ -427,14 +429,51 @@ def parse_config(argv: list[str]):
         argv += ["--job.custom_config_module", CONFIG_MODULE]
     _check_toml_keys(argv)
     argv = _bool_values_to_flags(argv)
+    check_cli_args(argv, _merged_keys(), ConfigError)  # one line, before tyro's box
     quiet = _NoMissingAssetsWarning()
     logging.getLogger().addFilter(quiet)  # TorchTitan logs on the root logger
     try:
-        cfg = ConfigManager().parse_args(argv)
+        cfg = _tyro_in_one_line(lambda: ConfigManager().parse_args(argv))
     finally:
         logging.getLogger().removeFilter(quiet)
     validate(cfg)
     return cfg
+
+
+def _merged_keys() -> dict:
+    """Every key of TorchTitan's JobConfig and ours, with its type and default (config_keys.py)."""
+    from torchtitan.config import ConfigManager
+    from torchtitan.config import JobConfig as TitanJobConfig
+
+    from torchtitan_grpo.config_keys import key_types
+
+    return key_types(ConfigManager._merge_configs(TitanJobConfig, JobConfig))
+
+
+def _tyro_in_one_line(parse):
+    """``parse()``, with an error tyro still finds (one check_cli_args does not
+    make, e.g. a stray word) raised as a ConfigError of one line instead of
+    its box on stderr; --help is printed as tyro writes it."""
+    import contextlib
+    import io
+    import sys
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return parse()
+    except SystemExit as e:
+        if e.code in (0, None):
+            sys.stderr.write(err.getvalue())
+            raise
+        # tyro's message sits between the first two rules: below the title (in a box, the
+        # top edge is the first rule; without a terminal a plain title line comes before
+        # it) and above the help text, wrapped to the terminal's width; joined into one line.
+        rows = [row.strip("\u2502\u2570\u256f ") for row in err.getvalue().splitlines()]
+        rules = [k for k, row in enumerate(rows) if row.startswith("\u256d") or (row and set(row) <= {"\u2500", "-"})]
+        part = rows[rules[0] + 1:rules[1] if len(rules) > 1 else None] if rules else rows
+        text = " ".join(" ".join(part).split())
+        raise ConfigError(f"command line: {text or 'not understood'}") from None
 
 
 def _bool_values_to_flags(argv: list[str]) -> list[str]:

@@ -213,14 +213,15 @@ def check_reachable(cfg, timeout_s: float = 10.0) -> None:
 
 
 def _check_toml_keys(argv: list[str]) -> None:
-    """Fail on an unknown section or key in the TOML file with a message that
-    names it and the file (TorchTitan's own error for this is a long dump)."""
-    import dataclasses
-
+    """Fail on an unknown section or key, or a value of the wrong type, in the
+    TOML file with one line that names it, the nearest valid key and the file
+    (TorchTitan's own error for an unknown key is a long dump, and a wrong
+    type would pass it and fail later as a TypeError)."""
     from torchtitan.config import ConfigManager
     from torchtitan.config import JobConfig as TitanJobConfig
 
     from torchtitan_grpo.config import JobConfig
+    from torchtitan_grpo.config_keys import check_toml_values, key_types
 
     path = None
     for k, a in enumerate(argv):
@@ -240,20 +241,4 @@ def _check_toml_keys(argv: list[str]) -> None:
             data = tomllib.load(f)
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from e
-    merged = ConfigManager._merge_configs(TitanJobConfig, JobConfig)
-
-    def walk(cls, values: dict, prefix: str) -> None:
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        for name, value in values.items():
-            if name not in fields:
-                where = f"[{prefix}]" if prefix else "top level"
-                known = ", ".join(sorted(fields))
-                raise ConfigError(f"unknown config key {prefix + '.' if prefix else ''}{name} in {path!r} ({where}); known keys: {known}")
-            ftype = fields[name].type
-            sub = ftype if dataclasses.is_dataclass(ftype) else None
-            if sub is None and isinstance(fields[name].default_factory, type) and dataclasses.is_dataclass(fields[name].default_factory):
-                sub = fields[name].default_factory
-            if sub is not None and isinstance(value, dict):
-                walk(sub, value, f"{prefix}.{name}" if prefix else name)
-
-    walk(merged, data, "")
+    check_toml_values(data, key_types(ConfigManager._merge_configs(TitanJobConfig, JobConfig)), path, ConfigError)
