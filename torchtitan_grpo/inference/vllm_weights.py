@@ -11,6 +11,11 @@ server joins with ``init_weight_group(..., rank=0, group_name=GROUP_NAME)``.
 Real vLLM speaks a different rendezvous: see ``weight_sync/vllm_group.py``.
 ``nccl_unique_id_b64`` is refused (a 400 naming it).
 
+An empty ``init_info`` (``{}``, all that vLLM's IPC engine takes) sets up
+the IPC engine instead: no group, each /update_weights names a buffer of the
+trainer's by handle and is copied out of it before the reply
+(``vllm_ipc_receive``; on a GPU a CUDA IPC handle, on CPU a shared-memory file).
+
 A round (``start`` .. ``finish``) is loaded as one version when it finishes,
 exactly as the SGLang routes' session: generation never runs on half of a
 version. Receives run on one transfer thread, off the event loop; packed
@@ -39,6 +44,7 @@ from torchtitan_grpo.inference.httputil import (
     shielded,
 )
 from torchtitan_grpo.inference.packed_receive import receive_packed_update
+from torchtitan_grpo.inference.vllm_ipc_receive import is_ipc_update, parse_ipc_update_info, receive as receive_ipc
 from torchtitan_grpo.inference.requests import WeightUpdateError
 from torchtitan_grpo.inference.vllm_http import PauseGate, VLLMError, bad as _bad, field as _field, vllm_api
 from torchtitan_grpo.inference.weights import PendingVersion, PostedReceive, receive_check, receive_weights
@@ -136,6 +142,8 @@ class _Transfer:
     info: _TransferInfo | None = None
     group: Any = None
     """A ``WeightGroup`` once /init_weight_transfer_engine succeeded."""
+    ipc: bool = False
+    """The IPC engine (init_info ``{}``): updates name the trainer's buffers by handle."""
     update: PendingVersion | None = None
     """Between /start_weight_update and /finish_weight_update: what the round
     has received, loaded as one version by /finish_weight_update (a round
@@ -238,11 +246,16 @@ class VLLMWeightRoutes:
     # ---- weight transfer --------------------------------------------------- #
 
     async def init_weight_transfer_engine(self, request: web.Request) -> web.Response:
-        info = parse_init_info((await read_json(request, self.limits.control))[1].get("init_info"))
+        raw_info = (await read_json(request, self.limits.control))[1].get("init_info")
+        if raw_info == {}:  # vLLM's IPC engine: nothing to set up
+            async with self._lock:
+                self._refuse_second_init()
+                self.t = _Transfer(ipc=True)
+            logger.info("vLLM weight transfer: IPC engine (updates by buffer handle)")
+            return web.json_response({"message": "Weight transfer initialized"})
+        info = parse_init_info(raw_info)
         async with self._lock:
-            if self.t.group is not None:
-                raise _bad("the weight transfer engine is already initialized; call "
-                           "/shutdown_weight_transfer_engine first", "init_info")
+            self._refuse_second_init()
             from torchtitan_grpo.weight_sync.group import init_weight_group
 
             backend = "nccl" if self.engine.device.type == "cuda" else "gloo"
@@ -262,13 +275,19 @@ class VLLMWeightRoutes:
                     backend, info.packed)
         return web.json_response({"message": "Weight transfer initialized"})
 
+    def _refuse_second_init(self) -> None:
+        if self.t.group is not None or self.t.ipc:
+            raise _bad("the weight transfer engine is already initialized; call "
+                       "/shutdown_weight_transfer_engine first", "init_info")
+
     def _require_group(self) -> Any:
         if self.t.group is None:
             raise _bad("weight transfer is not initialized: call /init_weight_transfer_engine first")
         return self.t.group
 
     async def start_weight_update(self, request: web.Request) -> web.Response:
-        self._require_group()
+        if not self.t.ipc:
+            self._require_group()
         if self.t.update is not None:
             raise _bad("a weight update is already in progress; call /finish_weight_update first")
         self.t.update = PendingVersion()
@@ -282,6 +301,8 @@ class VLLMWeightRoutes:
             ack = ack_posted(request)
         except ValueError as e:
             raise _bad(str(e), "ack") from None
+        if self.t.ipc:
+            return await self._update_by_handle(raw)
         group = self._require_group()
         if self.t.update is None:
             raise _bad("no weight update in progress: call /start_weight_update first (nothing was received)")
@@ -327,6 +348,36 @@ class VLLMWeightRoutes:
             self.t.update.keep(posted.named, adopt=adopt, posted=posted)
         return web.json_response({"message": "Weights received, loaded at /finish_weight_update" if ack
                                   else "Weights updated"})
+
+    async def _update_by_handle(self, raw: bytes) -> web.Response:
+        """The IPC engine's /update_weights: check the metadata, map the
+        trainer's buffer and copy the tensors out, all before the reply."""
+        info = (await parse_json_async(raw)).get("update_info")
+        if not is_ipc_update(info):
+            raise _bad("the IPC engine takes update_info with ipc_handles_pickled (init_info was {})",
+                       "update_info.ipc_handles_pickled")
+        update = parse_ipc_update_info(info)
+        if self.t.update is None:
+            raise _bad("no weight update in progress: call /start_weight_update first (nothing was received)")
+        async with self._lock:
+            check, adopt = receive_check(self.engine, self.engine.device)
+            try:
+                check(update.specs)
+            except WeightUpdateError as e:
+                self.t.update.fail(str(e))
+                raise _bad(f"weights not loaded (model unchanged): {e}", "update_info.names") from None
+            try:
+                named = await self._run(receive_ipc, update, self.engine.device)
+            except VLLMError as e:
+                self.t.update.fail(e.message)
+                raise
+            except Exception as e:  # e.g. a CUDA handle this process cannot open
+                logger.warning("vLLM IPC receive failed: %s", reason(e))
+                self.t.update.fail(typed_reason(e))
+                raise VLLMError(500, f"mapping the trainer's buffer failed: {typed_reason(e)}") from None
+            await debug_update_delay(self.cfg)
+            self.t.update.keep(named, adopt=adopt)
+        return web.json_response({"message": "Weights updated"})
 
     async def finish_weight_update(self, request: web.Request) -> web.Response:
         """End the update and load what it received, all at once (waiting,

@@ -54,6 +54,12 @@ class _TensorsOnly(pickle.Unpickler):
         raise IpcFormatError(f"refers to {module}.{name}, which is not part of a tensor's reduction")
 
 
+def restricted_loads(raw: bytes) -> object:
+    """Unpickle ``raw`` allowing only the globals of torch's tensor reductions
+    (anything else raises :class:`IpcFormatError` naming it)."""
+    return _TensorsOnly(io.BytesIO(raw)).load()
+
+
 def share_cpu_memory() -> None:
     """Make CPU tensors travel as shared-memory file names, which any process
     on the host can open (torch's default passes file descriptors, which only
@@ -80,7 +86,7 @@ def deserialize(entry: object) -> list[tuple[str, torch.Tensor]]:
     except (binascii.Error, ValueError) as e:
         raise IpcFormatError(f"is not valid base64: {e}") from None
     try:
-        named = _TensorsOnly(io.BytesIO(raw)).load()
+        named = restricted_loads(raw)
     except IpcFormatError:
         raise
     except Exception as e:  # a truncated pickle, a handle that no longer maps, ...

@@ -4,8 +4,8 @@ per-replica record the Pusher and its transport share.
 The Pusher (``pusher.py``) does what every transport needs: staging buffers,
 versions, one sender per replica, deadlines, ejection and readmission. A
 transport is the way there, one module each (``sglang_push``, ``vllm_push``,
-``ipc_push``, ``disk_push``; ``builtin_push`` adds the built-in server's
-extensions to the first two), picked in ``pusher.TRANSPORTS``.
+``ipc_push``, ``vllm_ipc_push``, ``disk_push``; ``builtin_push`` adds the
+built-in server's extensions to the first two), picked in ``pusher.TRANSPORTS``.
 
 What the Pusher calls, all on its event loop but ``plan`` (trainer's thread)
 and ``release`` (after the loop is done with the replica):
@@ -38,7 +38,7 @@ import aiohttp
 import torch
 
 from torchtitan_grpo.aio import DaemonExecutor
-from torchtitan_grpo.protocol import builtin
+from torchtitan_grpo.protocol import builtin, vllm
 from torchtitan_grpo.reasons import reason
 from torchtitan_grpo.weight_sync import buckets as bk
 from torchtitan_grpo.weight_sync import control
@@ -102,6 +102,8 @@ class Replica:
     """The built-in server takes an SGLang session's version at its end
     (``/end_weight_update`` with ``weight_version``): every update body is
     then the same each version, encoded once here and parsed once there."""
+    dialect: vllm.Dialect = vllm.V0_33
+    """vLLM: the release whose bodies ``r`` takes (its /version, read at each connect)."""
 
 
 class Transport(abc.ABC):
