@@ -109,6 +109,29 @@ def test_killed_server_is_restarted_caught_up_and_readmitted(tmp_path, tiny_mode
     assert any(f"replica {victim} caught up at version" in line for line in lines[gone:]), out[-4000:]
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_only_server_killed_mid_run_is_caught_up_and_the_run_finishes(tmp_path, tiny_model_dir, mode):
+    """The demo's own layout (one launched server): kill -9 it mid-run. It is
+    restarted, sent the newest weights although no step can run to stage a
+    new version meanwhile, readmitted, and the run trains every step."""
+    dump = str(tmp_path / "run")
+    steps = 10
+    p, log = _start(dump, tiny_model_dir, "--training.steps", str(steps), "--weight_sync.mode", mode)
+    try:
+        _wait_steps(p, dump, log, 3)
+        (pid,) = _server_pids(log).values()
+        os.kill(pid, signal.SIGKILL)
+        out = _finish(p, log, 600)  # a hang guard: the restart and catch-up take seconds
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 0, out[-4000:]
+    assert [m["step"] for m in _steps(dump)] == list(range(1, steps + 1)), out[-4000:]
+    lines = out.splitlines()
+    gone = next(i for i, line in enumerate(lines) if "inference server" in line and "exited" in line)
+    assert any("caught up at version" in line for line in lines[gone:]), out[-4000:]
+
+
 def _server_pids(log: str) -> dict[str, int]:
     """PID of each launched server by its URL, from the trainer's log."""
     import re

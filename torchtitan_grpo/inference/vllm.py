@@ -128,7 +128,12 @@ def parse_completions(body: Any, n: int, replica: str, num_prompts: int = 1,
         logprobs = _parse_logprobs(c.get("logprobs"), ids, replica, f"{where}.logprobs")
         fr = c.get("finish_reason")
         need(fr in FINISH_REASONS, replica, f"{where}.finish_reason", f"expected one of {FINISH_REASONS}, got {fr!r}")
-        spans = parse_spans(c.get("weight_versions"), len(ids), replica, f"{where}.weight_versions")
+        # vLLM before 0.33 has no weight versions and leaves the field out (it
+        # accepts and ignores return_weight_versions): the version is then
+        # unknown here, and the producer labels the sample with the version its
+        # group started under. A field that is there must be well formed.
+        spans = ([] if "weight_versions" not in c else
+                 parse_spans(c["weight_versions"], len(ids), replica, f"{where}.weight_versions"))
         versions = [v for v, _, _ in spans]
         # A choice without tokens (aborted before its first one) has no span,
         # hence no version: "" says so rather than inventing one.

@@ -223,6 +223,7 @@ class RolloutProducer:
                                        "seed": (self.seed * 1_000_003 + (step + 1) * 9973 + k) % (2**31),
                                        "max_new_tokens": budget})
             completions = await self.pool.generate(ids, self.scorer.group_size, params)
+            label_unversioned(completions, version)
             # the group's own budget is the overlong penalty's L_max
             group = await asyncio.to_thread(self.scorer.score, index, row, ids, completions, budget=budget)
         except asyncio.CancelledError:
@@ -394,3 +395,17 @@ def task_scorer(tokenizer, task: str, reward_fn: str, *, use_chat_template: bool
 
     reward = make_reward_fn(reward_fn, tasks.digits_reward if task == "digits" else None)
     return GroupScorer(tokenizer, reward, use_chat_template=use_chat_template and task == "jsonl", **kw)
+
+
+def label_unversioned(completions: list, version: int) -> None:
+    """A replica that reports no weight version (vLLM before 0.33) leaves its
+    completions' versions empty: label each with ``version``, the trainer's
+    version when its group started. In the serial loop every replica serves
+    exactly that version then (the push waited for them); pipelined, a
+    replica still receiving it serves the one before for that long, so the
+    staleness filter may count such a sample a version too fresh. The loss's
+    importance weights use the engine's own log-probs either way."""
+    for c in completions:
+        if not c.weight_versions and c.token_ids:
+            c.weight_version, c.weight_versions = str(version), [str(version)]
+            c.version_spans = [(str(version), 0, len(c.token_ids))]
