@@ -219,7 +219,14 @@ def main(argv: list[str] | None = None) -> int:
             if proc is not None:
                 stop_server(proc, Path(tmp) / "server.log")
     print_report(tallies)
-    return 1 if any(t.failures for t in tallies.values()) else 0
+    # The weight-transfer bodies against the installed vLLM's dataclasses (both
+    # releases' from sources: conformance_weights.py --source).
+    from conformance_weights import check, fields_installed, installed_release
+
+    release = installed_release()
+    weights = check(release, fields_installed) if release else ["absent  vllm does not import here"]
+    print("\n".join(f"weights {line}" for line in weights))
+    return 1 if any(t.failures for t in tallies.values()) or any(w.startswith("DIFFERS") for w in weights) else 0
 
 
 if __name__ == "__main__":
