@@ -20,6 +20,7 @@ from torchtitan_grpo.weight_sync.disk_push import DiskPush
 from torchtitan_grpo.weight_sync.ipc_push import IpcPush
 from torchtitan_grpo.weight_sync.pusher import TRANSPORTS, PushConfig, Pusher, make_transport
 from torchtitan_grpo.weight_sync.transport import Replica, Transport
+from torchtitan_grpo.weight_sync.vllm_ipc_push import VLLMIpcPush
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "torchtitan_grpo"
 
@@ -34,7 +35,7 @@ def loop():
 @pytest.mark.parametrize("backend,protocol,cls", [
     ("gloo", "sglang", BuiltinSGLangPush), ("nccl", "sglang", BuiltinSGLangPush),
     ("gloo", "vllm", BuiltinVLLMPush), ("nccl", "vllm", BuiltinVLLMPush),
-    ("ipc", "sglang", IpcPush), ("disk", "sglang", DiskPush),
+    ("ipc", "sglang", IpcPush), ("ipc", "vllm", VLLMIpcPush), ("disk", "sglang", DiskPush),
 ])
 def test_the_backend_or_the_protocol_over_a_group_picks_the_transport(backend, protocol, cls):
     t = make_transport(PushConfig(backend=backend, protocol=protocol), torch.device("cpu"))
