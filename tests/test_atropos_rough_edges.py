@@ -232,6 +232,32 @@ def test_the_example_env_started_before_the_trainer_says_so_in_one_line(example_
     assert ("--env.tokenizer_name" if missing == "tokenizer" else str(replicas)) in err[0]
 
 
+def test_the_example_env_started_while_the_atropos_api_is_down_says_so_in_one_line(example_env, tiny_model_dir,
+                                                                                   tmp_path, monkeypatch, capsys):
+    """Through atroposlib's own CLI, the trainer's files in place but nothing
+    listening at --env.rollout_server_url: one line naming the URL and the
+    flag, exit 2; not atroposlib's three retries and chained tracebacks."""
+    replicas = tmp_path / "replicas.txt"
+    replicas.write_text("http://127.0.0.1:1\n")
+    api = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("DIGITS_MODEL", tiny_model_dir)  # the servers' model name, tokenizer of it loaded
+    monkeypatch.setattr(sys, "argv", ["digits_env.py", "serve", "--env.tokenizer_name", tiny_model_dir,
+                                      "--env.replica_file", str(replicas), "--env.use_wandb", "false",
+                                      "--env.rollout_server_url", api])
+
+    async def servers_up(self):  # the trainer's servers are up (not what this test is about)
+        return None
+
+    monkeypatch.setattr(example_env.DigitsTwoTurnEnv, "setup", servers_up)
+    with pytest.raises(SystemExit) as e:
+        example_env.DigitsTwoTurnEnv.cli()
+    assert e.value.code == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and api in err[0] and "--env.rollout_server_url" in err[0], err
+    assert "Error registering env" not in captured.out + captured.err
+
+
 def test_the_example_env_reports_a_replica_url_that_refuses_connections(example_env, tmp_path, caplog):
     """A replica file left by an earlier run: its URL refuses connections; one
     line names the file and the URL (once, however often it is read), and the

@@ -28,7 +28,8 @@ Atropos environment.
 
 Before anything else the environment checks that its tokenizer (a local
 path) and its replica file exist: started before the trainer has written
-them, it exits with one line saying so. A listed URL that refuses
+them, it exits with one line saying so; so does it when the Atropos API
+(``--env.rollout_server_url``) refuses connections as it registers. A listed URL that refuses
 connections (a file left by an earlier run) is reported in one line, and the
 environment waits until the file lists servers that answer. A group with a
 non-finite score is dropped before it is posted: atroposlib's API cannot
@@ -152,6 +153,17 @@ class DigitsTwoTurnEnv(BaseEnv):
             template = self.server.servers[0].config
             configs = [template.model_copy(update={"base_url": u.rstrip("/") + "/v1"}) for u in urls]
             self.server = ServerManager(configs, server_class=self.server_cls)
+
+    async def register_env(self) -> None:
+        """atroposlib's registration, once the Atropos API accepts connections:
+        down, its three retries would each log an error and end in four chained
+        tracebacks; here it is one line and exit 2."""
+        url = self.config.rollout_server_url
+        if not await accepts_connections(url):
+            print(f"digits_env: the Atropos API at {url} (--env.rollout_server_url) refuses connections: start it "
+                  f"first (run-api --port 8000), then the trainer, then this environment ({README})", file=sys.stderr)
+            raise SystemExit(2)
+        await super().register_env()
 
     @staticmethod
     async def _wait_for_replicas(path: str, timeout_s: float = 600.0, poll_s: float = 1.0) -> list[str]:
