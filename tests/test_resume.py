@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from tests.conftest import ROOT
+from torchtitan_grpo.config import ConfigError
 
 DEMO = os.path.join(ROOT, "train_configs", "demo_cpu.toml")
 
@@ -167,11 +168,31 @@ def test_checkpointer_restores_every_state(tmp_path, tiny_model_dir, own_process
     assert src.next_batch() == expected_batch
     ckpt2.close()
 
-    # the newest checkpoint (step 3) holds only the model: refuse to resume from it
-    ckpt3 = Checkpointer(cfg, build_policy(cfg, tiny_model_dir, d), d)
-    with pytest.raises(RuntimeError, match="holds only the model"):
-        ckpt3.load()
-    ckpt3.close()
+    # The newest checkpoint (step 3, the last) holds only the model: rerunning the finished run, or
+    # extending it (--training.steps 6), is one line (exit 2 in grpo_train.py) saying what to do.
+    step3 = os.path.join(tmp_path, "checkpoint", "step-3")
+    for steps in ("3", "6"):
+        longer = parse_config(args + ["--training.steps", steps])
+        ckpt3 = Checkpointer(longer, build_policy(longer, tiny_model_dir, d), d)
+        with pytest.raises(ConfigError) as e:
+            ckpt3.load()
+        ckpt3.close()
+        assert str(e.value) == (
+            f"checkpoint {step3} holds only the model (the last step is saved model-only: "
+            "checkpoint.last_save_model_only = true): the run finished there and cannot resume from it. To train "
+            "on: checkpoint.load_step 2 resumes from the newest full checkpoint and trains the steps after it again; "
+            f"or a new job.dump_folder with checkpoint.initial_load_path {step3} starts from its weights (fresh "
+            "optimizer, step 0); and set checkpoint.last_save_model_only = false in a run you mean to extend")
+
+    # what it says works: from step 2 the run trains step 3 again, and its full save replaces the model-only one
+    again = parse_config(args + ["--training.steps", "6", "--checkpoint.load_step", "2"])
+    ckpt4 = Checkpointer(again, build_policy(again, tiny_model_dir, d), d)
+    assert ckpt4.load().step == 2
+    assert ckpt4.save(3, weight_version=3, force=True)
+    ckpt4.close()
+    ckpt5 = Checkpointer(parse_config(args + ["--training.steps", "6"]), build_policy(cfg, tiny_model_dir, d), d)
+    assert ckpt5.load().step == 3
+    ckpt5.close()
 
 
 # ------------------------------------------------------------ real processes

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
 from torchtitan_grpo import _titan  # noqa: F401  (before torchtitan)
+from torchtitan_grpo.config_checks import ConfigError
 from torchtitan_grpo.trainer import broadcast_object, Dist, hf_weights, Policy
 
 logger = logging.getLogger("torchtitan_grpo")
@@ -190,25 +191,26 @@ class Checkpointer:
         return Resumed(ts.step, ts.weight_version, prompts)
 
     def _check_resumable(self, path: str, step: int) -> None:
-        """A last-step export (model only, or HF safetensors) cannot resume
-        training: say so instead of failing inside DCP on missing keys."""
-        from torch.distributed.checkpoint import FileSystemReader
-
+        """A last-step save (model only, TorchTitan's default, or HF
+        safetensors) cannot resume training: one line (a ConfigError, exit 2)
+        saying what to do instead of a DCP error on missing keys."""
         if not os.path.isdir(path):
             return  # TorchTitan's load names the missing step
         if not os.path.isfile(os.path.join(path, ".metadata")):
-            raise RuntimeError(
-                f"checkpoint {path} is not a DCP checkpoint (an HF export written at the last step, "
-                "checkpoint.last_save_in_hf?): it cannot resume training. Point checkpoint.load_step at a full "
-                "checkpoint, or start a new job.dump_folder with checkpoint.initial_load_path")
-        keys = FileSystemReader(path).read_metadata().state_dict_metadata
-        if not any(k.startswith("train_state.") for k in keys) and "train_state" not in self.cfg.exclude_from_loading:
-            done = " (the run already finished)" if step >= self.total_steps else ""
-            raise RuntimeError(
-                f"checkpoint {path} holds only the model (written at the last step with "
-                f"checkpoint.last_save_model_only = true){done}: it cannot resume training. Point "
-                "checkpoint.load_step at an earlier full checkpoint, or set checkpoint.last_save_model_only = false "
-                "so that the last step is resumable too")
+            what = "is an HF export (checkpoint.last_save_in_hf), not a DCP checkpoint"
+        elif _holds_train_state(path) or "train_state" in self.cfg.exclude_from_loading:
+            return
+        else:
+            what = "holds only the model (the last step is saved model-only: checkpoint.last_save_model_only = true)"
+        earlier = max((s for s in _steps(self.folder) if s < step and _holds_train_state(
+            os.path.join(self.folder, f"step-{s}"))), default=None)
+        redo = (f"checkpoint.load_step {earlier} resumes from the newest full checkpoint and trains the steps after "
+                "it again; or " if earlier is not None else "")
+        # Only a run's last step is saved so: the run finished there.
+        raise ConfigError(
+            f"checkpoint {path} {what}: the run finished there and cannot resume from it. To train on: {redo}a new "
+            f"job.dump_folder with checkpoint.initial_load_path {path} starts from its weights (fresh optimizer, "
+            "step 0); and set checkpoint.last_save_model_only = false in a run you mean to extend")
 
     # ----------------------------------------------------------- save
 
@@ -249,13 +251,27 @@ class Checkpointer:
 def latest_step(folder: str) -> int:
     """Newest ``step-N`` in ``folder`` that finished writing (TorchTitan's rule:
     it has DCP's ``.metadata`` or an HF index); -1 if none."""
+    return max(_steps(folder), default=-1)
+
+
+def _steps(folder: str) -> list[int]:
+    """Every ``step-N`` in ``folder`` that finished writing."""
     steps = []
     for name in os.listdir(folder) if os.path.isdir(folder) else []:
         num = name[len("step-"):]
         if name.startswith("step-") and num.isdigit() and any(
                 os.path.isfile(os.path.join(folder, name, f)) for f in (".metadata", "model.safetensors.index.json")):
             steps.append(int(num))
-    return max(steps, default=-1)
+    return steps
+
+
+def _holds_train_state(path: str) -> bool:
+    """Whether the DCP checkpoint ``path`` can resume training (it has our ``train_state``)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        return False
+    return any(k.startswith("train_state.") for k in FileSystemReader(path).read_metadata().state_dict_metadata)
 
 
 # ------------------------------------------------------------- HF export
