@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from torchtitan_grpo.aio import LoopThread
+from torchtitan_grpo.inference.engine_commands import VLLM_TRANSFER, EngineLaunch
 from torchtitan_grpo.inference.launcher import ReplicaEvent, ServerSpec, Supervisor, format_events, running_servers
 from torchtitan_grpo.inference.pool import InferencePool, PoolConfig
 from torchtitan_grpo.inference.route_backend import replay_shape
@@ -112,21 +113,54 @@ class RolloutSide:
             events += self.supervisor.events
             out |= {f"servers_{k}": v for k, v in self.supervisor.counts().items()}
         if events:
-            logger.warning("inference replica events:\n%s", format_events(sorted(events, key=lambda e: e.time)))
+            logger.warning("inference replica events:\n%s", format_events(causal_order(events)))
         out["replica_events"] = len(events)
         return out
 
 
-def _replica_events(pool: InferencePool):
+def _replica_events(pool: InferencePool, max_restarts: int):
     """What the pool does when the launcher's watcher sees a server exit, come
     back or be given up (called on the watcher's thread)."""
     def on_event(e: ReplicaEvent) -> None:
         if e.kind == "exited":
             pool.mark_down(e.url, f"process exited ({e.detail})")  # re-send its groups, leave the push
         elif e.kind == "gave_up":
-            pool.retire(e.url, f"given up after restarts ({e.detail})")
+            pool.retire(e.url, gave_up_reason(e.detail, max_restarts))
         # "restarted": the pool's health check sees it; the pusher catches it up and readmits it
     return on_event
+
+
+def gave_up_reason(detail: str, max_restarts: int) -> str:
+    """Why a launched server is gone for good, as its retirement reads in the
+    pool (and so in the stop line when it was the last): ``detail`` is the
+    launcher's count of attempts."""
+    if max_restarts == 0:
+        return "exited; inference.server_max_restarts = 0 allows no restart"
+    return f"exited; given up {detail}: inference.server_max_restarts = {max_restarts}"
+
+
+# The launcher's events (its watcher) and the pool's (health checks, pusher) come
+# from different threads: a restarted server can pass the pool's health check and be
+# caught up before the watcher's own check records "restarted".
+_SERVER_OUT = ("exited", "restart_failed")
+_SERVING_AGAIN = ("back", "readmitted")
+
+
+def causal_order(events: list[ReplicaEvent]) -> list[ReplicaEvent]:
+    """The events by time, except that a server's "back" / "readmitted"
+    recorded between its exit and its "restarted" follow the "restarted"."""
+    out: list[ReplicaEvent] = []
+    held: dict[str, list[ReplicaEvent]] = {}  # url -> events waiting for its "restarted"
+    for e in sorted(events, key=lambda e: e.time):
+        if e.kind in _SERVER_OUT:
+            held.setdefault(e.url, [])
+        elif e.kind in _SERVING_AGAIN and e.url in held:
+            held[e.url].append(e)
+            continue
+        out.append(e)
+        if e.kind in ("restarted", "gave_up"):
+            out += held.pop(e.url, [])
+    return out + [e for waiting in held.values() for e in waiting]
 
 
 def _atropos_source(cfg, hf_dir: str, pool: InferencePool, resume: Resumed | None):
@@ -246,6 +280,26 @@ def server_engine_args(i, seq_len: int = 0) -> tuple[str, ...]:
     return args
 
 
+def served_model_name(cfg, hf_dir: str) -> str:
+    """The ``model`` of every vLLM request: inference.model, else for a vLLM
+    the trainer starts the name it is started under (vLLM answers 404 to a
+    request for any other); the built-in server ignores it."""
+    i = cfg.inference
+    launched = i.backend != "builtin" and not (i.urls or i.replica_file)
+    return i.model or (os.path.basename(os.path.normpath(hf_dir)) if launched else "")
+
+
+def engine_launch(cfg, hf_dir: str) -> EngineLaunch:
+    """What a vLLM or SGLang the trainer starts needs of ``[inference]`` and
+    ``[weight_sync]`` (the built-in server takes ``server_engine_args``)."""
+    i, w = cfg.inference, cfg.weight_sync
+    pushing = w.mode != "off" and w.transport in VLLM_TRANSFER
+    return EngineLaunch(gpu_memory_utilization=i.gpu_memory_utilization,
+                        max_model_len=i.max_model_len or cfg.training.seq_len,
+                        served_model_name=served_model_name(cfg, hf_dir),
+                        weight_transfer=w.transport if pushing else "", args=tuple(i.engine_args))
+
+
 @contextlib.contextmanager
 def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
     """With ``resume``, the prompt source continues where the checkpoint left
@@ -278,9 +332,11 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
             if cfg.grpo.router_replay == "rollout":  # the servers capture what the trainer replays
                 engine_args += ("--enable-return-routed-experts",)
             devices = server_devices(cfg)[1]  # inference.server_devices spread over the servers, or server_device
+            launch = engine_launch(cfg, hf_dir)
             specs = [ServerSpec(hf_dir, device=devices[k], dtype=i.server_dtype, host=i.host,
                                 threads=i.server_threads, seed=cfg.grpo.seed + k, api_key=key,
-                                extra_args=engine_args)
+                                extra_args=engine_args if i.backend == "builtin" else (),
+                                engine=i.backend, launch=launch)
                      for k in range(i.num_servers)]
             servers = stack.enter_context(running_servers(specs, os.path.join(cfg.job.dump_folder, "servers"),
                                                           i.startup_timeout_s, max_restarts=i.server_max_restarts))
@@ -290,7 +346,7 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
                 f.write("".join(u + "\n" for u in urls))
         loop = LoopThread()
         stack.callback(loop.close)
-        pool_config = PoolConfig(backend=i.backend, model=i.model, replica_file=i.replica_file or None,
+        pool_config = PoolConfig(backend=i.backend, model=served_model_name(cfg, hf_dir), replica_file=i.replica_file or None,
                                  request_timeout_s=i.request_timeout_s, max_retries=i.max_retries, api_key=key,
                                  route_shape=replay_shape(cfg.grpo.router_replay, hf_dir))
         client = None
@@ -332,7 +388,7 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
             loop.run(pool.start())
             stack.callback(lambda: loop.run(pool.close(), timeout=10))
         if supervisor is not None:
-            supervisor.on_event = _replica_events(pool)
+            supervisor.on_event = _replica_events(pool, i.server_max_restarts)
         if w.mode != "off":
             if client is not None:
                 pool.pushing()  # replicas that join from now on get the weights before their first group

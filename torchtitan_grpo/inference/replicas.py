@@ -454,8 +454,9 @@ class ReplicaSet:
             if r.ejected:
                 return
             r.ejected = True
-            self.events.append((time.time(), url, "ejected", "catching up on weights"))
-        logger.warning("inference replica %s ejected (catching up on weights)", url)
+            # Said as a state, not a plan: a server that never comes back is ejected too.
+            self.events.append((time.time(), url, "ejected", "its weights are out of date"))
+        logger.warning("inference replica %s ejected (its weights are out of date)", url)
         self.notify_threadsafe()
 
     def readmit(self, url: str) -> None:

@@ -463,6 +463,5 @@ class RolloutProcess:
                 self._error, self._lost = text, lost
                 if self._restartable(lost):
                     logger.warning("%s", text)  # restarted by the trainer's next take
-                else:
-                    logger.error("%s", text)
+                # else the run stops on it: the trainer's stop line says it, once
             self._cond.notify_all()

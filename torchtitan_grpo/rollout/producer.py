@@ -283,7 +283,9 @@ class RolloutProducer:
             new = what not in self._logged
             self._logged.add(what)
             self._cond.notify_all()
-        if new:
+        # The first failure is the run's stop reason: the trainer's stop line says it
+        # (raised by next_batch), so it is not said here too; later ones are.
+        if new and not first:
             logger.error("rollout producer stopped: %s: %s", *what)
         if first and self.on_error is not None:
             self.on_error(e)
