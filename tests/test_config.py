@@ -159,6 +159,17 @@ def test_a_misspelled_or_wrong_typed_key_on_the_command_line_is_one_line(args, l
     assert capsys.readouterr().err == ""  # no box printed beside it
 
 
+def test_a_value_may_start_with_dashes_where_no_key_is_named():
+    """inference.engine_args passes engine flags on (``--enforce-eager,...``):
+    such a value is not mistaken for a missing one; a key after a key is."""
+    from torchtitan_grpo.config_keys import check_cli_args
+
+    keys = {"inference.engine_args": (list[str], []), "grpo.group_size": (int, 8)}
+    check_cli_args(["--inference.engine_args", "--enforce-eager,--max-num-seqs,256"], keys, ConfigError)
+    with pytest.raises(ConfigError, match=r"^config key grpo\.group_size: --grpo\.group_size needs a value$"):
+        check_cli_args(["--grpo.group_size", "--inference.engine_args", "--x"], keys, ConfigError)
+
+
 @pytest.mark.parametrize("text,line", [
     ("[grpo]\ngruop_size = 4\n", "unknown config key grpo.gruop_size in '{path}' ([grpo]); did you mean grpo.group_size?"),
     ("[grop]\ngroup_size = 4\n", "unknown config key grop.group_size in '{path}' ([grop]); did you mean grpo.group_size?"),

@@ -53,10 +53,11 @@ def nearest_key(key: str, keys: typing.Iterable[str]) -> str | None:
     return next((k for k in keys if close and k.rpartition(".")[2] == close[0]), None)
 
 
-def _unknown(key: str, keys: typing.Iterable[str], where: str) -> str:
+def _unknown(key: str, keys: typing.Iterable[str], where: str, spelling: str = "{}") -> str:
+    """The error line; ``spelling`` writes a key as the user wrote it (``--{}``, ``[{}]``)."""
     near = nearest_key(key, keys)
-    hint = f"; did you mean {near}?" if near else "; grpo_train.py --help lists the keys"
-    return f"unknown config key {key}{where}{hint}"
+    hint = f"; did you mean {spelling.format(near)}?" if near else "; grpo_train.py --help lists the keys"
+    return f"unknown config key {spelling.format(key)}{where}{hint}"
 
 
 def _members(tp) -> tuple:
@@ -138,9 +139,11 @@ def check_cli_args(argv: list[str], keys: dict[str, tuple[Any, Any]], error: typ
         if key in flags:
             continue
         if key not in keys:
-            raise error(_unknown(f"--{key}", [f"--{n}" for n in keys] + [f"--{n}" for n in flags], ""))
+            raise error(_unknown(key, list(keys) + sorted(flags), "", "--{}"))
         if not eq:
-            if k >= len(argv) or argv[k].startswith("--"):
+            # a value may start with "--" itself (inference.engine_args); another key may not
+            nxt = argv[k].partition("=")[0][2:].replace("-", "_") if k < len(argv) else ""
+            if k >= len(argv) or (argv[k].startswith("--") and (nxt in keys or nxt in flags)):
                 raise error(f"config key {key}: --{key} needs a value")
             value = argv[k]
             k += 1
@@ -159,7 +162,7 @@ def check_toml_values(data: dict, keys: dict[str, tuple[Any, Any]], path: str, e
         if isinstance(value, dict) and key not in keys:
             if not value:  # an empty section: name the nearest section
                 sections = {k.rpartition(".")[0] for k in keys} - {""}
-                raise error(_unknown(f"[{key}]", [f"[{s}]" for s in sections], where))
+                raise error(_unknown(key, sections, where, "[{}]"))
             check_toml_values(value, keys, path, error, key + ".")  # an unknown section names its first key
             continue
         if key not in keys:
