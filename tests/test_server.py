@@ -1185,3 +1185,28 @@ def test_update_weights_from_tensor_copies_from_the_senders_memory(server, model
         http(server, "/end_weight_update", {})
     finally:
         torch.multiprocessing.set_sharing_strategy(before)
+
+
+def test_top_logprobs_of_a_mixed_batch_come_from_one_topk():
+    """sampling.top_rows: rows asking for different k (and rows asking for
+    none) in one step get exactly what a topk of their own row gives, from
+    one topk over the rows that asked (issue 50: a topk and a host copy per
+    row per step held the OpenAI routes with logprobs to a third of /generate)."""
+    import random
+
+    import torch
+
+    from torchtitan_grpo.inference.requests import SamplingParams as EngineParams, _Request, _Sequence
+    from torchtitan_grpo.inference.sampling import sample_tokens
+
+    torch.manual_seed(0)
+    ks = [0, 3, 1, 0, 5, 2]
+    seqs = [_Sequence(_Request(f"r{i}", [1, 2], EngineParams(), k, None), 0, None) for i, k in enumerate(ks)]
+    logits = torch.randn(len(ks), 300) * 3
+    got = sample_tokens(logits, seqs, torch.device("cpu"), random.Random(0), ())
+    logp = torch.log_softmax(logits, -1)
+    assert sorted(got.top) == [i for i, k in enumerate(ks) if k]
+    for i, k in enumerate(ks):
+        if k:
+            v, ix = logp[i].topk(k)
+            assert got.top[i] == list(zip(v.tolist(), ix.tolist()))

@@ -858,3 +858,48 @@ def test_debug_update_delay_slows_both_protocols(model_dir, tmp_path, pool):
         assert time.monotonic() - t0 >= 0.6
     finally:
         stop_server(proc, log)
+
+
+def test_completions_errors_name_the_refused_field(server, model_dir):
+    """Issue 48 item 6: a sampling value the engine refuses names its own
+    field (not "prompt"), also with several prompts, on /v1/completions and on
+    vLLM's native /generate; a null body is "null", not Python's "NoneType"."""
+    p = {"model": model_dir, "prompt": [5, 6, 7], "max_tokens": 2}
+    for field, value, words in [("n", 0, "n must be"), ("temperature", -1.0, "temperature must be"),
+                                ("top_p", 0.0, "top_p must be"), ("min_tokens", 5, "min_tokens must be")]:
+        for prompt in ([5, 6, 7], [[5, 6, 7], [8, 9]]):
+            err = assert_error(http(server, vllm.COMPLETIONS, {**p, "prompt": prompt, field: value}, valid=False),
+                               400, words)
+            assert err["param"] == field and not err["message"].startswith("prompt"), err
+        err = assert_error(post(server, "/generate", {"prompt": {"prompt_token_ids": [5, 6]}, "max_tokens": 2,
+                                                      field: value}), 400, words)
+        assert err["param"] == field, err
+    # the prompt's own faults still name the prompt
+    assert assert_error(http(server, vllm.COMPLETIONS, {**p, "prompt": [[5], [10**6]]}), 400, "prompt 1")["param"] == "prompt"
+    for raw, kind in [(b"null", "got null"), (b"[1]", "got an array"), (b'"x"', "got a string"), (b"3", "got a number")]:
+        err = assert_error(http_json(server + vllm.COMPLETIONS, raw, "POST", 60), 400, "must be a JSON object", kind)
+        assert "NoneType" not in err["message"], err
+
+
+def test_completions_logprob_tokens_are_the_tokens_texts(server, chat_server, model_dir):
+    """The logprob names a reply builds from each distinct token once
+    (``token_names``) are each token's own text, in every place vLLM puts them."""
+    out = complete(server, {"model": model_dir, "prompt": [5, 6, 7], "max_tokens": 6, "n": 3, "logprobs": 2,
+                            "temperature": 1.0, "return_token_ids": True, "ignore_eos": True})
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    for c in out["choices"]:
+        lp = c["logprobs"]
+        assert lp["tokens"] == [tok.decode([t], skip_special_tokens=False) for t in c["token_ids"]], c
+        assert all(lp["tokens"][i] in lp["top_logprobs"][i] and len(lp["top_logprobs"][i]) <= 3
+                   for i in range(len(lp["tokens"]))), lp
+    status, chat = post(chat_server, vllm.CHAT_COMPLETIONS, {
+        "messages": MESSAGES, "max_completion_tokens": 5, "n": 2, "logprobs": True, "top_logprobs": 2,
+        "return_token_ids": True, "ignore_eos": True})
+    assert status == 200, chat
+    for c in chat["choices"]:
+        content = c["logprobs"]["content"]
+        assert [e["token"] for e in content] == [tok.decode([t], skip_special_tokens=False) for t in c["token_ids"]]
+        assert all(e["bytes"] == list(e["token"].encode()) and len(e["top_logprobs"]) == 2 for e in content)
+        assert all(e["top_logprobs"][0]["token"] == e["token"] for e in content)  # the sampled token first

@@ -61,6 +61,7 @@ from torchtitan_grpo.inference.requests import (
     _Sequence,
     check_prompt,
     check_prompt_text,
+    decode_each,
     decode_ids,
     sample_result,
 )
@@ -146,6 +147,7 @@ class Engine(EngineWeights):
             self.max_context = min(self.max_context, self._batch.max_len)
             with torch.no_grad():
                 self._batch.prepare()  # logs its layout, captures its decode graphs
+        self._token_texts: dict[int, str] = {}  # token_texts' cache: at most the vocabulary
         self._rng = random.Random(cfg.seed)  # unseeded samples' draws
         torch.manual_seed(cfg.seed)
 
@@ -381,7 +383,22 @@ class Engine(EngineWeights):
                 req.future.set_exception(e)
 
     def token_text(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else decode_ids(self.tokenizer, [token_id], skip_special=False)
+        """One token's text (special tokens spelled out); None without a tokenizer."""
+        return self.token_texts([token_id])[0]
+
+    def token_texts(self, token_ids: Sequence[int]) -> list[str | None]:
+        """:meth:`token_text` of each id. A token's text never changes (weight
+        updates keep the tokenizer), so each id is decoded once per server
+        and the ids not seen before in one batch: a logprobs reply names
+        every output token and its top alternatives, and a decode per name
+        cost more than the rest of building the reply."""
+        if self.tokenizer is None:
+            return [None] * len(token_ids)
+        cache = self._token_texts
+        missing = list(dict.fromkeys(t for t in token_ids if t not in cache))
+        if missing:
+            cache.update(zip(missing, decode_each(self.tokenizer, missing)))
+        return [cache[t] for t in token_ids]
 
     # ---- worker loop ----------------------------------------------------- #
 
@@ -540,8 +557,10 @@ class Engine(EngineWeights):
                     continue
                 s.output_ids.append(picked.token_ids[i])
                 s.logprobs.append(picked.logprobs[i])
-                if i in picked.top:
-                    s.top = (s.top or []) + [picked.top[i]]
+                if i in picked.top:  # appended in place: a copy per token is quadratic in the length
+                    if s.top is None:
+                        s.top = []
+                    s.top.append(picked.top[i])
                 if s.req.on_token is not None:
                     s.req.on_token(s)
                 self._check_stop(s)

@@ -154,8 +154,17 @@ def parse_json_object(raw: bytes) -> dict:
     except ValueError as e:  # JSONDecodeError, and e.g. an integer of too many digits
         raise BodyError(400, f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
-        raise BodyError(400, f"request body must be a JSON object, got a JSON {type(body).__name__}")
+        raise BodyError(400, f"request body must be a JSON object, got {json_kind(body)}")
     return body
+
+
+def json_kind(value: Any) -> str:
+    """What a parsed JSON value is, in JSON's words (``None`` is "null", not "NoneType")."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    return {list: "an array", str: "a string"}.get(type(value), "a number")
 
 
 async def off_loop_if_large(nbytes: int, fn: Callable[..., Any], *args: Any) -> Any:

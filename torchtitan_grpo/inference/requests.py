@@ -35,6 +35,11 @@ _INT64 = (-(1 << 63), (1 << 63) - 1)  # the range of a seed (vLLM's bound too)
 class RequestError(ValueError):
     """A request the engine cannot serve as asked (maps to HTTP 400)."""
 
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+        """The :class:`SamplingParams` field refused, when it is one (a route names it in its own words)."""
+
 
 class WeightUpdateError(RuntimeError):
     """A weight update that was refused; the model was left unchanged."""
@@ -84,7 +89,7 @@ class SamplingParams:
         """Raise :class:`RequestError` naming the first bad field."""
 
         def bad(name: str, why: str) -> None:
-            raise RequestError(f"sampling_params.{name} {why}")
+            raise RequestError(f"sampling_params.{name} {why}", field=name)
 
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
             bad("max_new_tokens", f"must be an integer >= 0, got {self.max_new_tokens!r}")
@@ -252,6 +257,25 @@ def decode_ids(tokenizer: Any, ids: Sequence[int], skip_special: bool = True) ->
         return tokenizer.decode(list(ids), skip_special_tokens=skip_special) or ""
     except Exception:
         return ""
+
+
+def decode_each(tokenizer: Any, ids: Sequence[int]) -> list[str]:
+    """Each id's text on its own, special tokens spelled out: what
+    ``decode_ids(tokenizer, [t], skip_special=False)`` gives for every ``t``.
+    A fast tokenizer without transformers' clean-up step is asked directly
+    (its Rust ``decode``: ~10x less per id than transformers' ``decode``,
+    which checks and converts its arguments on every call); any other, or an
+    id the backend refuses, goes through :func:`decode_ids`."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return [decode_ids(tokenizer, [t], skip_special=False) for t in ids]
+    out = []
+    for t in ids:
+        try:
+            out.append(backend.decode([t], skip_special_tokens=False))
+        except Exception:
+            out.append(decode_ids(tokenizer, [t], skip_special=False))
+    return out
 
 
 def sample_result(s: _Sequence, current_version: str, tokenizer: Any) -> SampleResult:

@@ -39,25 +39,59 @@ class Launched:
     copy started now, so on a GPU the host can launch the next step before
     this one's values are read: the engine's overlapped schedule)."""
 
-    def __init__(self, tokens: torch.Tensor, chosen: torch.Tensor, top: dict[int, tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, tokens: torch.Tensor, chosen: torch.Tensor, top: "TopRows | None" = None):
         self.tokens = tokens
         self._top = top
         self._event = None
+        sent = [tokens, chosen] + ([top.values, top.ids] if top is not None else [])
         if tokens.device.type == "cuda":
-            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (tokens, chosen)]
-            for h, t in zip(self._host, (tokens, chosen)):
+            # Every host value of the step in one batch of non-blocking copies:
+            # resolve() then waits for this step only, never for the step
+            # launched after it (a .tolist() of a device tensor would).
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in sent]
+            for h, t in zip(self._host, sent):
                 h.copy_(t, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
         else:
-            self._host = [tokens, chosen]
+            self._host = sent
 
     def resolve(self) -> Sampled:
         """Wait for the values (if not yet there) and return them."""
         if self._event is not None:
             self._event.synchronize()
-        tops = {i: list(zip(v.tolist(), ix.tolist())) for i, (v, ix) in self._top.items()}
+        tops: dict[int, list[tuple[float, int]]] = {}
+        if self._top is not None:
+            values, ids = self._host[2].tolist(), self._host[3].tolist()
+            for j, (row, k) in enumerate(zip(self._top.rows, self._top.ks)):
+                tops[row] = list(zip(values[j][:k], ids[j][:k]))
         return Sampled(self.tokens, self._host[0].tolist(), self._host[1].tolist(), tops)
+
+
+@dataclass
+class TopRows:
+    """The top logprobs of the rows that asked for them, from one ``topk``
+    over those rows at the largest k asked (per-row calls cost a kernel
+    launch and a host copy per row per step); row ``rows[j]`` keeps its
+    first ``ks[j]``."""
+
+    rows: list[int]
+    ks: list[int]
+    values: torch.Tensor
+    """[len(rows), max(ks)] logprobs, best first."""
+    ids: torch.Tensor
+
+
+def top_rows(logp: torch.Tensor, seqs: Sequence[_Sequence], device: torch.device) -> TopRows | None:
+    """:class:`TopRows` of ``logp`` ([rows, vocab]) for the rows whose request set ``top_logprobs_num``."""
+    rows = [i for i, s in enumerate(seqs) if s.req.top_logprobs_num > 0]
+    if not rows:
+        return None
+    vocab = logp.shape[-1]
+    ks = [min(seqs[i].req.top_logprobs_num, vocab) for i in rows]
+    picked = logp if len(rows) == len(seqs) else logp.index_select(0, upload(rows, device))
+    values, ids = picked.topk(max(ks), dim=-1)
+    return TopRows(rows, ks, values, ids)
 
 
 def sample_tokens(
@@ -115,9 +149,7 @@ def launch_sample(
         tokens = drawn if not any(greedy) else torch.where(
             upload(greedy, device), proc.argmax(dim=-1), drawn)
     chosen = logp.gather(1, tokens[:, None]).squeeze(1)
-    tops = {i: logp[i].topk(min(s.req.top_logprobs_num, vocab)) for i, s in enumerate(seqs)
-            if s.req.top_logprobs_num > 0}
-    return Launched(tokens, chosen, tops)
+    return Launched(tokens, chosen, top_rows(logp, seqs, device))
 
 
 def process_logits(

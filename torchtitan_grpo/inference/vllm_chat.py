@@ -69,7 +69,7 @@ from torchtitan_grpo.inference.vllm_openai import (
     routes_wanted,
     sampling_params,
     stop_reason,
-    token_str,
+    token_names,
     stream_fields,
     top_entries,
     version_spans,
@@ -294,17 +294,26 @@ class ChatRoutes:
         """vLLM's ChatCompletionLogProbs: per output token its string, logprob
         and UTF-8 bytes (of its text), and the first ``top_logprobs`` entries
         of its position's logprob dict (sampled token first)."""
+        k = call.top_logprobs
+        entries = [top_entries(r, step, k)[:k] for step in range(len(r.output_ids))]
+        seen = list(dict.fromkeys([*r.output_ids, *(t for e in entries for t, _ in e)]))
+        texts = dict(zip(seen, self.engine.token_texts(seen)))
+        names = token_names(self.engine, seen, call.tokens_as_ids)
+        utf8: dict[str, list[int]] = {}  # each distinct name's bytes, once
+
+        def encoded(s: str) -> list[int]:
+            if s not in utf8:
+                utf8[s] = list(s.encode("utf-8", errors="replace"))
+            return utf8[s]
+
         content = []
         for step, t in enumerate(r.output_ids):
-            text = self.engine.token_text(t)
-            tops = []
-            for tid, lp in top_entries(r, step, call.top_logprobs)[:call.top_logprobs]:
-                tok = token_str(self.engine, tid, call.tokens_as_ids)
-                tops.append({"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8", errors="replace"))})
+            text = texts[t]
+            tops = [{"token": names[tid], "logprob": lp, "bytes": encoded(names[tid])} for tid, lp in entries[step]]
             content.append({
-                "token": token_str(self.engine, t, call.tokens_as_ids),
+                "token": names[t],
                 "logprob": max(r.output_logprobs[step], -9999.0),
-                "bytes": None if text is None else list(text.encode("utf-8", errors="replace")),
+                "bytes": None if text is None else encoded(text),
                 "top_logprobs": tops,
             })
         return {"content": content}

@@ -38,6 +38,7 @@ from torchtitan_grpo.inference.vllm_http import MAX_LOGPROBS, PauseGate, VLLMErr
 from torchtitan_grpo.inference.vllm_openai import (
     gather_samples,
     refuse_unsupported,
+    refused_field,
     sampling_params,
     top_entries,
     vllm_names,
@@ -128,7 +129,7 @@ class VLLMGenerateRoute:
         try:
             self.engine.check_request(prompt, params)
         except RequestError as e:
-            raise bad(vllm_names(str(e)), "prompt") from None
+            raise bad(vllm_names(str(e)), refused_field(e)) from None
         return _GenerateCall(prompt, text, params, logprobs, field(body, "detokenize", "bool", True))
 
     def _prompt(self, prompt: Any) -> tuple[list[int], str | None]:

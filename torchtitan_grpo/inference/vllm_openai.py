@@ -18,7 +18,7 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 from aiohttp import web
 
@@ -159,6 +159,12 @@ def vllm_names(message: str) -> str:
     return message
 
 
+def refused_field(e: RequestError, default: str = "prompt") -> str:
+    """The vLLM field an engine refusal names: the sampling field it refused
+    (``n``, ``temperature``, ``max_tokens`` ...), else ``default``."""
+    return vllm_names(f"sampling_params.{e.field}") if e.field else default
+
+
 def refuse_unsupported(body: dict, unsupported: dict[str, Any]) -> None:
     """A field vLLM has but this server does not implement, sent with a value
     other than its default (``[]`` counts as the default: no bad words etc.)."""
@@ -180,8 +186,16 @@ def stop_reason(r: SampleResult, params: SamplingParams) -> int | str | None:
 def token_str(engine: Engine, token_id: int, as_id: bool) -> str:
     """A token as vLLM's logprobs name it: its text, or ``"token_id:<id>"``
     with ``return_tokens_as_token_ids`` (or when it has no text)."""
-    text = None if as_id else engine.token_text(token_id)
-    return f"{proto.TOKEN_ID_PREFIX}{token_id}" if text is None else text
+    return token_names(engine, [token_id], as_id)[token_id]
+
+
+def token_names(engine: Engine, token_ids: Iterable[int], as_id: bool) -> dict[int, str]:
+    """:func:`token_str` of every distinct id in ``token_ids``, texts fetched
+    in one :meth:`Engine.token_texts` call (a reply's tokens repeat: each is
+    named once)."""
+    ids = list(dict.fromkeys(token_ids))
+    texts = [None] * len(ids) if as_id else engine.token_texts(ids)
+    return {t: f"{proto.TOKEN_ID_PREFIX}{t}" if text is None else text for t, text in zip(ids, texts)}
 
 
 def top_entries(r: SampleResult, step: int, k: int) -> list[tuple[int, float]]:
@@ -313,6 +327,8 @@ class OpenAIRoutes:
                 self.engine.check_request(p, params)
             except RequestError as e:
                 msg = vllm_names(str(e))
+                if e.field:  # a sampling field: the same for every prompt
+                    raise _bad(msg, refused_field(e)) from None
                 raise _bad(f"prompt {i}: {msg}" if len(prompts) > 1 else msg, "prompt") from None
             if explicit:
                 check_output_room(len(p), max_tokens, self.engine.max_context)
@@ -359,13 +375,15 @@ class OpenAIRoutes:
         """OpenAI completions logprobs: per token its string, its logprob and a
         dict of the sampled token plus the top k (at most k+1 entries); text
         offsets count from ``offset`` (a stream's text sent before)."""
-        tokens = [token_str(self.engine, t, as_ids) for t in r.output_ids]
+        entries = [top_entries(r, step, k) for step in range(len(r.output_ids))]
+        names = token_names(self.engine, (t for e in entries for t, _ in e), as_ids)  # the sampled ids are in there
+        tokens = [names[t] for t in r.output_ids]
         values = [max(lp, -9999.0) for lp in r.output_logprobs]  # -inf is not JSON
         tops = []
-        for step in range(len(tokens)):
+        for e in entries:
             d: dict[str, float] = {}
-            for t, lp in top_entries(r, step, k):
-                d.setdefault(token_str(self.engine, t, as_ids), lp)
+            for t, lp in e:
+                d.setdefault(names[t], lp)
             tops.append(d)
         offsets, pos = [], offset
         for tok in tokens:
