@@ -130,7 +130,9 @@ class Rollout:
 @dataclass
 class Inference:
     backend: Literal["builtin", "sglang", "vllm"] = "builtin"
-    """Engine protocol spoken to the replicas; "builtin" also starts the servers."""
+    """Engine protocol spoken to the replicas. Without urls the trainer starts
+    num_servers servers of this engine itself (vLLM's OpenAI server, SGLang's
+    launch_server or ours, each importable here) and supervises them."""
 
     urls: list[str] = field(default_factory=list)
     """Replica base URLs for externally started servers (sglang/vllm, or builtin started elsewhere)."""
@@ -143,7 +145,17 @@ class Inference:
     """Model name sent in vLLM /v1/completions requests (vLLM's served model name)."""
 
     num_servers: int = 1
-    """Built-in servers started by the trainer when urls is empty."""
+    """Servers started by the trainer when urls is empty."""
+
+    gpu_memory_utilization: float = 0.0
+    """A started vLLM's --gpu-memory-utilization (SGLang: --mem-fraction-static):
+    the share of its GPU it takes. 0 = the engine's default (vLLM: 0.9), which
+    leaves no room for a trainer on the same GPU: set it then (e.g. 0.3)."""
+
+    engine_args: list[str] = field(default_factory=list)
+    """Appended to a started vLLM's or SGLang's command line as they are
+    (e.g. ["--enforce-eager"]; on the command line: --inference.engine_args
+    --enforce-eager,--max-num-seqs,256)."""
 
     server_devices: list[str] = field(default_factory=list)
     """Devices of the started built-in servers, spread over them in turn

@@ -91,8 +91,8 @@ def validate(cfg) -> None:
     if i.api_key.startswith("env:"):
         _check(bool(os.environ.get(i.api_key[4:])), "inference.api_key",
                f"environment variable {i.api_key[4:]!r} is not set or empty", i.api_key)
-    _check(i.backend == "builtin" or bool(i.urls) or bool(i.replica_file), "inference.urls",
-           f"(or inference.replica_file) is required for backend {i.backend!r}: the trainer starts only built-in servers", i.urls)
+    if i.backend != "builtin" and not (i.urls or i.replica_file):
+        _check_launched_engine(cfg)
     for u in i.urls:
         _check(u.startswith(("http://", "https://")), "inference.urls", f"{u!r} is not an http(s) URL", i.urls)
     _check(i.num_servers >= 1, "inference.num_servers", "must be >= 1", i.num_servers)
@@ -242,3 +242,26 @@ def _check_toml_keys(argv: list[str]) -> None:
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path!r} is not valid TOML: {e}") from e
     check_toml_values(data, key_types(ConfigManager._merge_configs(TitanJobConfig, JobConfig)), path, ConfigError)
+
+
+def _check_launched_engine(cfg) -> None:
+    """A vLLM or SGLang the trainer starts itself (no inference.urls): the
+    engine must be importable here, run on a GPU, and take the weights over
+    a route it has."""
+    import importlib.util
+
+    from torchtitan_grpo.config import server_devices
+
+    i, w = cfg.inference, cfg.weight_sync
+    module = {"vllm": "vllm", "sglang": "sglang"}[i.backend]
+    _check(importlib.util.find_spec(module) is not None, "inference.backend",
+           f"{i.backend!r} with no inference.urls starts {i.backend} servers, but the {module!r} package is not "
+           "importable here: install it, or give the URLs of running servers in inference.urls", i.backend)
+    key, devices = server_devices(cfg)
+    _check(all(d.startswith("cuda") for d in devices), key,
+           f"a started {i.backend} server needs a GPU (\"cuda\" or \"cuda:N\")", i.server_devices or i.server_device)
+    transports = ("nccl", "ipc") if i.backend == "vllm" else ("nccl", "ipc", "disk")
+    _check(w.mode == "off" or w.transport in transports, "weight_sync.transport",
+           f"must be one of {transports} for a started {i.backend} server", w.transport)
+    _check(0.0 <= i.gpu_memory_utilization < 1.0, "inference.gpu_memory_utilization",
+           "must be in [0, 1) (0: the engine's default)", i.gpu_memory_utilization)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from torchtitan_grpo.aio import LoopThread
+from torchtitan_grpo.inference.engine_commands import VLLM_TRANSFER, EngineLaunch
 from torchtitan_grpo.inference.launcher import ReplicaEvent, ServerSpec, Supervisor, format_events, running_servers
 from torchtitan_grpo.inference.pool import InferencePool, PoolConfig
 from torchtitan_grpo.inference.route_backend import replay_shape
@@ -279,6 +280,26 @@ def server_engine_args(i, seq_len: int = 0) -> tuple[str, ...]:
     return args
 
 
+def served_model_name(cfg, hf_dir: str) -> str:
+    """The ``model`` of every vLLM request: inference.model, else for a vLLM
+    the trainer starts the name it is started under (vLLM answers 404 to a
+    request for any other); the built-in server ignores it."""
+    i = cfg.inference
+    launched = i.backend != "builtin" and not (i.urls or i.replica_file)
+    return i.model or (os.path.basename(os.path.normpath(hf_dir)) if launched else "")
+
+
+def engine_launch(cfg, hf_dir: str) -> EngineLaunch:
+    """What a vLLM or SGLang the trainer starts needs of ``[inference]`` and
+    ``[weight_sync]`` (the built-in server takes ``server_engine_args``)."""
+    i, w = cfg.inference, cfg.weight_sync
+    pushing = w.mode != "off" and w.transport in VLLM_TRANSFER
+    return EngineLaunch(gpu_memory_utilization=i.gpu_memory_utilization,
+                        max_model_len=i.max_model_len or cfg.training.seq_len,
+                        served_model_name=served_model_name(cfg, hf_dir),
+                        weight_transfer=w.transport if pushing else "", args=tuple(i.engine_args))
+
+
 @contextlib.contextmanager
 def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
     """With ``resume``, the prompt source continues where the checkpoint left
@@ -311,9 +332,11 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
             if cfg.grpo.router_replay == "rollout":  # the servers capture what the trainer replays
                 engine_args += ("--enable-return-routed-experts",)
             devices = server_devices(cfg)[1]  # inference.server_devices spread over the servers, or server_device
+            launch = engine_launch(cfg, hf_dir)
             specs = [ServerSpec(hf_dir, device=devices[k], dtype=i.server_dtype, host=i.host,
                                 threads=i.server_threads, seed=cfg.grpo.seed + k, api_key=key,
-                                extra_args=engine_args)
+                                extra_args=engine_args if i.backend == "builtin" else (),
+                                engine=i.backend, launch=launch)
                      for k in range(i.num_servers)]
             servers = stack.enter_context(running_servers(specs, os.path.join(cfg.job.dump_folder, "servers"),
                                                           i.startup_timeout_s, max_restarts=i.server_max_restarts))
@@ -323,7 +346,7 @@ def rollout_side(cfg, hf_dir: str, d: Dist, resume: Resumed | None = None):
                 f.write("".join(u + "\n" for u in urls))
         loop = LoopThread()
         stack.callback(loop.close)
-        pool_config = PoolConfig(backend=i.backend, model=i.model, replica_file=i.replica_file or None,
+        pool_config = PoolConfig(backend=i.backend, model=served_model_name(cfg, hf_dir), replica_file=i.replica_file or None,
                                  request_timeout_s=i.request_timeout_s, max_retries=i.max_retries, api_key=key,
                                  route_shape=replay_shape(cfg.grpo.router_replay, hf_dir))
         client = None

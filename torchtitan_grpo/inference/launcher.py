@@ -28,8 +28,9 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from torchtitan_grpo.inference.engine_commands import EngineLaunch, server_command
 from torchtitan_grpo.net import free_port  # noqa: F401  (shared with the weight push; re-exported here)
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ only by its owner."""
 
 @dataclass
 class ServerSpec:
-    """How to start one built-in server."""
+    """How to start one server: the built-in one, or a real engine (``engine_commands``)."""
 
     model_dir: str
     device: str = "cpu"
@@ -55,6 +56,10 @@ class ServerSpec:
     on its command line) and is probed with it."""
     extra_args: tuple[str, ...] = ()
     """Appended to the server's command line (e.g. benchmarks' debug knobs); a list works too."""
+    engine: str = "builtin"
+    """"builtin", "vllm" or "sglang" (``engine_commands.ENGINES``)."""
+    launch: EngineLaunch = field(default_factory=EngineLaunch)
+    """A real engine's own settings (memory share, context, served name, weight transfer)."""
 
 
 @dataclass
@@ -102,16 +107,12 @@ def _healthy(url: str, api_key: str = "") -> bool:
 def _spawn(spec: ServerSpec, log_path: str, port: int | None = None) -> tuple[subprocess.Popen, int]:
     """Start one server process on ``port``, by default one that is free right now."""
     port = free_port(spec.host) if port is None else port
-    cmd = [
-        sys.executable, "-m", "torchtitan_grpo.inference.server",
-        "--model", spec.model_dir, "--port", str(port), "--host", spec.host,
-        "--device", spec.device, "--dtype", spec.dtype, "--seed", str(spec.seed),
-        *spec.extra_args,
-    ]
+    cmd, engine_env = server_command(spec, port)
     env = dict(os.environ, OMP_NUM_THREADS=str(spec.threads), PYTHONUNBUFFERED="1")
     env.pop(API_KEY_ENV, None)  # a key of the user's shell must not lock a server the trainer calls without one
-    if spec.api_key:
+    if spec.api_key and spec.engine == "builtin":
         env[API_KEY_ENV] = spec.api_key  # not on the command line: ps shows that to everyone
+    env |= engine_env
     # torchrun's rendezvous variables must not leak into the server.
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
               "TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK"):
@@ -177,14 +178,30 @@ def start_servers(specs: list[ServerSpec], log_dir: str, timeout_s: float, attem
 
 
 def stop_process(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
-    if proc.poll() is not None:
-        return
-    proc.terminate()
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(grace_s)
+    sweep_group(proc)
+
+
+def sweep_group(proc: subprocess.Popen) -> None:
+    """SIGKILL what is left of the process group ``proc`` leads (every server
+    is started in a session of its own): a real engine runs its model in child
+    processes (vLLM's engine core), which a killed server leaves behind
+    holding the GPU's memory, and a restart on that GPU would not fit."""
     try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(grace_s)
+        if os.getpgid(proc.pid) != proc.pid:
+            return
+    except ProcessLookupError:
+        pass  # the leader is reaped; its group may still have members
+    except OSError:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def describe_exit(code: int) -> str:
@@ -325,6 +342,7 @@ class Supervisor:
         with self._lock:
             if self._stopping.is_set():
                 return
+            sweep_group(w.server.proc)  # an engine's children of the exited server still hold its GPU memory
             try:
                 w.server.proc, _ = _spawn(w.spec, w.server.log_path, port=w.server.port)
             except OSError as e:  # e.g. out of processes: counts as an attempt

@@ -8,9 +8,9 @@ trainer's GPU (NCCL refuses two ranks on one device). Per version:
 Each /update_weights names one staging buffer (tensors back to back, aligned
 as in ``buckets.plan_buckets``) by handle (``vllm_ipc``): the replica maps it,
 copies its tensors out and loads them before it answers, so the buffer is
-the trainer's again once the reply is in. A buffer's handle, and with it the
-whole body of its update, is made once and reused every version: the
-metadata and the allocation do not change, only the bytes in it.
+the trainer's again once the reply is in. On a GPU a buffer's handle, and
+with it the whole body of its update, is made once and reused every
+version: the metadata and the allocation do not change, only the bytes.
 
 On CPU the handle is a shared-memory file (only the built-in server's vLLM
 routes take that); on a GPU it is a CUDA IPC handle keyed by the GPU's uuid,
@@ -85,17 +85,27 @@ class VLLMIpcPush(Transport):
         await reset_vllm(self, r)
 
     def _body(self, spec: list[bk.TensorSpec], buf: torch.Tensor) -> bytes:
-        """The update body of chunk ``spec`` staged in ``buf`` (cached per buffer)."""
+        """The update body of chunk ``spec`` staged in ``buf`` (cached per buffer
+        on a GPU). A shared-memory handle is pickled afresh each time: torch
+        counts each pickle of a shared storage as one reference, which the
+        receiver's unpickling releases, and the file is unlinked when the
+        count reaches zero, so a cached CPU body opened twice names a file
+        that is gone (a CUDA handle has no such count)."""
+        if buf.device.type != "cuda":
+            return self._encode(spec, buf)
         hit = self._bodies.get(id(buf))
         if hit is not None and hit[0]() is buf:
             return hit[1]
-        names, dtypes, shapes = spec_lists(spec)
-        handles = vllm_ipc.encode_handles({self.key: vllm_ipc.share(buf)})
-        body = json.dumps(vllm.ipc_update_weights_request(names, dtypes, shapes, [s.nbytes for s in spec],
-                                                          handles)).encode()
+        body = self._encode(spec, buf)
         self._bodies = {k: v for k, v in self._bodies.items() if v[0]() is not None}  # drop freed buffers'
         self._bodies[id(buf)] = (weakref.ref(buf), body)
         return body
+
+    def _encode(self, spec: list[bk.TensorSpec], buf: torch.Tensor) -> bytes:
+        names, dtypes, shapes = spec_lists(spec)
+        handles = vllm_ipc.encode_handles({self.key: vllm_ipc.share(buf)})
+        return json.dumps(vllm.ipc_update_weights_request(names, dtypes, shapes, [s.nbytes for s in spec],
+                                                          handles)).encode()
 
     def _ready_bodies(self, staged: Staged) -> list[bytes]:
         """Off the event loop: wait until the snapshot is in the buffers (the

@@ -1,0 +1,118 @@
+"""The command line and environment of each engine the trainer can launch.
+
+``inference.backend`` names the engine; with no ``inference.urls`` the trainer
+starts the servers itself (``launcher``) and supervises them the same way
+whatever they are: /health, restarts on the same port, shutdown. Only the
+command differs, and it is built here, one function per engine:
+
+* ``builtin``: our server (``python -m torchtitan_grpo.inference.server``);
+* ``vllm``: vLLM's OpenAI server with its RL routes (dev mode) and a weight
+  transfer engine, NCCL or CUDA IPC (``weight_sync.transport``);
+* ``sglang``: ``python -m sglang.launch_server``.
+
+A real engine runs on a GPU: the device is handed over as
+``CUDA_VISIBLE_DEVICES`` (it then sees one GPU, its ``cuda:0``), which is how
+both engines are meant to be pinned.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+
+ENGINES = ("builtin", "vllm", "sglang")
+
+VLLM_TRANSFER = {"nccl": "nccl", "ipc": "ipc"}
+"""``weight_sync.transport`` -> vLLM's ``--weight-transfer-config`` backend."""
+
+
+@dataclass
+class EngineLaunch:
+    """What a launched real engine needs beyond ``ServerSpec``'s common fields."""
+
+    gpu_memory_utilization: float = 0.0
+    """Share of the GPU's memory the engine may take (vLLM's
+    --gpu-memory-utilization, SGLang's --mem-fraction-static); 0 = the
+    engine's default (vLLM 0.9), which leaves nothing for a trainer on the
+    same GPU."""
+    max_model_len: int = 0
+    """Its context (vLLM --max-model-len, SGLang --context-length); 0 = the model's."""
+    served_model_name: str = ""
+    """The name requests must give as ``model`` (vLLM refuses any other)."""
+    weight_transfer: str = ""
+    """vLLM: "nccl" or "ipc" (its weight-transfer engine); "" = none (no push)."""
+    args: tuple[str, ...] = field(default_factory=tuple)
+    """Appended as they are (``inference.engine_args``)."""
+
+
+def gpu_env(device: str) -> dict[str, str]:
+    """``CUDA_VISIBLE_DEVICES`` for a real engine on ``device`` ("cuda" keeps the caller's)."""
+    if device.startswith("cuda:"):
+        return {"CUDA_VISIBLE_DEVICES": device.partition(":")[2]}
+    if device == "cuda":
+        return {}
+    raise ValueError(f"a launched vLLM or SGLang server needs a GPU, got device {device!r} "
+                     "(inference.server_device / inference.server_devices)")
+
+
+def builtin_command(spec, port: int) -> tuple[list[str], dict[str, str]]:
+    return [
+        sys.executable, "-m", "torchtitan_grpo.inference.server",
+        "--model", spec.model_dir, "--port", str(port), "--host", spec.host,
+        "--device", spec.device, "--dtype", spec.dtype, "--seed", str(spec.seed),
+        *spec.extra_args,
+    ], {}
+
+
+def vllm_command(spec, port: int) -> tuple[list[str], dict[str, str]]:
+    e: EngineLaunch = spec.launch
+    # The module, not the `vllm` console script: vLLM's engine process
+    # re-imports the main module, and that script has no __main__ guard.
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model_dir,
+           "--host", spec.host, "--port", str(port), "--dtype", spec.dtype, "--seed", str(spec.seed)]
+    if e.served_model_name:
+        cmd += ["--served-model-name", e.served_model_name]
+    if e.gpu_memory_utilization > 0:
+        cmd += ["--gpu-memory-utilization", str(e.gpu_memory_utilization)]
+    if e.max_model_len > 0:
+        cmd += ["--max-model-len", str(e.max_model_len)]
+    # The RL routes (/pause, /init_weight_transfer_engine, /update_weights, ...) exist in dev mode only.
+    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    if e.weight_transfer:
+        cmd += ["--weight-transfer-config", json.dumps({"backend": VLLM_TRANSFER[e.weight_transfer]})]
+    if e.weight_transfer == "ipc":
+        # vLLM's IPC receiver unpickles the handles an /update_weights body
+        # carries and refuses to without this. Any client that reaches the
+        # port can then make the server unpickle: the server is bound to
+        # inference.host (127.0.0.1 by default) and shares the trainer's host.
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    if spec.api_key:
+        env["VLLM_API_KEY"] = spec.api_key  # vLLM reads it there: no key on the command line (ps)
+    return cmd + [*e.args, *spec.extra_args], env | gpu_env(spec.device)
+
+
+def sglang_command(spec, port: int) -> tuple[list[str], dict[str, str]]:
+    e: EngineLaunch = spec.launch
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", spec.model_dir, "--host", spec.host,
+           "--port", str(port), "--dtype", spec.dtype, "--random-seed", str(spec.seed)]
+    if e.served_model_name:
+        cmd += ["--served-model-name", e.served_model_name]
+    if e.gpu_memory_utilization > 0:
+        cmd += ["--mem-fraction-static", str(e.gpu_memory_utilization)]
+    if e.max_model_len > 0:
+        cmd += ["--context-length", str(e.max_model_len)]
+    if spec.api_key:
+        # SGLang takes its key on the command line only (the launcher's log shows "***" in its place).
+        cmd += ["--api-key", spec.api_key]
+    return cmd + [*e.args, *spec.extra_args], gpu_env(spec.device)
+
+
+COMMANDS = {"builtin": builtin_command, "vllm": vllm_command, "sglang": sglang_command}
+
+
+def server_command(spec, port: int) -> tuple[list[str], dict[str, str]]:
+    """(argv, environment to add) that start ``spec``'s engine on ``port``."""
+    if spec.engine not in COMMANDS:
+        raise ValueError(f"no launcher for engine {spec.engine!r}; known: {', '.join(COMMANDS)}")
+    return COMMANDS[spec.engine](spec, port)
