@@ -41,6 +41,7 @@ def test_vllm_command_line_and_environment():
     assert (_flag(argv, "--gpu-memory-utilization"), _flag(argv, "--max-model-len"),
             _flag(argv, "--served-model-name")) == ("0.3", "4096", "m")
     assert json.loads(_flag(argv, "--weight-transfer-config")) == {"backend": "ipc"}
+    assert _flag(argv, "--logprobs-mode") == "processed_logprobs"  # the sampled distribution's, as the loss needs
     assert argv[-1] == "--enforce-eager" and "secret" not in argv  # the key travels in the environment
     assert env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
                    "VLLM_API_KEY": "secret", "CUDA_VISIBLE_DEVICES": "1"}

@@ -70,7 +70,11 @@ def vllm_command(spec, port: int) -> tuple[list[str], dict[str, str]]:
     # The module, not the `vllm` console script: vLLM's engine process
     # re-imports the main module, and that script has no __main__ guard.
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model_dir,
-           "--host", spec.host, "--port", str(port), "--dtype", spec.dtype, "--seed", str(spec.seed)]
+           "--host", spec.host, "--port", str(port), "--dtype", spec.dtype, "--seed", str(spec.seed),
+           # The log-probs of the distribution sampled from (temperature, top-k/p
+           # applied): what the loss's importance weights compare the trainer's
+           # with. vLLM's default is the raw model's, before temperature.
+           "--logprobs-mode", "processed_logprobs"]
     if e.served_model_name:
         cmd += ["--served-model-name", e.served_model_name]
     if e.gpu_memory_utilization > 0:

@@ -14,7 +14,7 @@ import sys
 
 p = argparse.ArgumentParser(prog="fake-vllm")
 for flag in ("--model", "--host", "--port", "--dtype", "--seed", "--served-model-name",
-             "--gpu-memory-utilization", "--max-model-len", "--weight-transfer-config"):
+             "--gpu-memory-utilization", "--max-model-len", "--weight-transfer-config", "--logprobs-mode"):
     p.add_argument(flag)
 p.add_argument("--enforce-eager", action="store_true")
 a = p.parse_args()
