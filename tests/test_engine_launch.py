@@ -44,7 +44,7 @@ def test_vllm_command_line_and_environment():
     assert _flag(argv, "--logprobs-mode") == "processed_logprobs"  # the sampled distribution's, as the loss needs
     assert argv[-1] == "--enforce-eager" and "secret" not in argv  # the key travels in the environment
     assert env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-                   "VLLM_API_KEY": "secret", "CUDA_VISIBLE_DEVICES": "1"}
+                   "VLLM_API_KEY": "secret", "CUDA_VISIBLE_DEVICES": "1", "VLLM_HOST_IP": "127.0.0.1"}
     argv, env = server_command(_spec("vllm", device="cuda", transfer="nccl"), 8001)
     assert json.loads(_flag(argv, "--weight-transfer-config")) == {"backend": "nccl"}
     assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in env and "CUDA_VISIBLE_DEVICES" not in env
@@ -116,6 +116,8 @@ def test_a_run_against_a_launched_vllm_that_is_killed_mid_run(tmp_path, tiny_mod
     assert json.loads(_flag(argv, "--weight-transfer-config")) == {"backend": "ipc"}
     assert _flag(argv, "--served-model-name") == os.path.basename(tiny_model_dir) and "--enforce-eager" in argv
     assert _flag(argv, "--gpu-memory-utilization") == "0.3"
+    # torchrun's agent-store variable would make vLLM's own one-rank group wait for a store nobody hosts
+    assert first["torchrun_env"] == [], first["torchrun_env"]
     rows = [json.loads(line) for line in open(os.path.join(dump, "metrics.jsonl"))]
     assert [m["step"] for m in rows] == list(range(1, steps + 1))
     assert len(glob.glob(str(record / "argv.*.json"))) == 2, out[-4000:]  # started, then restarted once

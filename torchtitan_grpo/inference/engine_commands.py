@@ -83,6 +83,10 @@ def vllm_command(spec, port: int) -> tuple[list[str], dict[str, str]]:
         cmd += ["--max-model-len", str(e.max_model_len)]
     # The RL routes (/pause, /init_weight_transfer_engine, /update_weights, ...) exist in dev mode only.
     env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    if spec.host in ("127.0.0.1", "localhost"):
+        # Its workers meet at this address (else the one of the default route,
+        # which an offline host may not have): a server on this host only.
+        env["VLLM_HOST_IP"] = "127.0.0.1"
     if e.weight_transfer:
         cmd += ["--weight-transfer-config", json.dumps({"backend": VLLM_TRANSFER[e.weight_transfer]})]
     if e.weight_transfer == "ipc":

@@ -113,9 +113,14 @@ def _spawn(spec: ServerSpec, log_path: str, port: int | None = None) -> tuple[su
     if spec.api_key and spec.engine == "builtin":
         env[API_KEY_ENV] = spec.api_key  # not on the command line: ps shows that to everyone
     env |= engine_env
-    # torchrun's rendezvous variables must not leak into the server.
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-              "TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK"):
+    # torchrun's rendezvous variables must not leak into the server. Above all
+    # TORCHELASTIC_USE_AGENT_STORE: with it, torch's tcp:// rendezvous makes
+    # every rank a client of a store torchrun's agent would host, so a vLLM
+    # worker's own one-rank group waited for a store nobody serves (seen on an
+    # H200: the launched vLLM hung at its distributed init until killed).
+    for k in [k for k in env if k.startswith("TORCHELASTIC_")] + [
+            "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE"]:
         env.pop(k, None)
     shown = ["***" if i and cmd[i - 1] == "--api-key" else a for i, a in enumerate(cmd)]  # a key in extra_args
     with open(log_path, "ab") as log:

@@ -29,5 +29,6 @@ child = subprocess.Popen([sys.executable, "-m", "torchtitan_grpo.inference.serve
                           "--port", a.port, "--host", a.host, "--device", "cpu", "--dtype", "float32",
                           "--seed", a.seed])
 with open(os.path.join(os.environ["FAKE_VLLM_RECORD"], f"argv.{os.getpid()}.json"), "w") as f:
-    json.dump({"argv": sys.argv[1:], "child": child.pid}, f)
+    json.dump({"argv": sys.argv[1:], "child": child.pid,
+               "torchrun_env": sorted(k for k in os.environ if k.startswith("TORCHELASTIC_") or k in ("RANK", "MASTER_PORT"))}, f)
 sys.exit(child.wait())
