@@ -27,6 +27,16 @@ if [ ! -d /tmp/vsite ]; then
   bash /tmp/vparts/vllm-install.sh > "$OUT/vllm-install.log" 2>&1 || { echo "vLLM install failed: $OUT/vllm-install.log"; exit 6; }
 fi
 . /tmp/vsite/env.sh
+# vLLM 0.26's IPC weight-transfer engine imports ray at module level and uses it
+# only in the trainer-side "ray" send mode; ray is not carried (vllm-parts.sh):
+# a stand-in that fails if anything actually uses it.
+if ! python3 -c "import ray" 2>/dev/null; then
+  mkdir -p /tmp/vstub/ray
+  printf '%s\n' '"""Stand-in: ray is not installed here (scripts/device_vllm_loop.sh)."""' \
+    'def __getattr__(name):' '    raise ImportError(f"ray is not installed (stand-in module; ray.{name} was asked for)")' \
+    > /tmp/vstub/ray/__init__.py
+  export PYTHONPATH=$PYTHONPATH:/tmp/vstub
+fi
 python3 -c "import vllm; print('vllm', vllm.__version__)" | tee -a "$OUT/env.log"
 MODEL=/tmp/smollm2-135m-instruct
 if [ ! -f "$MODEL/config.json" ]; then
