@@ -33,7 +33,7 @@ fi
 if ! python3 -c "import ray" 2>/dev/null; then
   mkdir -p /tmp/vstub/ray
   printf '%s\n' '"""Stand-in: ray is not installed here (scripts/device_vllm_loop.sh)."""' \
-    'def __getattr__(name):' '    raise ImportError(f"ray is not installed (stand-in module; ray.{name} was asked for)")' \
+    'def __getattr__(name):' '    raise AttributeError(f"ray is not installed (stand-in module; ray.{name} was asked for)")' \
     > /tmp/vstub/ray/__init__.py
   export PYTHONPATH=$PYTHONPATH:/tmp/vstub
 fi
