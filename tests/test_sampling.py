@@ -50,3 +50,30 @@ def test_mixed_temperatures_and_greedy_rows():
     u = random.Random(4).random()
     cdf = torch.softmax(logits[2], -1).cumsum(-1)
     assert got.token_ids[2] == int(torch.searchsorted(cdf, u * cdf[-1], right=True))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_draws_follow_the_distribution_the_logprobs_report(temperature):
+    """Sampled tokens are distributed as softmax(logits / T), the distribution
+    whose log-probs the server reports and the trainer's importance weights
+    compare against (a sharper or flatter sampler would bias every loss while
+    the reported log-probs still agreed with the trainer's). Seeded requests,
+    as the rollouts send them: 8192 draws, chi-square against the exact
+    probabilities (fixed seeds: a test that passes or fails the same way)."""
+    torch.manual_seed(0)
+    vocab, rows, rounds = 40, 512, 16
+    logits = (torch.randn(1, vocab) * 2).to(torch.bfloat16).expand(rows, vocab).contiguous()
+    p = torch.softmax(logits[0].float() / temperature, dim=-1)
+    counts = torch.zeros(vocab)
+    for r in range(rounds):
+        seqs = _seqs([SamplingParams(temperature=temperature, seed=r * rows + i) for i in range(rows)])
+        out = sample_tokens(logits, seqs, torch.device("cpu"), random.Random(r), [])
+        counts += torch.bincount(torch.tensor(out.token_ids), minlength=vocab).float()
+    expected = p * rows * rounds
+    cells = expected > 5
+    chi2 = float((((counts - expected) ** 2) / expected)[cells].sum())
+    # 99.9th percentile of chi-square with up to 39 degrees of freedom is ~73
+    assert chi2 < 73.0, (chi2, int(cells.sum()))
+    # and a sampler at another temperature fails the same check
+    q = torch.softmax(logits[0].float() / (temperature * 1.3), dim=-1) * rows * rounds
+    assert float((((counts - q) ** 2) / q)[cells].sum()) > 73.0
