@@ -25,6 +25,7 @@ def _check(ok: bool, key: str, msg: str, value) -> None:
 def validate(cfg) -> None:
     """Check every value of our sections (and the TorchTitan keys we rely on)."""
     from torchtitan_grpo.config import _gpu_count, _trainer_gpus, server_devices
+    from torchtitan_grpo.loss import LOSS_VARIANTS
 
     g, r, i, w = cfg.grpo, cfg.rollout, cfg.inference, cfg.weight_sync
     _check(g.group_size >= 2, "grpo.group_size", "must be >= 2 (advantages are relative within a group)", g.group_size)
@@ -32,6 +33,11 @@ def validate(cfg) -> None:
     _check(g.micro_batch_size >= 1, "grpo.micro_batch_size", "must be >= 1", g.micro_batch_size)
     _check(0 <= g.clip_low < 1, "grpo.clip_low", "must be in [0, 1)", g.clip_low)
     _check(g.clip_high >= 0, "grpo.clip_high", "must be >= 0", g.clip_high)
+    _check(g.loss_agg in LOSS_VARIANTS, "grpo.loss_agg", f"must be one of {', '.join(LOSS_VARIANTS)}", g.loss_agg)
+    _check(0 <= g.gspo_clip_low < 1, "grpo.gspo_clip_low", "must be in [0, 1)", g.gspo_clip_low)
+    _check(g.gspo_clip_high >= 0, "grpo.gspo_clip_high", "must be >= 0", g.gspo_clip_high)
+    _check(0 <= g.cispo_clip_low <= 1, "grpo.cispo_clip_low", "must be in [0, 1] (1: no lower bound)", g.cispo_clip_low)
+    _check(g.cispo_clip_high >= 0, "grpo.cispo_clip_high", "must be >= 0", g.cispo_clip_high)
     _check(g.kl_coef >= 0, "grpo.kl_coef", "must be >= 0", g.kl_coef)
     _check(g.max_staleness >= -1, "grpo.max_staleness", "must be -1 (off) or >= 0", g.max_staleness)
     _check(g.is_correction in ("none", "token", "sequence"), "grpo.is_correction",

@@ -28,12 +28,38 @@ class GRPO:
     clip_high: float = 0.2
     """Upper clip of the probability ratio: ratio <= 1 + clip_high (DAPO uses 0.28)."""
 
-    loss_agg: Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm"] = (
+    loss_agg: Literal["seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm", "gspo", "cispo"] = (
         "seq_mean_token_mean"
     )
-    """How per-token losses become one number: GRPO's mean over sequences of
+    """The policy loss. The clipped token-ratio surrogate (clip_low / clip_high)
+    with how per-token losses become one number: GRPO's mean over sequences of
     per-sequence token means, DAPO's mean over all tokens, or Dr. GRPO's token
-    sum over a constant length (rollout.max_new_tokens)."""
+    sum over a constant length (rollout.max_new_tokens). Or a loss of its own
+    (torchtitan_grpo/loss.py): "gspo" (GSPO: one ratio per completion, the
+    geometric mean of its token ratios, clipped per completion by
+    gspo_clip_low / gspo_clip_high; mean over completions; the clip fraction
+    counts completions), "cispo" (CISPO: every token's log-prob weighted by its
+    ratio clipped to [1 - cispo_clip_low, 1 + cispo_clip_high] and detached, so
+    no token loses its gradient; mean over all tokens). Both take the KL
+    penalty (kl_coef) and is_correction as the others do."""
+
+    gspo_clip_low: float = 3e-4
+    """GSPO: lower clip of the per-completion ratio, s >= 1 - gspo_clip_low. The
+    ratio is a length-normalised geometric mean, so the range is far narrower
+    than the token clip's (the GSPO paper uses 3e-4 / 4e-4)."""
+
+    gspo_clip_high: float = 4e-4
+    """GSPO: upper clip of the per-completion ratio, s <= 1 + gspo_clip_high."""
+
+    cispo_clip_low: float = 1.0
+    """CISPO: lower bound of a token's weight, 1 - cispo_clip_low; 1.0 (a bound
+    of 0) clips nothing below, as MiniMax-M1 does: a token whose probability
+    fell is weighted by its own ratio. At most 1."""
+
+    cispo_clip_high: float = 0.28
+    """CISPO: upper bound of a token's weight, 1 + cispo_clip_high; 0.28 keeps
+    the upper edge of DAPO's clip-higher range, and a token above it keeps its
+    gradient at weight 1.28 (the PPO clip would drop it)."""
 
     scale_rewards: bool = True
     """Divide group-centred rewards by the group's std (GRPO); false centres only (Dr. GRPO)."""
@@ -55,7 +81,10 @@ class GRPO:
     "token" weighs each token by min(pi_train / pi_rollout, is_cap), "sequence"
     each completion by the capped product over its tokens; the clip range is
     then centred on the trainer's own logprobs. "none": the ratio is taken
-    against the rollout logprobs (clipped, no weights)."""
+    against the rollout logprobs (clipped, no weights). With loss_agg "gspo"
+    the token weights become one per completion (their geometric mean); with
+    "cispo" and "none" the clipped token ratio is itself the truncated weight
+    against the rollout policy."""
 
     is_cap: float = 2.0
     """Upper bound of an importance weight (truncated IS)."""

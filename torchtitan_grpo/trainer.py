@@ -241,14 +241,24 @@ def _logprob_loss(logprobs: torch.Tensor, entropy: torch.Tensor | float, mask: t
     g = ctx.grpo_cfg
     # "old" of the ratio and the IS weights: see grpo.is_correction
     ratio_old, is_w, is_m = offpolicy.importance_weights(logprobs, old, mask, g.is_correction, g.is_cap)
-    loss, m = grpo_losses.grpo_loss(
-        logprobs, ratio_old, adv, mask, clip_low=g.clip_low, clip_high=g.clip_high,
-        loss_agg=g.loss_agg, max_completion_len=ctx.max_new_tokens,
-        num_sequences=ctx.num_samples, num_tokens=ctx.num_tokens,
-        ref_logprobs=ref, kl_coef=g.kl_coef, kl_estimator=g.kl_estimator, is_weights=is_w)
+    common = dict(ref_logprobs=ref, kl_coef=g.kl_coef, kl_estimator=g.kl_estimator, is_weights=is_w)
+    if g.loss_agg == "gspo":  # sequence-level ratio and clip; normalised by the step's samples
+        loss, m = grpo_losses.gspo_loss(logprobs, ratio_old, adv, mask, clip_low=g.gspo_clip_low,
+                                        clip_high=g.gspo_clip_high, num_sequences=ctx.num_samples, **common)
+    elif g.loss_agg == "cispo":  # clipped detached token weights; normalised by the step's tokens
+        loss, m = grpo_losses.cispo_loss(logprobs, ratio_old, adv, mask, clip_low=g.cispo_clip_low,
+                                         clip_high=g.cispo_clip_high, num_tokens=ctx.num_tokens, **common)
+    else:
+        loss, m = grpo_losses.grpo_loss(
+            logprobs, ratio_old, adv, mask, clip_low=g.clip_low, clip_high=g.clip_high,
+            loss_agg=g.loss_agg, max_completion_len=ctx.max_new_tokens,
+            num_sequences=ctx.num_samples, num_tokens=ctx.num_tokens, **common)
     with torch.no_grad():
         ntok = float(mask.sum())
-        record = {"loss": float(loss), "clip_fraction": float(m["clip_fraction"]) * ntok, "tokens": ntok,
+        # the clip fraction's units: tokens, or completions for GSPO (its clip is per completion)
+        units = float(m["clip_units"]) if "clip_units" in m else ntok
+        record = {"loss": float(loss), "clip_fraction": float(m["clip_fraction"]) * units, "clip_units": units,
+                  "tokens": ntok,
                   "lp_diff_max": 0.0, "lp_diff_sum": 0.0, "k3_sum": 0.0, "entropy": 0.0, "mask": mask,
                   "is_metrics": is_m, "loss_metrics": m}
         if ntok:
@@ -302,6 +312,7 @@ def _add_record(sums: dict[str, float], off_stats: offpolicy.OffPolicyStats, rec
     """Add one micro-batch's record to the step's sums."""
     for key in ("loss", "clip_fraction", "entropy", "tokens", "lp_diff_sum", "k3_sum"):
         sums[key] += record[key]
+    sums["clip_units"] = sums.get("clip_units", 0.0) + record["clip_units"]  # callers' older sums lack it
     sums["lp_diff_max"] = max(sums["lp_diff_max"], record["lp_diff_max"])
     off_stats.add(record["mask"], record["is_metrics"], record["loss_metrics"])
 
@@ -322,8 +333,8 @@ def train_step(policy: Policy, local: list[Sample], grpo_cfg, temperature: float
     # CPU, waiting for the GIL or a core (on a GPU a sync may spin: on-CPU).
     cpu0, proc0 = time.thread_time(), time.process_time()
     ctx = _LossContext(grpo_cfg, temperature, max_new_tokens, global_num_samples, global_num_tokens)
-    sums = {"loss": 0.0, "clip_fraction": 0.0, "lp_diff_max": 0.0, "entropy": 0.0, "tokens": 0.0,
-            "lp_diff_sum": 0.0, "k3_sum": 0.0}
+    sums = {"loss": 0.0, "clip_fraction": 0.0, "clip_units": 0.0, "lp_diff_max": 0.0, "entropy": 0.0,
+            "tokens": 0.0, "lp_diff_sum": 0.0, "k3_sum": 0.0}
     off_stats = offpolicy.OffPolicyStats(grpo_cfg.is_correction, policy.reference is not None)
     if policy.pipeline is None:
         _forward_backward(policy, local, ctx, pad_id, d, sums, off_stats)
@@ -335,8 +346,8 @@ def train_step(policy: Policy, local: list[Sample], grpo_cfg, temperature: float
     policy.lr_schedulers.step()
     policy.optimizers.zero_grad()
 
-    stats = torch.tensor([sums[k] for k in ("loss", "clip_fraction", "entropy", "tokens", "lp_diff_sum", "k3_sum")],
-                         dtype=torch.float64)
+    stats = torch.tensor([sums[k] for k in ("loss", "clip_fraction", "clip_units", "entropy", "tokens", "lp_diff_sum",
+                                            "k3_sum")], dtype=torch.float64)
     lp_max = torch.tensor([sums["lp_diff_max"]], dtype=torch.float64)
     if d.world_size > 1:
         stats, lp_max = stats.to(d.device), lp_max.to(d.device)
@@ -347,10 +358,10 @@ def train_step(policy: Policy, local: list[Sample], grpo_cfg, temperature: float
             dist.all_reduce(stats, group=dp_group)
         dist.all_reduce(lp_max, op=dist.ReduceOp.MAX)
     off_metrics = off_stats.reduce(d.world_size, parallel.data_parallel_group(policy.parallel_dims), d.device)
-    loss_sum, clip_sum, ent_sum, ntok, diff_sum, k3_sum = stats.tolist()
+    loss_sum, clip_sum, clip_units, ent_sum, ntok, diff_sum, k3_sum = stats.tolist()
     return {
         "loss": loss_sum,  # local losses are already globally normalised: their sum is the batch loss
-        "clip_fraction": clip_sum / max(ntok, 1.0),
+        "clip_fraction": clip_sum / max(clip_units, 1.0),  # of tokens; of completions with grpo.loss_agg = "gspo"
         "entropy": ent_sum / max(ntok, 1.0),
         "grad_norm": grad_norm,
         "lr": policy.lr_schedulers.schedulers[0].get_last_lr()[0],
@@ -539,7 +550,7 @@ def _pipeline_forward_backward(policy: Policy, local: list[Sample], ctx: _LossCo
 def _share_last_stage_metrics(pipe: pipeline_parallel.StagePipeline, sums: dict[str, float],
                               off_stats: offpolicy.OffPolicyStats) -> None:
     """Replace every stage's sums by the last stage's (the only one with a loss)."""
-    keys = ("loss", "clip_fraction", "entropy", "tokens", "lp_diff_max", "lp_diff_sum", "k3_sum")
+    keys = ("loss", "clip_fraction", "clip_units", "entropy", "tokens", "lp_diff_max", "lp_diff_sum", "k3_sum")
     n_off = off_stats.sums.numel()
     values = torch.tensor([sums[k] for k in keys] + off_stats.sums.tolist() + [off_stats.is_max],
                           dtype=torch.float64, device=pipe.device)
