@@ -104,6 +104,9 @@ class Replica:
     then the same each version, encoded once here and parsed once there."""
     dialect: vllm.Dialect = vllm.V0_33
     """vLLM: the release whose bodies ``r`` takes (its /version, read at each connect)."""
+    round_open: bool | None = None
+    """vLLM: whether this trainer left an update round open there (started, not
+    finished); None until it has posted either."""
 
 
 class Transport(abc.ABC):

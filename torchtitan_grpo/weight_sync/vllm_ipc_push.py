@@ -35,7 +35,7 @@ from torchtitan_grpo.weight_sync.group_push import spec_lists
 from torchtitan_grpo.weight_sync.push_config import PushConfig
 from torchtitan_grpo.weight_sync.staging import Staged
 from torchtitan_grpo.weight_sync.transport import Replica, Transport
-from torchtitan_grpo.weight_sync.vllm_push import PAUSE_MODES, detect_dialect, finish, reset_vllm
+from torchtitan_grpo.weight_sync.vllm_push import PAUSE_MODES, detect_dialect, finish, reset_vllm, start
 
 
 class VLLMIpcPush(Transport):
@@ -122,7 +122,7 @@ class VLLMIpcPush(Transport):
         bodies = asyncio.get_running_loop().run_in_executor(None, self._ready_bodies, staged)
         try:
             await self.post(r, vllm.PAUSE, None, 30, params=vllm.pause_query(PAUSE_MODES[self.cfg.pause_mode]))
-            await self.post(r, vllm.START_WEIGHT_UPDATE, None, 30)
+            await start(self, r)
             for body in await bodies:
                 await self.post(r, vllm.UPDATE_WEIGHTS, body, self.cfg.deadline_s)
             await finish(self, r, staged.version)

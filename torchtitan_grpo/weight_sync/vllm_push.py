@@ -66,18 +66,32 @@ async def reset_vllm(t: Transport, r: Replica) -> None:
     """Close what a trainer may have left on ``r``: its transfer engine
     (0.33), an update round (0.26, which has no shutdown route and refuses a
     second start while a round is open), a pause. Each may already be gone."""
-    paths = [vllm.SHUTDOWN_WEIGHT_TRANSFER] if r.dialect.has_shutdown else [vllm.FINISH_WEIGHT_UPDATE]
+    if r.dialect.has_shutdown:
+        paths = [vllm.SHUTDOWN_WEIGHT_TRANSFER]
+    else:
+        # 0.26 answers a finish without a round open with a 500 and a traceback
+        # in its log: finish only a round this trainer opened, or one it cannot
+        # know about (``round_open`` None: a replica met for the first time).
+        paths = [] if r.round_open is False else [vllm.FINISH_WEIGHT_UPDATE]
     for path in (*paths, vllm.RESUME):
         try:
             await t.post(r, path, None, t.cfg.init_timeout_s)
         except Exception:
             pass
+    r.round_open = False
+
+
+async def start(t: Transport, r: Replica) -> None:
+    """POST /start_weight_update: a round is open on ``r`` from now on."""
+    await t.post(r, vllm.START_WEIGHT_UPDATE, None, 30)
+    r.round_open = True
 
 
 async def finish(t: Transport, r: Replica, version: int) -> None:
     """POST /finish_weight_update in ``r``'s dialect."""
     await t.post(r, vllm.FINISH_WEIGHT_UPDATE, vllm.finish_weight_update_request(str(version), r.dialect),
                  t.cfg.deadline_s)
+    r.round_open = False
 
 
 def refuse_unaligned(plan: list[list[bk.TensorSpec]], replica: str) -> None:
@@ -159,7 +173,7 @@ class VLLMPush(GroupPush):
         mode, body = self.pause_mode, self.update_body(r, staged.plan)
         try:
             await self.post(r, vllm.PAUSE, None, 30, params=vllm.pause_query(mode))
-            await self.post(r, vllm.START_WEIGHT_UPDATE, None, 30)
+            await start(self, r)
             update = Requests(self.session, r.url).post(vllm.UPDATE_WEIGHTS, body, self.cfg.deadline_s)
             await self.with_broadcasts(r, [update], staged, list(range(len(staged.buffers))))
             if r.dialect.finish_takes_version:  # (the built-in server takes it before the update's reply)
