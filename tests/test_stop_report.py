@@ -48,7 +48,7 @@ class _Pool:
 
 
 @pytest.mark.parametrize("max_restarts,detail,reason", [
-    (0, "after 0 restart attempt(s)", "exited; inference.server_max_restarts = 0 allows no restart"),
+    (0, "restarts off (inference.server_max_restarts = 0)", "exited; inference.server_max_restarts = 0 allows no restart"),
     (3, "after 3 restart attempt(s)", "exited; given up after 3 restart attempt(s): inference.server_max_restarts = 3"),
 ])
 def test_a_server_given_up_is_retired_with_a_reason_that_reads_right(max_restarts, detail, reason):

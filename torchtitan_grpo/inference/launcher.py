@@ -330,7 +330,8 @@ class Supervisor:
         self._record(w, kind, what)
         if w.attempts >= self.max_restarts:
             w.state = "gave_up"
-            plan = f"giving up on it after {w.attempts} restart attempt(s)"
+            plan = ("not restarting it (inference.server_max_restarts = 0)" if self.max_restarts == 0 else
+                    f"giving up on it after {w.attempts} restart attempt(s)")
         else:
             delay = self.backoff_s * 2 ** w.attempts
             w.attempts += 1
@@ -341,7 +342,8 @@ class Supervisor:
                    "inference server %s %s: %s; %s; its log %s ends: %s", w.server.url,
                    kind.replace("_", " "), what, plan, w.server.log_path, tail)
         if w.state == "gave_up":
-            self._record(w, "gave_up", f"after {w.attempts} restart attempt(s)")
+            self._record(w, "gave_up", "restarts off (inference.server_max_restarts = 0)" if self.max_restarts == 0
+                         else f"after {w.attempts} restart attempt(s)")
 
     def _respawn(self, w: _Watched) -> None:
         with self._lock:
