@@ -29,6 +29,7 @@ import torch
 
 from torchtitan_grpo.checkpoint import Checkpointer, export_hf
 from torchtitan_grpo.config import ConfigError, check_reachable, parse_config
+from torchtitan_grpo.inference.launcher import ServerStartError
 from torchtitan_grpo.parallel import data_parallel_rank_and_degree
 from torchtitan_grpo.rollout import offpolicy
 from torchtitan_grpo.rollout.producer import ProducerStopped
@@ -223,3 +224,7 @@ if __name__ == "__main__":
         if os.environ.get("GRPO_DEBUG"):
             raise
         _fail(str(e))
+    except ServerStartError as e:  # the servers' logs hold the rest
+        if os.environ.get("GRPO_DEBUG"):
+            raise
+        _fail(e.summary)

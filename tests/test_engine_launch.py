@@ -62,6 +62,24 @@ def test_sglang_command_line_and_a_cpu_device_refused():
         server_command(_spec("vllm", device="cpu"), 8001)
 
 
+def test_a_launched_engine_that_fails_to_start_is_one_line_naming_its_first_error(tmp_path, monkeypatch,
+                                                                                 tiny_model_dir):
+    """The root cause, not the wrapper's "see root cause above" that a real
+    vLLM's log ends on, and where the log is."""
+    from torchtitan_grpo.inference.launcher import ServerStartError, running_servers
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([FAKES, ROOT]))
+    monkeypatch.setenv("FAKE_VLLM_FAIL", "ray")
+    spec = ServerSpec(tiny_model_dir, device="cuda", engine="vllm", launch=EngineLaunch(weight_transfer="ipc"))
+    with pytest.raises(ServerStartError) as e:
+        with running_servers([spec], str(tmp_path / "logs"), 60):
+            pass
+    summary = e.value.summary
+    assert "\n" not in summary and "(vllm) exited with code 1" in summary, summary
+    assert "ModuleNotFoundError: No module named 'ray'" in summary and "server_0.log" in summary, summary
+    assert "Engine core initialization failed" in str(e.value)  # the tail keeps the rest
+
+
 def _args(*extra: str) -> list[str]:
     return ["--job.config_file", DEMO, "--inference.backend", "vllm", "--inference.server_device", "cuda",
             "--weight_sync.transport", "ipc", *extra]

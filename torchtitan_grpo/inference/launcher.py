@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -74,7 +75,34 @@ class ServerProcess:
 
 
 class ServerStartError(RuntimeError):
-    pass
+    """A server that did not come up; ``summary`` is the one line for the user
+    (its first error and where its log is), the message adds the log's tail."""
+
+    def __init__(self, message: str, summary: str = ""):
+        super().__init__(message)
+        self.summary = summary or message.splitlines()[0]
+
+
+_ERROR_LINE = re.compile(r"\b([A-Z]\w*(?:Error|Exception)): (.+)")
+
+
+def root_cause(path: str) -> str:
+    """The first exception line (``SomeError: message``) of the newest start
+    in a server's log: a real engine's own report of a failed start ends on
+    its wrapper's error ("Engine core initialization failed. See root cause
+    above"), while the cause is logged first (vLLM 0.26 on an H200: a missing
+    module of its IPC engine). "" if there is none."""
+    try:
+        with open(path, errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return ""
+    newest = text.rsplit("\n=== ", 1)[-1]  # _spawn heads each start with its command line
+    for line in newest.splitlines():
+        m = _ERROR_LINE.search(line)
+        if m:
+            return f"{m.group(1)}: {m.group(2).strip()}"[:300]
+    return ""
 
 
 def _die_with_parent() -> None:
@@ -155,9 +183,10 @@ def start_servers(specs: list[ServerSpec], log_dir: str, timeout_s: float, attem
         while not all(ready):
             if time.monotonic() > deadline:
                 i = ready.index(None)
-                raise ServerStartError(
-                    f"inference server on port {procs[i][1]} did not answer /health within {timeout_s:.0f}s "
-                    f"(inference.startup_timeout_s); last lines of {logs[i]}:\n{log_tail(logs[i])}")
+                what = (f"inference server ({specs[i].engine}) on port {procs[i][1]} did not answer /health "
+                        f"within {timeout_s:.0f}s (inference.startup_timeout_s)")
+                raise ServerStartError(f"{what}; last lines of {logs[i]}:\n{log_tail(logs[i])}",
+                                       f"{what}; its log: {logs[i]}")
             for i, (proc, port) in enumerate(procs):
                 if ready[i]:
                     continue
@@ -168,9 +197,11 @@ def start_servers(specs: list[ServerSpec], log_dir: str, timeout_s: float, attem
                         tries[i] += 1
                         procs[i] = _spawn(specs[i], logs[i])
                         continue
+                    cause = root_cause(logs[i])
+                    what = f"inference server ({specs[i].engine}) exited with code {proc.returncode} during start-up"
                     raise ServerStartError(
-                        f"inference server exited with code {proc.returncode} during start-up; "
-                        f"last lines of {logs[i]}:\n{tail}")
+                        f"{what}{': ' + cause if cause else ''}; last lines of {logs[i]}:\n{tail}",
+                        f"{what}{': ' + cause if cause else ''}; its log: {logs[i]}")
                 if _healthy(url, specs[i].api_key):
                     logger.info("inference server %s ready (pid %d, log %s)", url, proc.pid, logs[i])
                     ready[i] = ServerProcess(url, port, logs[i], proc)

@@ -18,6 +18,11 @@ for flag in ("--model", "--host", "--port", "--dtype", "--seed", "--served-model
     p.add_argument(flag)
 p.add_argument("--enforce-eager", action="store_true")
 a = p.parse_args()
+if os.environ.get("FAKE_VLLM_FAIL"):  # a start that fails as 0.26's did without ray: the cause, then the wrapper
+    print("(EngineCore pid=1) ERROR Traceback (most recent call last):", flush=True)
+    print(f"(EngineCore pid=1) ERROR ModuleNotFoundError: No module named '{os.environ['FAKE_VLLM_FAIL']}'", flush=True)
+    print("(APIServer pid=0) RuntimeError: Engine core initialization failed. See root cause above.", flush=True)
+    sys.exit(1)
 if os.environ.get("VLLM_SERVER_DEV_MODE") != "1":
     sys.exit("fake vLLM: VLLM_SERVER_DEV_MODE=1 is needed for the RL routes")
 transfer = json.loads(a.weight_transfer_config)["backend"] if a.weight_transfer_config else ""
