@@ -436,3 +436,44 @@ def test_config_selects_the_losses_and_refuses_bad_values():
     with pytest.raises(ConfigError, match=r"config key grpo\.loss_agg = 'sequence_mean': must be one of .*gspo"):
         validate(cfg)
     assert set(LOSS_VARIANTS) >= {"gspo", "cispo"}
+
+
+def test_train_step_on_the_tiny_model(tiny_model_dir):
+    """Real optimizer steps (in-process, tiny model, two micro-batches, the
+    ratio against the rollout log-probs), GSPO then CISPO: each step's loss
+    is the sum of its micro-batch losses, and its clip fraction counts
+    completions under GSPO, tokens under CISPO."""
+    from torchtitan_grpo.config import parse_config
+    from torchtitan_grpo.loss import token_logprobs
+    from torchtitan_grpo.rollout.sample import Sample
+    from torchtitan_grpo.trainer import _pack, build_policy, init_distributed, train_step
+
+    # GSPO's default range (3e-4 / 4e-4) would clip every completion of this batch
+    # (its rollout log-probs are far from the model's): a wider one clips some
+    cfg = parse_config(["--job.config_file", _DEMO, "--model.hf_assets_path", tiny_model_dir, "--grpo.loss_agg", "gspo",
+                        "--grpo.is_correction", "none", "--grpo.micro_batch_size", "2",
+                        "--grpo.gspo_clip_low", "0.2", "--grpo.gspo_clip_high", "0.2"])
+    d = init_distributed()
+    torch.manual_seed(0)
+    policy = build_policy(cfg, tiny_model_dir, d)
+    g = torch.Generator().manual_seed(3)
+    batch = []
+    for i in range(4):
+        n = 2 + i
+        ids = torch.randint(2, 97, (3 + n,), generator=g).tolist()
+        rollout = (-math.log(128) + 0.5 * torch.randn(n, generator=g)).tolist()  # far from the model's
+        batch.append(Sample(ids[:3], ids[3:], rollout, (-1.0) ** i, 0.0, "stop", ["0"]))
+    ntok = sum(len(s.completion_ids) for s in batch)
+    tokens, mask, rollout, adv = _pack(batch, 0, d.device)
+    for name, fn, clip, units in (("gspo", gspo_loss, dict(clip_low=0.2, clip_high=0.2), len(batch)),
+                                  ("cispo", cispo_loss, dict(clip_low=1.0, clip_high=0.28), ntok)):
+        cfg.grpo.loss_agg = name
+        with torch.no_grad():  # the expected figures, from the weights before the step
+            lp = token_logprobs(policy.model(tokens)[:, :-1].float(), tokens[:, 1:])
+        expected_loss, m = fn(lp, rollout, adv, mask, **clip)
+        metrics = train_step(policy, batch, cfg.grpo, 1.0, 8, len(batch), ntok, 0, d)
+        assert metrics["loss"] == pytest.approx(float(expected_loss), rel=1e-4, abs=1e-6), name
+        assert metrics["clip_fraction"] == pytest.approx(float(m["clip_fraction"]), abs=1e-6), name
+        clipped = metrics["clip_fraction"] * units  # a whole number of completions / tokens
+        assert clipped == pytest.approx(round(clipped), abs=1e-6) and 0 < clipped < units, name
+        assert metrics["grad_norm"] > 0, name
