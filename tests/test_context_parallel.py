@@ -10,7 +10,7 @@ builds the policy (``trainer.build_policy``) and takes one
 ``trainer.train_step`` on the parity tests' fixed batch (7 samples of uneven
 lengths, micro-batches of 2, each padded to a multiple of 2 x cp); the loss,
 grad norm, every full gradient (as clipping sees it), the weights after AdamW
-and the entropy metric must equal the single process's (fp32, <= 1e-6).
+and the entropy metric must equal the single process's (fp32, <= TOL).
 The cases cover every ``grpo.loss_agg``, the full-logits and the chunked
 log-prob head, token and sequence IS weights, the KL reference's forward and
 tied embeddings.
@@ -43,7 +43,7 @@ import torchtitan_grpo  # noqa: E402,F401  (before torchtitan)
 
 torch.set_num_threads(1)
 
-TOL = 1e-6
+TOL = 4e-6  # fp32: sharded and whole GEMMs sum in other orders (1.25e-6 apart after a step on a Xeon without AVX-512)
 CP = 2
 WITH_CP = {"tp": 2, "pp": 2}  # the 4-rank launch: CP 2 x TP 2, then CP 2 x PP 2
 # name -> (model, loss_agg, logprob_chunk_tokens, is_correction, kl_coef)

@@ -284,4 +284,7 @@ def test_micro_batch_chunks_take_their_rows(loaded):
         whole = model(tokens)
         router_replay.set_chunk(model, 1)
         second = model(tokens[2:])
-    assert torch.equal(second, whole[2:])
+    # Not bitwise: a batch of 2 rows and one of 4 may take differently blocked
+    # GEMMs (3e-8 apart on a Xeon without AVX-512, 2026-11-29); a row replaying
+    # another row's routes would be off by orders of magnitude more.
+    torch.testing.assert_close(second, whole[2:], atol=1e-6, rtol=0)

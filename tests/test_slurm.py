@@ -344,12 +344,12 @@ def test_step_wrapper_slices_gpus_and_sets_node_rank():
 def test_inference_urls_override_is_a_comma_separated_list():
     """How grpo.sbatch hands the URLs over: TorchTitan's ConfigManager parses a
     list[str] override as one comma-separated value (two values is an error)."""
-    from torchtitan_grpo.config import parse_config
+    from torchtitan_grpo.config import ConfigError, parse_config
 
     demo = os.path.join(ROOT, "train_configs", "demo_cpu.toml")
     cfg = parse_config(["--job.config_file", demo, "--inference.urls", "http://n1:30000,http://n2:30001"])
     assert cfg.inference.urls == ["http://n1:30000", "http://n2:30001"]
-    with pytest.raises(SystemExit):
+    with pytest.raises(ConfigError, match="http://n2:30001"):  # the stray second value, named in one line
         parse_config(["--job.config_file", demo, "--inference.urls", "http://n1:30000", "http://n2:30001"])
 
 
