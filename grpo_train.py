@@ -27,14 +27,15 @@ import time
 
 import torch
 
-from torchtitan_grpo.checkpoint import Checkpointer, export_hf
-from torchtitan_grpo.config import ConfigError, check_reachable, parse_config
-from torchtitan_grpo.inference.launcher import ServerStartError
-from torchtitan_grpo.parallel import data_parallel_rank_and_degree
-from torchtitan_grpo.rollout import offpolicy
+from torchtitan_grpo.train.checkpoint import Checkpointer, export_hf
+from torchtitan_grpo.config.checks import ConfigError, check_reachable
+from torchtitan_grpo.config.parse import parse_config
+from torchtitan_grpo.fleet.launcher import ServerStartError
+from torchtitan_grpo.distributed.parallel import data_parallel_rank_and_degree
+from torchtitan_grpo.train import importance as offpolicy
 from torchtitan_grpo.rollout.producer import ProducerStopped
 from torchtitan_grpo.stopping import Stop, StopSignals
-from torchtitan_grpo.trainer import broadcast_object, build_policy, close_distributed, init_distributed, train_step
+from torchtitan_grpo.train.trainer import broadcast_object, build_policy, close_distributed, init_distributed, train_step
 from torchtitan_grpo.weight_sync.gather import trainer_push
 
 logger = logging.getLogger("torchtitan_grpo")

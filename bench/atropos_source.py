@@ -37,7 +37,7 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from torchtitan_grpo.inference.launcher import log_tail  # noqa: E402
+from torchtitan_grpo.fleet.launcher import log_tail  # noqa: E402
 from torchtitan_grpo.net import free_port  # noqa: E402
 
 PROMPTS, GROUP = 16, 16
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-timeout-s", type=float, default=1800.0)
     args = ap.parse_args(argv)
 
-    from torchtitan_grpo.demo_assets import TinyQwen3, ensure_tiny_qwen3
+    from torchtitan_grpo.models.demo_assets import TinyQwen3, ensure_tiny_qwen3
 
     args.model_dir = args.model_dir or os.path.join(args.out, "tiny-qwen3")
     ensure_tiny_qwen3(args.model_dir, TinyQwen3())

@@ -9,7 +9,7 @@ One forward + backward of ``sum(logprobs * g)`` plus the entropy metric, from
 * ``full``: what the trainer did before ``grpo.logprob_chunk_tokens``: logits
   ``h @ W^T``, upcast to float32, ``loss.token_logprobs`` and
   ``loss.entropy_from_logits`` (the baseline, measured in the same run);
-* ``chunk N``: :func:`torchtitan_grpo.token_logprobs.chunked_logprobs`;
+* ``chunk N``: :func:`torchtitan_grpo.train.token_logprobs.chunked_logprobs`;
 * ``cce`` (``--cce``): cut-cross-entropy's Triton kernel, per-token loss,
   exact backward (``filter_eps=None``), no entropy: for comparison only.
 
@@ -53,8 +53,8 @@ def _rss_now_mib() -> float:
 
 
 def _step(mode: int, h, w, targets, g, temperature: float):
-    from torchtitan_grpo import loss as grpo_losses
-    from torchtitan_grpo.token_logprobs import chunked_logprobs
+    from torchtitan_grpo.train import loss as grpo_losses
+    from torchtitan_grpo.train.token_logprobs import chunked_logprobs
 
     h.grad = w.grad = None
     if mode == 0:

@@ -1,7 +1,7 @@
 """Delta push after real GRPO steps (issue 41): how many bf16 elements change
 per version, and what sending only those costs against the full weights.
 
-    python -m torchtitan_grpo.convert SmolLM2-135M-Instruct.Q4_1.gguf OUT --dtype float32
+    python -m torchtitan_grpo.models.gguf SmolLM2-135M-Instruct.Q4_1.gguf OUT --dtype float32
     python bench/delta_push.py --model OUT                # the recipe's task, lr 1e-5, 1e-4, 1e-6
     python bench/delta_push.py --tiny                     # the demo's tiny Qwen3 (what the tests run)
 
@@ -59,7 +59,7 @@ def free_port() -> int:
 
 def start_server(model_dir: str, dtype: str, log: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "torchtitan_grpo.inference.server", "--model", model_dir, "--port", str(port),
+    cmd = [sys.executable, "-m", "torchtitan_grpo.server", "--model", model_dir, "--port", str(port),
            "--dtype", dtype, "--num-threads", "1", "--max-batch-size", "64"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -84,8 +84,8 @@ def text_hash_reward(prompt: str, completion: str, row: dict) -> float:
 
 
 def build_trainer(model_dir: str, family: str, lr: float, seq_len: int, dump: str):
-    from torchtitan_grpo.config import parse_config
-    from torchtitan_grpo.trainer import Dist, build_policy
+    from torchtitan_grpo.config.parse import parse_config
+    from torchtitan_grpo.train.trainer import Dist, build_policy
 
     cfg = parse_config(["--model.name", family, "--model.hf_assets_path", model_dir, "--training.seq_len",
                         str(seq_len), "--training.steps", "1000000", "--training.max_norm", "1.0",
@@ -136,9 +136,9 @@ def served_equal(url: str, want: dict[str, torch.Tensor], names: list[str]) -> b
 
 def run_lr(args, lr: float, url: str, rows, scorer, tok, log_dir: str) -> list[dict]:
     from torchtitan_grpo.aio import LoopThread
-    from torchtitan_grpo.inference.pool import InferencePool, PoolConfig
-    from torchtitan_grpo.inference.types import SamplingParams
-    from torchtitan_grpo.trainer import hf_weights, train_step
+    from torchtitan_grpo.fleet.pool import InferencePool, PoolConfig
+    from torchtitan_grpo.fleet.types import SamplingParams
+    from torchtitan_grpo.train.trainer import hf_weights, train_step
     from torchtitan_grpo.weight_sync.pusher import Pusher, PushConfig
 
     cfg, d, policy = build_trainer(args.model, args.family, lr, args.seq_len, log_dir)
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
 
     log_dir = tempfile.mkdtemp(prefix="delta_push_")
     if args.tiny:
-        from torchtitan_grpo.demo_assets import ensure_tiny_qwen3
+        from torchtitan_grpo.models.demo_assets import ensure_tiny_qwen3
         from torchtitan_grpo.rollout.tasks import digits_task_rows
 
         args.model = ensure_tiny_qwen3(os.path.join(log_dir, "tiny-qwen3"))

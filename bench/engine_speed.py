@@ -65,8 +65,8 @@ def timed(fn: Callable[[], int]) -> tuple[float, int]:
 
 
 def engine_row(model_dir: str, kv: str, prompts, n: int, new: int, dtype: str, overlap: bool) -> Callable[[], int]:
-    from torchtitan_grpo.inference.engine import Engine, EngineConfig
-    from torchtitan_grpo.inference.requests import SamplingParams
+    from torchtitan_grpo.server.engine.engine import Engine, EngineConfig
+    from torchtitan_grpo.server.engine.requests import SamplingParams
 
     eng = Engine(EngineConfig(model_dir, device="cuda:0", dtype=dtype, max_batch_size=len(prompts) * n,
                               kv_cache=kv, max_model_len=len(prompts[0]) + new + 8,
@@ -91,7 +91,7 @@ def server_row(model_dir: str, kv: str, prompts, n: int, new: int, dtype: str, l
                overlap: bool) -> Callable[[], int]:
     import aiohttp
 
-    from torchtitan_grpo.inference.launcher import ServerSpec, start_servers, stop_process
+    from torchtitan_grpo.fleet.launcher import ServerSpec, start_servers, stop_process
 
     spec = ServerSpec(model_dir, device="cuda:0", dtype=dtype, extra_args=(
         "--kv-cache", kv, "--max-batch-size", str(len(prompts) * n),
@@ -130,7 +130,7 @@ def static_forward_row(model_dir: str, prompts, n: int, new: int, dtype: str) ->
 
     from transformers import AutoModelForCausalLM
 
-    from torchtitan_grpo.inference.static_batch import StaticBatch
+    from torchtitan_grpo.server.engine.static_batch import StaticBatch
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).cuda().eval()
     batch = StaticBatch(model, torch.device("cuda:0"), slots=len(prompts) * n, max_len=len(prompts[0]) + new + 8)
@@ -190,7 +190,7 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="engine_speed_")
     model_dir = args.model_dir
     if model_dir is None:
-        from torchtitan_grpo.demo_assets import QWEN3_0_6B, TinyQwen3, write_tiny_qwen3
+        from torchtitan_grpo.models.demo_assets import QWEN3_0_6B, TinyQwen3, write_tiny_qwen3
 
         model_dir = write_tiny_qwen3(os.path.join(tmp, "model"), QWEN3_0_6B if args.shape != "tiny" else TinyQwen3())
     vocab = int(__import__("json").load(open(os.path.join(model_dir, "config.json")))["vocab_size"])

@@ -199,7 +199,7 @@ class Server:
 
 
 def start_ours(model_dir: str, args: argparse.Namespace, max_len: int, log_dir: str) -> Server:
-    from torchtitan_grpo.inference.launcher import ServerSpec, start_servers
+    from torchtitan_grpo.fleet.launcher import ServerSpec, start_servers
 
     gpu = args.device != "cpu"
     spec = ServerSpec(model_dir, device=args.device, dtype="bfloat16" if gpu else "float32", extra_args=(

@@ -38,8 +38,8 @@ MODES = ("off", "export", "gather")
 
 
 def build(args, model_dir: str, d):
-    from torchtitan_grpo.config import parse_config
-    from torchtitan_grpo.trainer import build_policy
+    from torchtitan_grpo.config.parse import parse_config
+    from torchtitan_grpo.train.trainer import build_policy
 
     seq = args.prompt_len + args.completion_len
     argv = ["--model.name", "qwen3", "--model.hf_assets_path", model_dir, "--training.seq_len", str(seq),
@@ -78,9 +78,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from step_time import synthetic_batch, write_model
 
-    from torchtitan_grpo.model import hf_state_dict
-    from torchtitan_grpo.parallel import data_parallel_rank_and_degree
-    from torchtitan_grpo.trainer import close_distributed, init_distributed, train_step
+    from torchtitan_grpo.models.hf_bridge import hf_state_dict
+    from torchtitan_grpo.distributed.parallel import data_parallel_rank_and_degree
+    from torchtitan_grpo.train.trainer import close_distributed, init_distributed, train_step
     from torchtitan_grpo.weight_sync.gather import ShardGatherer
 
     d = init_distributed()

@@ -55,7 +55,7 @@ from bench.step_time import Trainer, write_model  # noqa: E402
 def step_groups() -> bytes:
     """One step's groups as the client process pickles them (16 x 16 samples, 2 tokens each)."""
     from torchtitan_grpo.rollout.groups import ScoredGroup
-    from torchtitan_grpo.rollout.sample import Sample
+    from torchtitan_grpo.train.sample import Sample
 
     groups = []
     for i in range(16):

@@ -77,7 +77,7 @@ def write_model(out_dir: str, layers: int, device: str, seed: int = 0) -> str:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from torchtitan_grpo.demo_assets import write_tokenizer
+    from torchtitan_grpo.models.demo_assets import write_tokenizer
 
     config = Qwen3Config(**{**QWEN3_4B, "num_hidden_layers": layers}, bos_token_id=None, eos_token_id=1,
                          pad_token_id=0, attention_bias=False, torch_dtype="bfloat16")
@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             os.remove(os.path.join(run_dir, stale))
     t0 = time.perf_counter()
     if args.tiny:
-        from torchtitan_grpo.demo_assets import TinyQwen3, ensure_tiny_qwen3
+        from torchtitan_grpo.models.demo_assets import TinyQwen3, ensure_tiny_qwen3
 
         model_dir = ensure_tiny_qwen3(os.path.join(args.out, "tiny-qwen3"), TinyQwen3())
         shape = "tiny Qwen3 (2 layers, hidden 64)"

@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from torchtitan_grpo import _titan  # noqa: E402,F401  (before torchtitan)
-from torchtitan_grpo.rollout.sample import Sample  # noqa: E402
+from torchtitan_grpo.train.sample import Sample  # noqa: E402
 
 # Qwen3-4B's config.json (shape only; the weights are random)
 QWEN3_4B = {
@@ -108,7 +108,7 @@ def ac_flags(ac: str) -> tuple[str, ...]:
 def job_config(args: argparse.Namespace, model_dir: str, extra: tuple[str, ...] = ()):
     """The trainer's validated JobConfig (the model dir holds only config.json);
     ``extra``: more ``--section.key value`` flags (e.g. ``[parallelism]``)."""
-    from torchtitan_grpo.config import parse_config
+    from torchtitan_grpo.config.parse import parse_config
 
     argv = ["--model.name", "qwen3", "--model.hf_assets_path", model_dir,
             "--training.seq_len", str(max(args.tokens)), "--training.steps", "1000000",
@@ -127,9 +127,9 @@ def build_policy(cfg, config: dict, device: torch.device):
     from torchtitan.components.lr_scheduler import build_lr_schedulers
     from torchtitan.components.optimizer import build_optimizers
 
-    from torchtitan_grpo import model as hf_model
-    from torchtitan_grpo import parallel
-    from torchtitan_grpo.trainer import Policy
+    from torchtitan_grpo.models import hf_bridge as hf_model
+    from torchtitan_grpo.distributed import parallel
+    from torchtitan_grpo.train.trainer import Policy
 
     args = hf_model.model_args_from_hf("qwen3", config, max_seq_len=cfg.training.seq_len)
     model = hf_model.build_model("qwen3", args, device, torch.float32)
@@ -174,7 +174,7 @@ def run_row(policy, batch: list[Sample], cfg, chunk: int, args, device: torch.de
     """One warm-up step and ``args.reps`` timed ``train_step`` calls; OOM -> ``{"oom": True}``.
     ``batch``: the whole step's samples; ``local``: this rank's share of them
     (default: all), ``d``: this rank's ``trainer.Dist`` (default: one process)."""
-    from torchtitan_grpo.trainer import Dist, train_step
+    from torchtitan_grpo.train.trainer import Dist, train_step
 
     cfg.grpo.logprob_chunk_tokens = chunk
     d = d or Dist(0, 1, 0, device)

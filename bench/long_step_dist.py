@@ -122,7 +122,7 @@ def init(args: argparse.Namespace):
     or gloo on the CPU for ``--tiny`` even where there is a GPU."""
     from datetime import timedelta
 
-    from torchtitan_grpo.trainer import Dist, init_distributed
+    from torchtitan_grpo.train.trainer import Dist, init_distributed
 
     if args.device == "cuda":
         return init_distributed(args.timeout)
@@ -143,7 +143,7 @@ def write_checkpoint(path: Path, config: dict, device: torch.device) -> None:
     renamed into place."""
     from safetensors.torch import save_file
 
-    from torchtitan_grpo import model as hf_model
+    from torchtitan_grpo.models import hf_bridge as hf_model
 
     margs = hf_model.model_args_from_hf("qwen3", config, max_seq_len=1024)
     torch.manual_seed(0)  # the same weights on every machine
@@ -238,8 +238,8 @@ def fmt_row(layout: str, tokens: int, n_samples: int, r: dict | None, flops: flo
 
 def run_layout(layout: str, args: argparse.Namespace, config: dict, d, peak: float | None) -> None:
     """Build the trainer's policy for ``layout`` and run its rows."""
-    from torchtitan_grpo import parallel
-    from torchtitan_grpo.trainer import build_policy
+    from torchtitan_grpo.distributed import parallel
+    from torchtitan_grpo.train.trainer import build_policy
 
     extra = shlex.split(args.config_flags)
     cfg = long_step.job_config(args, args.ckpt, (*layout_flags(layout, d.world_size, args.cp), *extra))

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torchtitan_grpo  # noqa: E402,F401  (before torchtitan)
 import torch  # noqa: E402
 
-from torchtitan_grpo.demo_assets import TinyQwen3  # noqa: E402
+from torchtitan_grpo.models.demo_assets import TinyQwen3  # noqa: E402
 
 SHAPES = {
     "tiny": TinyQwen3(),
@@ -53,7 +53,7 @@ def write_model(shape: TinyQwen3, out: str) -> str:
 
     from dataclasses import asdict
 
-    from torchtitan_grpo.demo_assets import write_tokenizer
+    from torchtitan_grpo.models.demo_assets import write_tokenizer
 
     if os.path.exists(os.path.join(out, "config.json")):
         return out

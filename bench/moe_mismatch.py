@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torchtitan_grpo  # noqa: E402,F401  (before torchtitan)
 import torch  # noqa: E402
 
-from torchtitan_grpo.demo_assets import TinyQwen3Moe  # noqa: E402
+from torchtitan_grpo.models.demo_assets import TinyQwen3Moe  # noqa: E402
 
 SHAPES = {
     "tiny": TinyQwen3Moe(),
@@ -70,7 +70,7 @@ def write_model(shape: TinyQwen3Moe, layers: int, out: str, device: torch.device
 
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from torchtitan_grpo.demo_assets import write_tokenizer
+    from torchtitan_grpo.models.demo_assets import write_tokenizer
 
     if os.path.exists(os.path.join(out, "config.json")):
         return out
@@ -90,7 +90,7 @@ def write_model(shape: TinyQwen3Moe, layers: int, out: str, device: torch.device
 
 
 def build_trainer_model(hf_dir: str, device: torch.device, max_len: int):
-    from torchtitan_grpo import model as tm
+    from torchtitan_grpo.models import hf_bridge as tm
 
     hf_config = tm.load_hf_config(hf_dir)
     args = tm.model_args_from_hf("qwen3", hf_config, max_len)
@@ -129,7 +129,7 @@ def train(model, device: torch.device, steps: int, batch: int, length: int, voca
 def save_hf(model, adapter, hf_dir: str, dtype: torch.dtype) -> None:
     from safetensors.torch import save_file
 
-    from torchtitan_grpo import model as tm
+    from torchtitan_grpo.models import hf_bridge as tm
 
     tensors = {k: v.detach().to(dtype).cpu().contiguous() for k, v in tm.hf_state_dict(model, adapter).items()}
     for f in os.listdir(hf_dir):
@@ -140,8 +140,8 @@ def save_hf(model, adapter, hf_dir: str, dtype: torch.dtype) -> None:
 
 def generate(url: str, prompts: list[list[int]], new_tokens: int, layers: int, top_k: int):
     """Samples with rollout log-probs and routed experts (SGLang's /generate, one batch)."""
-    from torchtitan_grpo.inference import route_codec
-    from torchtitan_grpo.rollout.sample import Sample
+    from torchtitan_grpo.protocol import route_codec
+    from torchtitan_grpo.train.sample import Sample
 
     body = {"input_ids": prompts, "return_logprob": True, "return_routed_experts": True,
             "sampling_params": {"temperature": 1.0, "max_new_tokens": new_tokens, "ignore_eos": True}}
@@ -165,7 +165,7 @@ def score(model, samples, device: torch.device, replay_on: bool, micro: int,
     tokens; ``flipped`` (per sample, per completion token: the position feeding
     it routed differently in some layer with replay off) also restricts it to
     those tokens. Returns the flags it saw (meaningful with replay off)."""
-    from torchtitan_grpo import router_replay
+    from torchtitan_grpo.models import router_replay
 
     routers = router_replay.moe_routers(model)
     diffs, k3s, flags, flips, slots = [], [], [], 0, 0
@@ -211,7 +211,7 @@ def score(model, samples, device: torch.device, replay_on: bool, micro: int,
 
 def time_pushes(url: str, model, adapter, device: torch.device, server_device: str,
                 reps: int) -> tuple[int, int, list[float]]:
-    from torchtitan_grpo import model as tm
+    from torchtitan_grpo.models import hf_bridge as tm
     from torchtitan_grpo.aio import LoopThread
     from torchtitan_grpo.weight_sync.pusher import Pusher, PushConfig
 

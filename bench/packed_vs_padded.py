@@ -44,8 +44,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import long_step  # noqa: E402  (imports torchtitan_grpo before torchtitan)
-from torchtitan_grpo import packing  # noqa: E402
-from torchtitan_grpo.rollout.sample import Sample  # noqa: E402
+from torchtitan_grpo.train import packing  # noqa: E402
+from torchtitan_grpo.train.sample import Sample  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

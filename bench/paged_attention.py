@@ -1,5 +1,5 @@
 """One layer's decode attention over the paged KV cache: the triton kernel
-(``torchtitan_grpo/inference/paged_attention.py``) against the gather + SDPA
+(``torchtitan_grpo/server/engine/paged_attention.py``) against the gather + SDPA
 path it replaces, in GB/s of K and V read and % of the HBM bandwidth.
 
 Each row: ``rows`` sequences, every one at ``context`` positions, Qwen3-4B's
@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from torchtitan_grpo.inference.paged_attention import paged_decode, splits, _sm_count  # noqa: E402
+from torchtitan_grpo.server.engine.paged_attention import paged_decode, splits, _sm_count  # noqa: E402
 
 BS = 16
 

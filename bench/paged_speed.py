@@ -41,7 +41,7 @@ BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12}
 
 
 def shape(name: str):
-    from torchtitan_grpo.demo_assets import QWEN3_0_6B, TinyQwen3
+    from torchtitan_grpo.models.demo_assets import QWEN3_0_6B, TinyQwen3
 
     if name == "qwen3-0.6b":
         return TinyQwen3(**{**QWEN3_0_6B.__dict__, "max_position_embeddings": 40960})
@@ -77,9 +77,9 @@ def make_prompts(seqs: int, prompt_len: int, vocab: int) -> list[list[int]]:
 
 
 def run_row(model_dir: str, kv: str, seqs: int, prompt_len: int, new: int, gb: float, vocab: int) -> dict:
-    from torchtitan_grpo.inference.engine import Engine, EngineConfig
-    from torchtitan_grpo.inference.kv_pool import bytes_per_token
-    from torchtitan_grpo.inference.requests import SamplingParams
+    from torchtitan_grpo.server.engine.engine import Engine, EngineConfig
+    from torchtitan_grpo.server.engine.kv_pool import bytes_per_token
+    from torchtitan_grpo.server.engine.requests import SamplingParams
 
     eng = Engine(EngineConfig(model_dir, device="cuda:0", dtype="bfloat16", max_batch_size=seqs, kv_cache=kv,
                               max_model_len=prompt_len + new + 8, kv_cache_memory_gb=gb))
@@ -142,7 +142,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("paged_speed.py needs a GPU")
-    from torchtitan_grpo.demo_assets import write_tiny_qwen3
+    from torchtitan_grpo.models.demo_assets import write_tiny_qwen3
 
     tmp = tempfile.mkdtemp(prefix="paged_speed_")
     s = shape(args.shape)

@@ -87,7 +87,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.step_usage import StepUsageMeter, cores  # noqa: E402
-from torchtitan_grpo.inference.launcher import ServerSpec, log_tail, start_servers, stop_process  # noqa: E402
+from torchtitan_grpo.fleet.launcher import ServerSpec, log_tail, start_servers, stop_process  # noqa: E402
 
 
 def server_specs(args, delays: list[float]) -> list[ServerSpec]:
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("extra", nargs="*", help="more grpo_train.py overrides, after --")
     args = ap.parse_args(argv)
 
-    from torchtitan_grpo.demo_assets import QWEN3_0_6B, TinyQwen3, ensure_tiny_qwen3
+    from torchtitan_grpo.models.demo_assets import QWEN3_0_6B, TinyQwen3, ensure_tiny_qwen3
 
     gpu = "two" if args.two_gpu else "one" if args.one_gpu else ""  # print_table's mode; "" on CPU
     args.steps = args.steps or (12 if gpu else 150)

@@ -37,10 +37,10 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torchtitan_grpo.inference import sglang  # noqa: E402
-from torchtitan_grpo.inference.launcher import ServerSpec, running_servers  # noqa: E402
-from torchtitan_grpo.inference.pool import InferencePool, PoolConfig, percentile  # noqa: E402
-from torchtitan_grpo.inference.types import SamplingParams  # noqa: E402
+from torchtitan_grpo.fleet import sglang  # noqa: E402
+from torchtitan_grpo.fleet.launcher import ServerSpec, running_servers  # noqa: E402
+from torchtitan_grpo.fleet.pool import InferencePool, PoolConfig, percentile  # noqa: E402
+from torchtitan_grpo.fleet.types import SamplingParams  # noqa: E402
 
 
 def workload(num: int, n: int, max_new_tokens: int) -> list[tuple[list[int], SamplingParams]]:
@@ -131,7 +131,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
-            from torchtitan_grpo.demo_assets import ensure_tiny_qwen3
+            from torchtitan_grpo.models.demo_assets import ensure_tiny_qwen3
 
             model = ensure_tiny_qwen3(os.path.join(tmp, "tiny-qwen3"))
         specs = [ServerSpec(model, threads=1, seed=k) for k in range(args.servers)]

@@ -12,7 +12,7 @@ fused AdamW; ``--cpu``: the demo's tiny Qwen3), taking real forward / backward
 / AdamW steps (``trainer.train_step``) on one fixed synthetic GRPO batch, and
 pushing the HF-named weights (``DirectPush.tensors``) after each step with
 ``weight_sync.pusher.Pusher`` (nccl, or gloo with ``--cpu``) to built-in
-servers (``python -m torchtitan_grpo.inference.server``, bf16 on cuda:1; they
+servers (``python -m torchtitan_grpo.server``, bf16 on cuda:1; they
 receive the float32 tensors ``grpo_train.py`` sends and cast them as they
 load). The servers only receive weights: nothing generates, so every
 difference between the rows is the push.
@@ -81,8 +81,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from torchtitan_grpo.aio import LoopThread  # noqa: E402
-from torchtitan_grpo.demo_assets import QWEN3_0_6B, TinyQwen3, write_tiny_qwen3  # noqa: E402
-from torchtitan_grpo.inference.launcher import free_port, log_tail, stop_process  # noqa: E402
+from torchtitan_grpo.models.demo_assets import QWEN3_0_6B, TinyQwen3, write_tiny_qwen3  # noqa: E402
+from torchtitan_grpo.fleet.launcher import free_port, log_tail, stop_process  # noqa: E402
 from torchtitan_grpo.weight_sync import buckets as bk  # noqa: E402
 
 GROUP_NAME = "weight_update_group"
@@ -111,7 +111,7 @@ def start_server(model_dir: str, device: str, dtype: str, log_dir: str, delay_s:
     """Start one built-in server (returns at once; see ``wait_healthy``)."""
     port = port or free_port()
     log = os.path.join(log_dir, f"server_{port}_{int(time.time() * 1000) % 100000}.log")
-    cmd = [sys.executable, "-m", "torchtitan_grpo.inference.server", "--model", model_dir, "--port", str(port),
+    cmd = [sys.executable, "-m", "torchtitan_grpo.server", "--model", model_dir, "--port", str(port),
            "--device", device, "--dtype", dtype, "--weight-group-timeout", "120",
            "--debug-update-delay-s", f"{delay_s:.6f}"]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
@@ -168,7 +168,7 @@ def write_model(model_dir: str, gpu: bool) -> None:
 
 def synthetic_batch(num: int, prompt_len: int, completion_len: int, vocab: int, seed: int = 0):
     """A fixed GRPO batch: random tokens, rollout logprobs near uniform, advantages +-1."""
-    from torchtitan_grpo.trainer import Sample
+    from torchtitan_grpo.train.trainer import Sample
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -185,8 +185,8 @@ class Trainer:
     """The trainer of ``grpo_train.py`` on one device, on a fixed batch."""
 
     def __init__(self, args, model_dir: str, device: torch.device):
-        from torchtitan_grpo.config import parse_config
-        from torchtitan_grpo.trainer import Dist, build_policy
+        from torchtitan_grpo.config.parse import parse_config
+        from torchtitan_grpo.train.trainer import Dist, build_policy
         from torchtitan_grpo.weight_sync.gather import DirectPush
 
         self.args = args
@@ -211,7 +211,7 @@ class Trainer:
         self.batch = synthetic_batch(num, self.args.prompt_len, self.args.completion_len, self.vocab)
 
     def step(self, pusher, mode: str) -> dict:
-        from torchtitan_grpo.trainer import train_step
+        from torchtitan_grpo.train.trainer import train_step
 
         a = self.args
         t0 = time.perf_counter()
@@ -230,7 +230,7 @@ class Trainer:
         return m
 
     def push_specs(self) -> list[bk.TensorSpec]:
-        from torchtitan_grpo.trainer import hf_weights
+        from torchtitan_grpo.train.trainer import hf_weights
 
         return [bk.TensorSpec.of(n, t) for n, t in hf_weights(self.policy).items()]
 

@@ -109,7 +109,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torchtitan_grpo  # noqa: E402,F401  (triton shim before torchtitan)
 from torchtitan_grpo.aio import LoopThread  # noqa: E402
-from torchtitan_grpo.inference.weights import install_weights  # noqa: E402
+from torchtitan_grpo.server.engine.weights import install_weights  # noqa: E402
 from torchtitan_grpo.net import free_port  # noqa: E402
 from torchtitan_grpo.weight_sync import buckets as bk  # noqa: E402
 
@@ -189,7 +189,7 @@ class Ranks:
 def _measure_set(r: Ranks, flavor: str, bucket_mbs: list[int], reps: int, backend: str, raw_group,
                  loop: LoopThread | None, protocols: list[str], disk_sets: list[str],
                  staging: str = "device") -> list[dict]:
-    from torchtitan_grpo.inference.weights import receive_weights
+    from torchtitan_grpo.server.engine.weights import receive_weights
     from torchtitan_grpo.weight_sync.group import init_weight_group, master_store
     from torchtitan_grpo.weight_sync.pusher import PushConfig
 

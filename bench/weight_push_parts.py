@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from torchtitan_grpo.inference.engine import Engine
-from torchtitan_grpo.inference.weights import install_weights
+from torchtitan_grpo.server.engine.engine import Engine
+from torchtitan_grpo.server.engine.weights import install_weights
 from torchtitan_grpo.weight_sync import buckets as bk
 
 
@@ -77,7 +77,7 @@ async def serve_routes(engine: TensorEngine, device: torch.device):
     """The built-in server's app (SGLang and vLLM routes) over ``engine`` on a free port."""
     from aiohttp import web
 
-    from torchtitan_grpo.inference.server import ServerConfig, build_app
+    from torchtitan_grpo.server.app import ServerConfig, build_app
 
     app, _ = build_app(engine, ServerConfig(model="bench-stand-in", device=str(device), port=0,
                                             weight_group_timeout_s=120))
@@ -174,7 +174,9 @@ def _trace_trainer() -> None:
 
 
 def _trace_replica_receives() -> None:
-    from torchtitan_grpo.inference import packed_receive, sglang_weights, vllm_weights, weights
+    from torchtitan_grpo.server.receive import packed as packed_receive
+    from torchtitan_grpo.server.routes import sglang_weights, vllm_weights
+    from torchtitan_grpo.server.engine import weights
 
     # The routes post the receives and answer; the session's end waits for the bytes.
     TRACE.wrap(sglang_weights, "post_receive", lambda group, specs, *a: f"replica post receive ({len(specs)} tensors)")

@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         url = a.url
         if url is None:
             from tests.server_procs import model_with_chat_template, start_server, stop_server
-            from torchtitan_grpo.demo_assets import ensure_tiny_qwen3
+            from torchtitan_grpo.models.demo_assets import ensure_tiny_qwen3
 
             ensure_tiny_qwen3(f"{tmp}/tiny")
             model = model_with_chat_template(f"{tmp}/tiny", Path(tmp) / "model")

@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from torchtitan_grpo.inference import sglang as sglang_client
-from torchtitan_grpo.inference import vllm as vllm_client
-from torchtitan_grpo.inference.types import SamplingParams
+from torchtitan_grpo.fleet import sglang as sglang_client
+from torchtitan_grpo.fleet import vllm as vllm_client
+from torchtitan_grpo.fleet.types import SamplingParams
 
 GENERATE, COMPLETIONS, CHAT = "/generate", "/v1/completions", "/v1/chat/completions"
 PROMPT_IDS = [20, 19, 13, 19, 31]  # "21+1=" in the demo tokenizer (id = ord(c) - 30)

@@ -75,7 +75,7 @@ for m in ("torchtitan", "transformers", "tokenizers", "safetensors", "datasets",
     except Exception as e:
         print(f"  {m} MISSING: {type(e).__name__}: {e}")
 try:
-    import grpo_train, torchtitan_grpo.trainer, torchtitan_grpo.weight_sync.pusher  # noqa: F401
+    import grpo_train, torchtitan_grpo.train.trainer, torchtitan_grpo.weight_sync.pusher  # noqa: F401
     import torchtitan.distributed.utils  # noqa: F401  (pulls in torch.utils.tensorboard)
     print("imports ok")
 except Exception:

@@ -33,7 +33,7 @@ sum=$(md5sum "$GGUF" | cut -d' ' -f1)
 echo "gguf md5 $sum" | tee "$OUT/gguf.md5"
 [ "$sum" = a1231443440b107ff29f02bdb38c9d0a ] || { echo "device_long_recipe: the joined GGUF's md5 differs"; exit 4; }
 MODEL=/tmp/smollm2-135m-instruct
-python3 -m torchtitan_grpo.convert "$GGUF" "$MODEL" --dtype float32 > "$OUT/convert.log" 2>&1 || exit 4
+python3 -m torchtitan_grpo.models.gguf "$GGUF" "$MODEL" --dtype float32 > "$OUT/convert.log" 2>&1 || exit 4
 python3 scripts/make_arith_dataset.py --out-dir data/arith > "$OUT/data.log" 2>&1 || exit 5
 
 long() {

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 40: LoRA on two trainer ranks (torchtitan_grpo/lora_sharded.py) on
+# Issue 40: LoRA on two trainer ranks (torchtitan_grpo/lora/sharded.py) on
 # two GPUs of one host, over NCCL, one GPU per rank (run from the repo root
 # with the wheels of ../shared/tools/device-wheels.sh in .whl/, carried):
 #

@@ -33,7 +33,7 @@ step gpu_tests python3 -m pytest -q -ra -p no:cacheprovider -m gpu tests/test_gp
 
 # An NCCL push to a server on cuda:0, the trainer's GPU: refused before anything starts.
 t=$SECONDS
-python3 -m torchtitan_grpo.demo_assets "$OUT/refused/tiny-qwen3" > /dev/null  # a model there: the refusal is the device's
+python3 -m torchtitan_grpo.models.demo_assets "$OUT/refused/tiny-qwen3" > /dev/null  # a model there: the refusal is the device's
 timeout 120 python3 -m torch.distributed.run --standalone --nproc_per_node=1 grpo_train.py \
   --job.config_file train_configs/verify_2gpu.toml --job.dump_folder "$OUT/refused" \
   --model.hf_assets_path "$OUT/refused/tiny-qwen3" --inference.server_device cuda:0 > "$OUT/refused.log" 2>&1

@@ -28,7 +28,7 @@ source scripts/device_env.sh
 rc=0
 MODEL=/tmp/smollm2-135m-instruct
 if [ "${PREP:-1}" = 1 ]; then
-  budgeted convert.log python3 -m torchtitan_grpo.convert "$GGUF" "$MODEL" --dtype float32 || exit 4
+  budgeted convert.log python3 -m torchtitan_grpo.models.gguf "$GGUF" "$MODEL" --dtype float32 || exit 4
   budgeted data.log python3 scripts/make_arith_dataset.py --out-dir data/arith || exit 5
 fi
 if [ "${BASE:-1}" = 1 ]; then

@@ -40,7 +40,7 @@ fi
 python3 -c "import vllm; print('vllm', vllm.__version__)" | tee -a "$OUT/env.log"
 MODEL=/tmp/smollm2-135m-instruct
 if [ ! -f "$MODEL/config.json" ]; then
-  budgeted convert.log python3 -m torchtitan_grpo.convert "$GGUF" "$MODEL" --dtype float32 || exit 4
+  budgeted convert.log python3 -m torchtitan_grpo.models.gguf "$GGUF" "$MODEL" --dtype float32 || exit 4
 fi
 [ -f data/arith/eval.jsonl ] || budgeted data.log python3 scripts/make_arith_dataset.py --out-dir data/arith || exit 5
 rc=0

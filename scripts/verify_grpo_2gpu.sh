@@ -49,7 +49,7 @@ mkdir -p "$DUMP"
 rm -f "$DUMP/metrics.jsonl" "$DUMP/check.json"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 # The trainer creates a missing model only at the demo's own path: write ours first (kept if there).
-"$PYTHON" -m torchtitan_grpo.demo_assets "$DUMP/tiny-qwen3" > /dev/null
+"$PYTHON" -m torchtitan_grpo.models.demo_assets "$DUMP/tiny-qwen3" > /dev/null
 ARGS=(--job.config_file train_configs/verify_2gpu.toml --job.dump_folder "$DUMP"
       --model.hf_assets_path "$DUMP/tiny-qwen3")
 if [ "$CPU" = 1 ]; then
@@ -88,8 +88,8 @@ from transformers import AutoTokenizer
 import grpo_train
 from torchtitan_grpo import loss as grpo_losses
 from torchtitan_grpo import session
-from torchtitan_grpo.config import parse_config
-from torchtitan_grpo.trainer import hf_weights
+from torchtitan_grpo.config.job_config import parse_config
+from torchtitan_grpo.train.trainer import hf_weights
 
 TOL = float(os.environ["VERIFY_TOL"])
 PROMPTS = ["3>", "7>", "0>", "12345>", "hello>"]

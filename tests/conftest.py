@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """The demo's tiny random Qwen3 + char tokenizer, written once per session."""
-    from torchtitan_grpo.demo_assets import ensure_tiny_qwen3
+    from torchtitan_grpo.models.demo_assets import ensure_tiny_qwen3
 
     return ensure_tiny_qwen3(str(tmp_path_factory.mktemp("models") / "tiny-qwen3"))
 

@@ -1,12 +1,12 @@
 """Stand-ins for the engine's request and sequence, as the KV batches read
-them (static_batch.py, paged_batch.py): enough to prefill and decode rows
+them (server/engine/static_batch.py, server/engine/paged_batch.py): enough to prefill and decode rows
 without an engine."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from torchtitan_grpo.inference.requests import SamplingParams
+from torchtitan_grpo.server.engine.requests import SamplingParams
 
 
 @dataclass

@@ -54,7 +54,7 @@ def start_server(model_dir: str, log: Path, *extra: str, timeout: float = 90) ->
     """Start on a port the server picks itself; return once it printed its URL
     (``timeout``: a hang guard; benchmarks loading large models raise it)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "torchtitan_grpo.inference.server", "--model", model_dir, "--port", "0",
+        [sys.executable, "-m", "torchtitan_grpo.server", "--model", model_dir, "--port", "0",
          "--num-threads", "1", *extra],
         stdout=subprocess.PIPE, stderr=open(log, "wb"), env=server_env(), cwd=REPO,
     )
@@ -102,8 +102,8 @@ def in_process_server(args: list[str], engine_hook=None):
 
     from aiohttp import web
 
-    from torchtitan_grpo.inference.engine import Engine
-    from torchtitan_grpo.inference.server import build_app, engine_config, parse_args
+    from torchtitan_grpo.server.engine.engine import Engine
+    from torchtitan_grpo.server.app import build_app, engine_config, parse_args
 
     cfg = parse_args(args)
     engine = Engine(engine_config(cfg))

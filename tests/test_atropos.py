@@ -403,8 +403,8 @@ def test_atroposlib_handlers_get_tokens_and_logprobs(chat_server, chat_model):
     from atroposlib.envs.server_handling.vllm_server import VLLMServer
     from transformers import AutoTokenizer
 
-    from torchtitan_grpo.inference import vllm_chat, vllm_generate
-    from torchtitan_grpo.inference.sglang_routes import SGLANG_SAMPLING_KEYS
+    from torchtitan_grpo.server.routes import vllm_chat, vllm_generate
+    from torchtitan_grpo.server.routes.sglang import SGLANG_SAMPLING_KEYS
 
     tok = AutoTokenizer.from_pretrained(chat_model)
     messages = [{"role": "user", "content": "3>"}]

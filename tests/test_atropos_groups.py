@@ -14,7 +14,7 @@ import torch
 
 from torchtitan_grpo.rollout.advantages import group_advantages
 from torchtitan_grpo.rollout.atropos_groups import Malformed, convert_group, convert_groups
-from torchtitan_grpo.trainer import Sample, _LossContext, _micro_batch_loss, _pack
+from torchtitan_grpo.train.trainer import Sample, _LossContext, _micro_batch_loss, _pack
 
 
 def multi_turn_group() -> dict:

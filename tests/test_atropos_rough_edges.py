@@ -41,22 +41,22 @@ def _imported_modules(path: Path) -> set[str]:
 
 
 def test_atropos_modules_do_not_import_the_trainer():
-    """The rollout side sits below the trainer: Sample comes from rollout/sample.py."""
+    """The rollout side sits below the trainer: Sample comes from train/sample.py."""
     for name in ("atropos.py", "atropos_groups.py", "atropos_batch.py", "atropos_hints.py"):
         imported = _imported_modules(PKG / "rollout" / name)
-        assert "torchtitan_grpo.trainer" not in imported and not any(
-            m.startswith("torchtitan_grpo.trainer.") for m in imported), name
+        assert "torchtitan_grpo.train.trainer" not in imported and not any(
+            m.startswith("torchtitan_grpo.train.trainer.") for m in imported), name
     for name in ("atropos_groups.py", "atropos_batch.py"):
-        assert "torchtitan_grpo.rollout.sample.Sample" in _imported_modules(PKG / "rollout" / name), name
+        assert "torchtitan_grpo.train.sample.Sample" in _imported_modules(PKG / "rollout" / name), name
 
 
 def test_the_kv_batches_do_not_import_each_other():
-    batch = _imported_modules(PKG / "inference" / "batch.py")
-    static = _imported_modules(PKG / "inference" / "static_batch.py")
-    batch_uses_static = any(m.startswith("torchtitan_grpo.inference.static_batch") for m in batch)
-    static_uses_batch = any(m == "torchtitan_grpo.inference.batch" or m.startswith("torchtitan_grpo.inference.batch.")
+    batch = _imported_modules(PKG / "inference" / "server/engine/batch.py")
+    static = _imported_modules(PKG / "inference" / "server/engine/static_batch.py")
+    batch_uses_static = any(m.startswith("torchtitan_grpo.server.engine.static_batch") for m in batch)
+    static_uses_batch = any(m == "torchtitan_grpo.server.engine.batch" or m.startswith("torchtitan_grpo.server.engine.batch.")
                             for m in static)
-    assert not (batch_uses_static and static_uses_batch), "inference/batch.py and static_batch.py import each other"
+    assert not (batch_uses_static and static_uses_batch), "server/engine/batch.py and server/engine/static_batch.py import each other"
 
 
 # ------------------------------------------------------------------ atroposlib's API, in this process
@@ -318,7 +318,7 @@ def test_the_trainer_removes_a_stale_replica_file_before_its_servers_start(tmp_p
     """An earlier run's servers/replicas.txt would send an environment started
     now to dead servers: it is gone before the trainer starts its own."""
     from torchtitan_grpo import session
-    from torchtitan_grpo.config import parse_config
+    from torchtitan_grpo.config.parse import parse_config
 
     cfg = parse_config(["--job.config_file", str(REPO / "train_configs" / "demo_cpu.toml"),
                         "--job.dump_folder", str(tmp_path), "--model.hf_assets_path", tiny_model_dir,

@@ -14,9 +14,9 @@ from typing import Any, Callable, Sequence
 import pytest
 import torch
 
-from torchtitan_grpo.inference.batch import DynamicBatch, KVBatch, make_batch
-from torchtitan_grpo.inference.static_batch import StaticBatch
-from torchtitan_grpo.inference.requests import SamplingParams, _Request, _Sequence
+from torchtitan_grpo.server.engine.batch import DynamicBatch, KVBatch, make_batch
+from torchtitan_grpo.server.engine.static_batch import StaticBatch
+from torchtitan_grpo.server.engine.requests import SamplingParams, _Request, _Sequence
 
 ATOL = 1e-4
 CPU = torch.device("cpu")
@@ -155,7 +155,7 @@ def test_keeping_no_row_empties_the_batch(make, rand):
 
 
 def test_make_batch_picks_by_kv_cache_and_device(model):
-    from torchtitan_grpo.inference.engine import EngineConfig
+    from torchtitan_grpo.server.engine.engine import EngineConfig
 
     cfg = lambda **kw: EngineConfig("unused", max_batch_size=5, **kw)  # noqa: E731
     batch = make_batch(model, cfg(), CPU, 0)  # auto on CPU: dynamic
@@ -173,9 +173,9 @@ def test_make_batch_picks_by_kv_cache_and_device(model):
 def test_auto_is_static_on_a_gpu_while_its_slots_fit_the_budget_else_paged(model, monkeypatch):
     """No GPU needed: the choice reads the device's free memory only
     (faked here), and allocates nothing."""
-    from torchtitan_grpo.inference import batch as batch_mod
-    from torchtitan_grpo.inference import kv_pool
-    from torchtitan_grpo.inference.engine import EngineConfig
+    from torchtitan_grpo.server.engine import batch as batch_mod
+    from torchtitan_grpo.server.engine import kv_pool
+    from torchtitan_grpo.server.engine.engine import EngineConfig
 
     cuda = torch.device("cuda", 0)
     per_token = kv_pool.bytes_per_token(model, torch.float32)

@@ -1,4 +1,4 @@
-"""Chunked log-probs (torchtitan_grpo.token_logprobs) against the full-logits
+"""Chunked log-probs (torchtitan_grpo.train.token_logprobs) against the full-logits
 path: the function, every GRPO loss variant and IS mode built on it, its
 memory bound, one train_step with the head wired into the model, and one
 2-rank launch (FSDP2 with tied embeddings, DDP) where FSDP's and DDP's hooks
@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torchtitan_grpo import loss as grpo_losses
-from torchtitan_grpo.token_logprobs import chunked_logprobs, logprob_head
-from torchtitan_grpo.trainer import Sample, _LossContext, _logprob_loss, _micro_batch_loss
+from torchtitan_grpo.train import loss as grpo_losses
+from torchtitan_grpo.train.token_logprobs import chunked_logprobs, logprob_head
+from torchtitan_grpo.train.trainer import Sample, _LossContext, _logprob_loss, _micro_batch_loss
 
 from tests.conftest import ROOT
 
@@ -196,9 +196,9 @@ def test_train_step_chunked_matches_full_logits(tiny_model_dir):
     """One GRPO step (2 micro-batches, KL reference, temperature 0.7) with the
     chunked head (5 tokens a chunk: no micro-batch divides evenly) gives the
     full-logits step's loss, metrics, grad norm and updated weights."""
-    from torchtitan_grpo import model as hf_model
-    from torchtitan_grpo.config import parse_config
-    from torchtitan_grpo.trainer import build_policy, init_distributed, train_step
+    from torchtitan_grpo.models import hf_bridge as hf_model
+    from torchtitan_grpo.config.parse import parse_config
+    from torchtitan_grpo.train.trainer import build_policy, init_distributed, train_step
 
     batch = _batch()
     ntok = sum(len(s.completion_ids) for s in batch)
@@ -222,12 +222,12 @@ def test_train_step_chunked_matches_full_logits(tiny_model_dir):
 
 def test_tp_and_pp_keep_the_full_logits_path():
     """TP's output projection is vocab-sharded, PP's loss runs inside the schedule."""
-    from torchtitan_grpo.trainer import _logprob_chunk_tokens
+    from torchtitan_grpo.train.trainer import _logprob_chunk_tokens
 
     cfg = SimpleNamespace(logprob_chunk_tokens=64)
     policy = SimpleNamespace(pipeline=None, parallel_dims=SimpleNamespace(tp_enabled=False))
     assert _logprob_chunk_tokens(policy, cfg) == 64
-    assert _logprob_chunk_tokens(policy, SimpleNamespace()) == 0  # the key's default until config.py has it
+    assert _logprob_chunk_tokens(policy, SimpleNamespace()) == 0  # the key's default until config/job_config.py has it
     policy.parallel_dims.tp_enabled = True
     assert _logprob_chunk_tokens(policy, cfg) == 0
     policy = SimpleNamespace(pipeline=object(), parallel_dims=SimpleNamespace(tp_enabled=False))
@@ -252,7 +252,7 @@ def run_ranks(out_dir: str, model_dirs: dict[str, str]) -> None:
     import torch.distributed as dist
 
     from tests import test_parallel_parity as tpp
-    from torchtitan_grpo import token_logprobs, trainer
+    from torchtitan_grpo.train import token_logprobs, trainer
 
     heads = []
     real_head, real_chunk = token_logprobs.logprob_head, trainer._logprob_chunk_tokens

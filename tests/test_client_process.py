@@ -14,14 +14,14 @@ import time
 
 import pytest
 
-from torchtitan_grpo.inference.pool import PoolConfig
-from torchtitan_grpo.inference.types import SamplingParams
+from torchtitan_grpo.fleet.pool import PoolConfig
+from torchtitan_grpo.fleet.types import SamplingParams
 from torchtitan_grpo.rollout.client_main import GroupOutbox
 from torchtitan_grpo.rollout.client_process import RolloutProcess, SpawnedClient
 from torchtitan_grpo.rollout.groups import ScoredGroup
 from torchtitan_grpo.rollout.ledger import PromptLedger
 from torchtitan_grpo.rollout.producer import ProducerSpec, ProducerStopped
-from torchtitan_grpo.rollout.sample import Sample
+from torchtitan_grpo.train.sample import Sample
 from torchtitan_grpo.rollout.tasks import DigitsPrompts
 
 PPS, G = 2, 2

@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from tests.conftest import ROOT
-from torchtitan_grpo.config import ConfigError, parse_config
+from torchtitan_grpo.config.checks import ConfigError
+from torchtitan_grpo.config.parse import parse_config
 
 DEMO = os.path.join(ROOT, "train_configs", "demo_cpu.toml")
 
@@ -108,7 +109,7 @@ def test_a_missing_model_path_given_by_the_user_is_an_error_not_a_new_model(tmp_
     with pytest.raises(ConfigError, match=r"model\.hf_assets_path = '.*empty': has no config\.json"):
         parse_config(["--job.config_file", DEMO, "--model.hf_assets_path", str(empty)])
     # Written first (the demo_assets CLI), the same path is a model like any other.
-    from torchtitan_grpo.demo_assets import main as write_demo_model
+    from torchtitan_grpo.models.demo_assets import main as write_demo_model
 
     assert write_demo_model([str(missing)]) == str(missing)
     assert parse_config(["--job.config_file", DEMO, "--model.hf_assets_path", str(missing)]).model.hf_assets_path \
@@ -162,7 +163,7 @@ def test_a_misspelled_or_wrong_typed_key_on_the_command_line_is_one_line(args, l
 def test_a_value_may_start_with_dashes_where_no_key_is_named():
     """inference.engine_args passes engine flags on (``--enforce-eager,...``):
     such a value is not mistaken for a missing one; a key after a key is."""
-    from torchtitan_grpo.config_keys import check_cli_args
+    from torchtitan_grpo.config.keys import check_cli_args
 
     keys = {"inference.engine_args": (list[str], []), "grpo.group_size": (int, 8)}
     check_cli_args(["--inference.engine_args", "--enforce-eager,--max-num-seqs,256"], keys, ConfigError)
@@ -243,7 +244,7 @@ def test_reward_fn_that_cannot_be_loaded_is_named_before_anything_starts():
 
 
 def test_pipeline_depth():
-    from torchtitan_grpo.config import pipeline_depth
+    from torchtitan_grpo.config.job_config import pipeline_depth
 
     cfg = lambda *a: parse_config(["--job.config_file", DEMO, *a])  # noqa: E731
     assert pipeline_depth(cfg()) == 0  # the demo pushes in sync mode: serial, exactly on-policy
@@ -261,7 +262,7 @@ def test_pipeline_depth():
 
 def test_client_process():
     """auto: the rollout client in a process of its own exactly when pipelined."""
-    from torchtitan_grpo.config import client_process
+    from torchtitan_grpo.config.job_config import client_process
 
     cfg = lambda *a: parse_config(["--job.config_file", DEMO, *a])  # noqa: E731
     assert not client_process(cfg())  # serial (sync push): nothing runs beside the client
@@ -277,7 +278,7 @@ def test_client_process():
 
 
 def test_api_key_from_the_environment(monkeypatch):
-    from torchtitan_grpo.config import api_key
+    from torchtitan_grpo.config.job_config import api_key
 
     monkeypatch.delenv("GRPO_TEST_KEY", raising=False)
     with pytest.raises(ConfigError, match=r"inference\.api_key = 'env:GRPO_TEST_KEY': environment variable"):
@@ -363,8 +364,9 @@ def test_inference_keys_become_flags_the_started_servers_parse(tmp_path, monkeyp
     the key."""
     import os
 
-    from torchtitan_grpo.config import ConfigError, parse_config
-    from torchtitan_grpo.inference.server import parse_args
+    from torchtitan_grpo.config.checks import ConfigError
+    from torchtitan_grpo.config.parse import parse_config
+    from torchtitan_grpo.server.app import parse_args
     from torchtitan_grpo.session import server_engine_args
 
     demo = os.path.join(os.path.dirname(os.path.dirname(__file__)), "train_configs", "demo_cpu.toml")
@@ -387,7 +389,7 @@ def test_server_devices_spread_the_started_servers_and_auto_takes_the_gpus_no_tr
     """inference.server_devices: server k on entry k mod the list; ["auto"]:
     this node's GPUs from cuda:LOCAL_WORLD_SIZE on; none left is an error
     naming the key; NCCL onto a trainer's GPU is refused for any entry."""
-    import torchtitan_grpo.config as config
+    import torchtitan_grpo.config.job_config as config
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     cfg = parse_config(["--job.config_file", DEMO, "--inference.num_servers", "3",

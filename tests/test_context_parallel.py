@@ -1,4 +1,4 @@
-"""Context parallelism (torchtitan_grpo.context_parallel) against one process.
+"""Context parallelism (torchtitan_grpo.distributed.context_parallel) against one process.
 
 One torchrun launch of 2 ranks runs CP 2 alone (the sequence of every
 micro-batch split over both ranks; FSDP over the CP ranks, as TorchTitan
@@ -55,7 +55,7 @@ CASES = {
 
 
 def write_models(root: str) -> dict[str, str]:
-    from torchtitan_grpo.demo_assets import TinyQwen3, ensure_tiny_qwen3
+    from torchtitan_grpo.models.demo_assets import TinyQwen3, ensure_tiny_qwen3
 
     return {"qwen3": ensure_tiny_qwen3(os.path.join(root, "qwen3")),
             "qwen3_tied": ensure_tiny_qwen3(os.path.join(root, "qwen3_tied"),
@@ -68,7 +68,7 @@ def case_config(name: str, cp: int, extra: tuple[str, ...] = (), tp: int = 1, pp
     model, loss_agg, chunk, is_mode, kl = CASES[name]
     kl = 0.0 if kl_off else kl
     return job_config(model, (1, 1, tp, pp), (
-        "--job.custom_config_module", "torchtitan_grpo.config",
+        "--job.custom_config_module", "torchtitan_grpo.config.job_config",
         "--parallelism.context_parallel_degree", str(cp),
         "--grpo.micro_batch_size", str(MICRO_BATCH),
         "--grpo.loss_agg", loss_agg,
@@ -85,7 +85,7 @@ def run_case(model_dir: str, name: str, cp: int, world_size: int, tp: int = 1, p
     import torch.distributed as dist
 
     from tests.test_parallel_parity import MAX_NEW_TOKENS, PAD, _device, _gathered, fixed_batch
-    from torchtitan_grpo import trainer
+    from torchtitan_grpo.train import trainer
 
     device = _device()
     rank = dist.get_rank() if world_size > 1 else 0
@@ -203,7 +203,7 @@ def check(ref: dict, got: dict, tp: int = 1, pp: int = 1) -> list[str]:
     # (parallel.seq_len_multiple)
     multiple = 2 * CP * tp * (32 if torch.cuda.is_available() else 1)
     if pp > 1:  # one padded length for the whole pipelined batch, a bucket of training.seq_len
-        from torchtitan_grpo.pipeline import bucketed_seq_len
+        from torchtitan_grpo.distributed.pipeline import bucketed_seq_len
 
         want = bucketed_seq_len(max(ref["seen"]), 64, multiple)
         if not got["seen"] or any(g * CP != want for g in got["seen"]):
@@ -252,7 +252,7 @@ def test_cp_with_tp_or_pp_step_matches_single_process(request, launched, other, 
 @pytest.mark.parametrize("key, value", [("expert_parallel_degree", 2),
                                         ("context_parallel_load_balancer", "ptrr")])
 def test_unsupported_cp_combinations_are_refused(key, value):
-    from torchtitan_grpo.parallel import build_parallel_dims
+    from torchtitan_grpo.distributed.parallel import build_parallel_dims
 
     cfg = case_config("seq_mean_token_mean", CP)
     setattr(cfg.parallelism, key, value)
@@ -262,7 +262,7 @@ def test_unsupported_cp_combinations_are_refused(key, value):
 
 
 def test_packed_micro_batches_are_refused_with_cp():
-    from torchtitan_grpo import packing
+    from torchtitan_grpo.train import packing
 
     cfg = case_config("seq_mean_token_mean", CP, ("--grpo.micro_batch_tokens", "64"))
     with pytest.raises(ValueError, match="grpo.micro_batch_tokens.*context_parallel_degree"):

@@ -1,4 +1,4 @@
-"""convert.py: a GGUF file -> an HF checkpoint directory. The GGUFs here are
+"""models/gguf.py: a GGUF file -> an HF checkpoint directory. The GGUFs here are
 written by the test from a tiny random HF Llama (2 layers, hidden 64, F32
 tensors, a byte-level BPE vocabulary of 262 tokens), so the converted model
 can be checked against the weights it came from."""
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from torchtitan_grpo.convert import MARKER, convert_gguf, gguf_out_dir, main, resolve_model_dir
+from torchtitan_grpo.models.gguf import MARKER, convert_gguf, gguf_out_dir, main, resolve_model_dir
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1 (bos), 2 (eos, pad): SmolLM2's
 MERGES = ["h e", "l l", "he ll"]
@@ -216,7 +216,7 @@ def test_missing_and_not_gguf_files_are_one_line(tmp_path, capsys):
 
 def test_prepare_model_dir_hands_back_the_conversion(tied, tmp_path):
     from torchtitan_grpo.session import prepare_model_dir
-    from torchtitan_grpo.trainer import Dist
+    from torchtitan_grpo.train.trainer import Dist
 
     _, src, _ = tied
     dump = str(tmp_path / "run")
@@ -232,7 +232,7 @@ def test_prepare_model_dir_hands_back_the_conversion(tied, tmp_path):
 
 
 def test_config_accepts_a_gguf_path_that_exists(tied, tmp_path):
-    from torchtitan_grpo.config import ConfigError, _check_model_dir
+    from torchtitan_grpo.config.checks import ConfigError, _check_model_dir
 
     _, src, _ = tied
     _check_model_dir(SimpleNamespace(model=SimpleNamespace(hf_assets_path=src)))

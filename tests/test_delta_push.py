@@ -1,6 +1,6 @@
 """Delta push (weight_sync.delta, issue 41): the codec (weight_sync/delta.py),
 the trainer's transport (weight_sync/delta_push.py) and the built-in
-server's route (inference/delta_receive.py), in this process, on the demo's
+server's route (server/receive/delta.py), in this process, on the demo's
 tiny Qwen3 served in bf16.
 
 Every comparison is of raw bits (``delta.bits``): ``torch.equal`` would call
@@ -250,7 +250,7 @@ def test_a_replica_that_missed_a_version_gets_it_whole(tiny_model_dir):
 
 def test_a_corrupt_delta_is_refused_in_one_line_and_the_previous_version_serves(tiny_model_dir):
     from tests.server_procs import http_json, in_process_server
-    from torchtitan_grpo.inference.delta_receive import DELTA_ROUTE
+    from torchtitan_grpo.server.receive.delta import DELTA_ROUTE
 
     versions = _versions(tiny_model_dir, 2)
     with in_process_server(["--model", tiny_model_dir, *SERVER]) as (url, engine):
@@ -290,7 +290,7 @@ def test_a_corrupt_delta_is_refused_in_one_line_and_the_previous_version_serves(
 def test_delta_is_refused_for_sglang_and_vllm_naming_the_key():
     from types import SimpleNamespace
 
-    from torchtitan_grpo.config_checks import ConfigError, _check
+    from torchtitan_grpo.config.checks import ConfigError, _check
     from torchtitan_grpo.weight_sync.delta_push import validate_delta
 
     def cfg(backend: str, on: bool):

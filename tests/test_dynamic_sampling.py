@@ -14,8 +14,9 @@ import pytest
 from tests.conftest import ROOT
 from tests.producer_stubs import CharTokenizer, ListSource, started
 from torchtitan_grpo.aio import LoopThread
-from torchtitan_grpo.config import ConfigError, parse_config
-from torchtitan_grpo.inference.types import Completion, SamplingParams
+from torchtitan_grpo.config.checks import ConfigError
+from torchtitan_grpo.config.parse import parse_config
+from torchtitan_grpo.fleet.types import Completion, SamplingParams
 from torchtitan_grpo.rollout.dynamic_sampling import DynamicSampler, resolve_max_filtered
 from torchtitan_grpo.rollout.groups import GroupScorer
 from torchtitan_grpo.rollout.ledger import PromptLedger

@@ -46,7 +46,7 @@ def _servers_alive(model_dir: str) -> list[str]:
     """Command lines of built-in servers still running for this model dir."""
     out = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
     return [line for line in out.splitlines()
-            if "torchtitan_grpo.inference.server" in line and model_dir in line]
+            if "torchtitan_grpo.server" in line and model_dir in line]
 
 
 def test_two_ranks_fsdp_sync_push_on_policy(tmp_path, tiny_model_dir):
@@ -122,9 +122,9 @@ def test_push_puts_trainer_weights_on_server(tmp_path, tiny_model_dir):
     """After a train step and a push, every tensor the server holds (read back
     with /get_weights_by_name) equals the trainer's, and the version moved."""
     from torchtitan_grpo.aio import LoopThread
-    from torchtitan_grpo.config import parse_config
-    from torchtitan_grpo.inference.launcher import ServerSpec, running_servers
-    from torchtitan_grpo.trainer import Sample, build_policy, hf_weights, init_distributed, train_step
+    from torchtitan_grpo.config.parse import parse_config
+    from torchtitan_grpo.fleet.launcher import ServerSpec, running_servers
+    from torchtitan_grpo.train.trainer import Sample, build_policy, hf_weights, init_distributed, train_step
     from torchtitan_grpo.weight_sync.pusher import Pusher, PushConfig
 
     cfg = parse_config(["--job.config_file", DEMO, "--model.hf_assets_path", tiny_model_dir])
@@ -157,7 +157,7 @@ def test_push_puts_trainer_weights_on_server(tmp_path, tiny_model_dir):
 
 
 def test_server_that_fails_to_start_shows_its_log(tmp_path):
-    from torchtitan_grpo.inference.launcher import ServerSpec, ServerStartError, running_servers
+    from torchtitan_grpo.fleet.launcher import ServerSpec, ServerStartError, running_servers
 
     missing = str(tmp_path / "no-model-here")
     with pytest.raises(ServerStartError) as e:

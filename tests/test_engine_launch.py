@@ -15,9 +15,10 @@ import time
 import pytest
 
 from tests.conftest import ROOT
-from torchtitan_grpo.config import ConfigError, parse_config
-from torchtitan_grpo.inference.engine_commands import EngineLaunch, server_command
-from torchtitan_grpo.inference.launcher import ServerSpec
+from torchtitan_grpo.config.checks import ConfigError
+from torchtitan_grpo.config.parse import parse_config
+from torchtitan_grpo.fleet.engine_commands import EngineLaunch, server_command
+from torchtitan_grpo.fleet.launcher import ServerSpec
 
 DEMO = os.path.join(ROOT, "train_configs", "demo_cpu.toml")
 FAKES = os.path.join(ROOT, "tests", "fake_engines")
@@ -66,7 +67,7 @@ def test_a_launched_engine_that_fails_to_start_is_one_line_naming_its_first_erro
                                                                                  tiny_model_dir):
     """The root cause, not the wrapper's "see root cause above" that a real
     vLLM's log ends on, and where the log is."""
-    from torchtitan_grpo.inference.launcher import ServerStartError, running_servers
+    from torchtitan_grpo.fleet.launcher import ServerStartError, running_servers
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([FAKES, ROOT]))
     monkeypatch.setenv("FAKE_VLLM_FAIL", "ray")

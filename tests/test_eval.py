@@ -11,9 +11,10 @@ import pytest
 
 from tests.conftest import ROOT
 from torchtitan_grpo.aio import LoopThread
-from torchtitan_grpo.config import ConfigError, parse_config
-from torchtitan_grpo.inference.pool import NoHealthyReplica
-from torchtitan_grpo.inference.types import Completion, SamplingParams
+from torchtitan_grpo.config.checks import ConfigError
+from torchtitan_grpo.config.parse import parse_config
+from torchtitan_grpo.fleet.pool import NoHealthyReplica
+from torchtitan_grpo.fleet.types import Completion, SamplingParams
 from torchtitan_grpo.metrics import MetricLogger
 from torchtitan_grpo.rollout.evaluation import Evaluator, eval_metrics, eval_rows, format_eval_line
 from torchtitan_grpo.rollout.groups import GroupScorer, ScoredGroup

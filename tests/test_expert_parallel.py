@@ -1,4 +1,4 @@
-"""Expert parallelism (torchtitan_grpo.expert_parallel) on CPU over gloo.
+"""Expert parallelism (torchtitan_grpo.distributed.expert_parallel) on CPU over gloo.
 
 A tiny Qwen3-MoE (HF checkpoint, 2 layers x 4 experts, top-2, routing far
 from uniform; built through the project's bridge, ``qwen3_moe``) takes one GRPO
@@ -73,7 +73,7 @@ def write_checkpoint(out_dir: str) -> str:
     init so their gradients stand well above TOL; norms away from 1."""
     from safetensors.torch import load_file, save_file
 
-    from torchtitan_grpo.demo_assets import TinyQwen3Moe, write_tiny_qwen3
+    from torchtitan_grpo.models.demo_assets import TinyQwen3Moe, write_tiny_qwen3
 
     write_tiny_qwen3(out_dir, TinyQwen3Moe(num_experts=NUM_EXPERTS, num_experts_per_tok=2, moe_intermediate_size=32))
     path = os.path.join(out_dir, "model.safetensors")
@@ -108,7 +108,7 @@ def _pushed(model, adapter, pdims, world_size: int) -> tuple[dict, dict]:
     """What a weight push sends, and how the gather classified each parameter:
     one process exports its HF state dict; several go through the sidecar
     gather (``ShardGatherer``, sync) to rank 0."""
-    from torchtitan_grpo import model as hf_model
+    from torchtitan_grpo.models import hf_bridge as hf_model
     from torchtitan_grpo.weight_sync.gather import ShardGatherer
 
     if world_size == 1:
@@ -133,10 +133,10 @@ def run_case(model_dir: str, layout: tuple[int, int, int], ep: int, world_size: 
 
     from torchtitan.distributed.utils import clip_grad_norm_
     from tests.test_parallel_parity import MAX_NORM, MICRO_BATCH, PAD, fixed_batch
-    from torchtitan_grpo import model as hf_model
-    from torchtitan_grpo import parallel
-    from torchtitan_grpo.loss import grpo_loss, token_logprobs
-    from torchtitan_grpo.trainer import _pack
+    from torchtitan_grpo.models import hf_bridge as hf_model
+    from torchtitan_grpo.distributed import parallel
+    from torchtitan_grpo.train.loss import grpo_loss, token_logprobs
+    from torchtitan_grpo.train.trainer import _pack
 
     device = torch.device("cpu")
     cfg = _config(layout, ep)
@@ -295,7 +295,7 @@ def test_ep_push_is_bit_equal(launched, layout):
     ({"data_parallel_shard_degree": 1, "tensor_parallel_degree": 2}, "tensor_parallel_degree"),
 ])
 def test_unsupported_ep_combinations_are_refused(setting, key):
-    from torchtitan_grpo.parallel import build_parallel_dims
+    from torchtitan_grpo.distributed.parallel import build_parallel_dims
 
     cfg = _config((1, 2, 1), EP)
     for name, value in setting.items():
@@ -307,8 +307,8 @@ def test_unsupported_ep_combinations_are_refused(setting, key):
 def test_ep_is_refused_for_a_dense_model_and_uneven_experts():
     from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
 
-    from torchtitan_grpo.expert_parallel import check_model
-    from torchtitan_grpo.model import _classes
+    from torchtitan_grpo.distributed.expert_parallel import check_model
+    from torchtitan_grpo.models.hf_bridge import _classes
 
     with torch.device("meta"):
         dense = _classes("qwen3", Qwen3ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16,
@@ -345,7 +345,7 @@ def _permute_indices_loop(counts: list[int], experts: int, ranks: int, max_len: 
 
 
 def test_cpu_permutation_matches_its_definition():
-    from torchtitan_grpo.expert_parallel import permute_indices
+    from torchtitan_grpo.distributed.expert_parallel import permute_indices
 
     g = torch.Generator().manual_seed(0)
     for _ in range(100):
@@ -360,7 +360,7 @@ def test_cpu_permutation_matches_its_definition():
 
 
 def test_integer_histc_counts_as_histc_does():
-    from torchtitan_grpo.expert_parallel import IntegerHistc
+    from torchtitan_grpo.distributed.expert_parallel import IntegerHistc
 
     x = torch.tensor([[0, 3], [1, 3], [3, 2], [7, -1]])
     want = torch.histc(x.float(), bins=4, min=0, max=4)  # 7 and -1 are out of range
@@ -380,7 +380,7 @@ def test_30b_a3b_push_names_and_buckets(capsys):
     them all. Prints the host time of naming and planning."""
     from torchtitan.models.qwen3 import qwen3_args
 
-    from torchtitan_grpo import model as hf_model
+    from torchtitan_grpo.models import hf_bridge as hf_model
     from torchtitan_grpo.weight_sync import buckets as bk
 
     args = qwen3_args["30B-A3B"]

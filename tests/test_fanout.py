@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from torchtitan_grpo.aio import LoopThread
-from torchtitan_grpo.inference.launcher import ServerSpec, start_servers, stop_process
+from torchtitan_grpo.fleet.launcher import ServerSpec, start_servers, stop_process
 from torchtitan_grpo.weight_sync import group as group_mod
 from torchtitan_grpo.weight_sync.fanout import BroadcastFanout
 from torchtitan_grpo.weight_sync.pusher import Pusher, PushConfig
@@ -148,8 +148,8 @@ def test_a_frozen_replica_is_dropped_catches_up_alone_and_re_enters_with_a_late_
 def test_broadcast_fanout_without_a_weight_group_is_refused(tiny_model_dir, args):
     import os
 
-    from torchtitan_grpo.config import parse_config
-    from torchtitan_grpo.config_checks import ConfigError
+    from torchtitan_grpo.config.parse import parse_config
+    from torchtitan_grpo.config.checks import ConfigError
 
     demo = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train_configs", "demo_cpu.toml")
     with pytest.raises(ConfigError, match="weight_sync.fanout"):

@@ -31,7 +31,7 @@ MODELS = ("qwen3", "qwen3_tied", "llama3")
 
 
 def _config(model_dir: str, model_name: str, layout: tuple[int, int, int, int], dump: str):
-    from torchtitan_grpo.config import parse_config
+    from torchtitan_grpo.config.parse import parse_config
 
     dp_replicate, dp_shard, tp, pp = layout
     return parse_config([
@@ -105,8 +105,8 @@ def run_case(model_dir: str, model_name: str, layout: tuple[int, int, int, int],
     from torch.distributed.tensor import DTensor
 
     from tests.test_parallel_parity import _gathered_hf, fixed_batch
-    from torchtitan_grpo import parallel
-    from torchtitan_grpo.trainer import Dist, build_policy, train_step
+    from torchtitan_grpo.distributed import parallel
+    from torchtitan_grpo.train.trainer import Dist, build_policy, train_step
     from torchtitan_grpo.weight_sync.gather import ShardGatherer
 
     device = _device()

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from torchtitan_grpo.aio import LoopThread
-from torchtitan_grpo.inference.launcher import ServerSpec, start_servers, stop_process
+from torchtitan_grpo.fleet.launcher import ServerSpec, start_servers, stop_process
 from torchtitan_grpo.weight_sync import buckets as bk
 from torchtitan_grpo.weight_sync.gather import DirectPush
 from torchtitan_grpo.weight_sync.pusher import Pusher, PushConfig

@@ -1,4 +1,4 @@
-"""HF <-> TorchTitan mapping (torchtitan_grpo.model): logits parity both ways.
+"""HF <-> TorchTitan mapping (torchtitan_grpo.models.hf_bridge): logits parity both ways.
 
 Tiny fp32 models on CPU. Every parameter, norm weights included, is redrawn at
 random before a comparison: default inits set all norms to 1, so a mapping
@@ -18,15 +18,7 @@ from safetensors.torch import load_file, save_file
 import torchtitan_grpo  # noqa: F401  (before torchtitan)
 from torchtitan.models.llama3.model.args import RoPEScalingArgs
 from torchtitan.models.llama3.model.model import FeedForward as Llama3FeedForward
-from torchtitan_grpo.model import (
-    build_model,
-    hf_aliases,
-    hf_state_dict,
-    load_hf_config,
-    load_hf_weights,
-    model_args_from_hf,
-    state_dict_adapter,
-)
+from torchtitan_grpo.models.hf_bridge import build_model, hf_aliases, hf_state_dict, load_hf_config, load_hf_weights, model_args_from_hf, state_dict_adapter
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 torch.set_num_threads(1)
@@ -399,8 +391,8 @@ def test_checkpoint_name_mismatch_is_listed(tmp_path):
 
 
 def test_a_pipeline_stage_loads_its_own_tensors_and_checks_the_whole(tmp_path):
-    from torchtitan_grpo.model import checkpoint_names, materialize
-    from torchtitan_grpo.pipeline import split_stage
+    from torchtitan_grpo.models.hf_bridge import checkpoint_names, materialize
+    from torchtitan_grpo.distributed.pipeline import split_stage
 
     hf_dir, _ = _save_hf(tmp_path, "llama3-strong-rope")
     args = model_args_from_hf("llama3", load_hf_config(hf_dir), max_seq_len=64)

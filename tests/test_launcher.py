@@ -13,9 +13,7 @@ import time
 import urllib.error
 import urllib.request
 
-from torchtitan_grpo.inference.launcher import (
-    ReplicaEvent, ServerProcess, ServerSpec, Supervisor, format_events, running_servers,
-)
+from torchtitan_grpo.fleet.launcher import ReplicaEvent, ServerProcess, ServerSpec, Supervisor, format_events, running_servers
 
 HANG_GUARD_S = 240  # a server start takes 10-30 s on a busy 2-core box
 
@@ -51,7 +49,7 @@ def server_pids_on(port: int) -> list[int]:
                 args = f.read().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if "torchtitan_grpo.inference.server" in args and f"--port\0{port}" in "\0".join(args):
+        if "torchtitan_grpo.server" in args and f"--port\0{port}" in "\0".join(args):
             pids.append(int(pid))
     return pids
 

@@ -1,5 +1,5 @@
 """Tied-embedding Llama (``tie_word_embeddings``: SmolLM2, Llama 3.2 1B/3B)
-under ``model.name = "llama3"`` (torchtitan_grpo.llama3_tied).
+under ``model.name = "llama3"`` (torchtitan_grpo.models.llama3_tied).
 
 A tiny tied ``LlamaForCausalLM`` (Llama-3.1 RoPE scaling, norms away from 1)
 written by transformers is checked for: equal logits and one shared
@@ -49,7 +49,7 @@ ROPE = {  # a short original context: the scaling changes most frequencies withi
 
 def write_tied_llama(path: str) -> str:
     """A tiny tied LlamaForCausalLM checkpoint (+ the demo tokenizer) at ``path``."""
-    from torchtitan_grpo.demo_assets import write_tokenizer
+    from torchtitan_grpo.models.demo_assets import write_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if os.path.exists(os.path.join(path, "config.json")):
@@ -79,7 +79,7 @@ def _hf(path: str):
 
 
 def _titan(path: str):
-    from torchtitan_grpo import model as hf_model
+    from torchtitan_grpo.models import hf_bridge as hf_model
 
     args = hf_model.model_args_from_hf(NAME, hf_model.load_hf_config(path), max_seq_len=64)
     model = hf_model.build_model(NAME, args, "cpu")
@@ -100,7 +100,7 @@ def tied_dir(tmp_path_factory) -> str:
 def test_loads_tied_with_transformers_logits(tied_dir):
     from safetensors.torch import load_file
 
-    from torchtitan_grpo.llama3_tied import TiedLlama3Transformer
+    from torchtitan_grpo.models.llama3_tied import TiedLlama3Transformer
 
     assert "lm_head.weight" not in load_file(os.path.join(tied_dir, "model.safetensors"))
     titan, _ = _titan(tied_dir)
@@ -114,7 +114,7 @@ def test_loads_tied_with_transformers_logits(tied_dir):
 
 
 def test_hf_state_dict_round_trip(tied_dir):
-    from torchtitan_grpo.model import hf_state_dict
+    from torchtitan_grpo.models.hf_bridge import hf_state_dict
 
     titan, adapter = _titan(tied_dir)
     exported = hf_state_dict(titan, adapter)
@@ -131,8 +131,8 @@ def test_hf_state_dict_round_trip(tied_dir):
 
 def test_untied_llama_keeps_torchtitans_classes():
     from torchtitan.models.llama3.model.model import Transformer
-    from torchtitan_grpo import model as hf_model
-    from torchtitan_grpo.llama3_tied import TiedLlama3Transformer
+    from torchtitan_grpo.models import hf_bridge as hf_model
+    from torchtitan_grpo.models.llama3_tied import TiedLlama3Transformer
 
     config = {"model_type": "llama", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 192,
               "num_hidden_layers": 1, "num_attention_heads": 4}
@@ -149,7 +149,7 @@ def test_untied_llama_keeps_torchtitans_classes():
 def test_smollm2_shape_builds_on_meta():
     """SmolLM2-135M's config.json shape: 134,515,008 parameters, as
     transformers counts them (the tied head counted once)."""
-    from torchtitan_grpo import model as hf_model
+    from torchtitan_grpo.models import hf_bridge as hf_model
 
     config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 576,
               "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
@@ -167,8 +167,8 @@ def test_export_hf_loads_in_transformers(tied_dir, tmp_path):
     from safetensors.torch import load_file
 
     from tests.test_parallel_parity import step_job_config
-    from torchtitan_grpo import trainer
-    from torchtitan_grpo.checkpoint import export_hf
+    from torchtitan_grpo.train import trainer
+    from torchtitan_grpo.train.checkpoint import export_hf
 
     d = trainer.Dist(0, 1, 0, torch.device("cpu"))
     policy = trainer.build_policy(step_job_config(NAME, "single"), tied_dir, d)

@@ -1,4 +1,4 @@
-"""LoRA (torchtitan_grpo.lora, lora_peft, lora_config): adapters on a frozen
+"""LoRA (torchtitan_grpo.lora.adapters, lora_peft, lora_config): adapters on a frozen
 base, merged weights for the push and the export, the peft export.
 
 Tiny fp32 models on CPU, one process: the demo's tiny Qwen3 and an untied
@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import torchtitan_grpo  # noqa: F401  (before torchtitan)
-from torchtitan_grpo import lora
-from torchtitan_grpo import model as hf_model
-from torchtitan_grpo.rollout.sample import Sample
+from torchtitan_grpo.lora import adapters as lora
+from torchtitan_grpo.models import hf_bridge as hf_model
+from torchtitan_grpo.train.sample import Sample
 
 torch.set_num_threads(1)
 
@@ -117,8 +117,8 @@ def test_only_adapters_train_and_the_loss_falls(tiny_model_dir):
     """Three GRPO steps on one batch with lora.enable: the optimizer holds A
     and B only, every base tensor stays bit-identical, every B moves off zero,
     and the loss falls."""
-    from torchtitan_grpo.config import parse_config
-    from torchtitan_grpo.trainer import build_policy, init_distributed, train_step
+    from torchtitan_grpo.config.parse import parse_config
+    from torchtitan_grpo.train.trainer import build_policy, init_distributed, train_step
 
     cfg = parse_config(["--job.config_file", DEMO, "--model.hf_assets_path", tiny_model_dir,
                         "--lora.enable", "--lora.rank", "4", "--lora.alpha", "8",
@@ -185,10 +185,10 @@ def test_export_loads_in_transformers_and_peft(dirs, name, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from torchtitan_grpo.checkpoint import export_hf
-    from torchtitan_grpo.config import parse_config
-    from torchtitan_grpo.lora_peft import ADAPTER_FOLDER
-    from torchtitan_grpo.trainer import build_policy, init_distributed
+    from torchtitan_grpo.train.checkpoint import export_hf
+    from torchtitan_grpo.config.parse import parse_config
+    from torchtitan_grpo.lora.peft import ADAPTER_FOLDER
+    from torchtitan_grpo.train.trainer import build_policy, init_distributed
 
     path = dirs[name]
     cfg = parse_config(["--job.config_file", DEMO, "--model.name", name, "--model.hf_assets_path", path,
@@ -239,8 +239,8 @@ def test_export_loads_in_transformers_and_peft(dirs, name, tmp_path):
     ({"last_save_in_hf": True}, "checkpoint.last_save_in_hf"),
 ])
 def test_config_errors_name_the_key(change, key):
-    from torchtitan_grpo.config import _check, ConfigError
-    from torchtitan_grpo.lora_config import LoRA, validate_lora
+    from torchtitan_grpo.config.checks import _check, ConfigError
+    from torchtitan_grpo.config.lora import LoRA, validate_lora
 
     lo = LoRA(enable=True, **{k: v for k, v in change.items() if k in LoRA.__dataclass_fields__})
     cfg = SimpleNamespace(lora=lo, parallelism=SimpleNamespace(tensor_parallel_degree=change.get("tp", 1),
@@ -253,7 +253,7 @@ def test_config_errors_name_the_key(change, key):
 
 
 def test_cli_and_layout_refusal(tiny_model_dir):
-    from torchtitan_grpo.config import parse_config
+    from torchtitan_grpo.config.parse import parse_config
 
     cfg = parse_config(["--job.config_file", DEMO, "--model.hf_assets_path", tiny_model_dir,
                         "--lora.enable", "--lora.target_modules", "wq,w2"])  # TorchTitan's list form
@@ -279,8 +279,8 @@ def test_merged_push_reaches_a_builtin_server(server, tiny_model_dir):
     built-in server then scores a prompt with the trainer's own log-probs."""
     from tests.server_procs import http_json
     from torchtitan_grpo.aio import LoopThread
-    from torchtitan_grpo.config import parse_config
-    from torchtitan_grpo.trainer import build_policy, init_distributed
+    from torchtitan_grpo.config.parse import parse_config
+    from torchtitan_grpo.train.trainer import build_policy, init_distributed
     from torchtitan_grpo.weight_sync.gather import trainer_push
     from torchtitan_grpo.weight_sync.pusher import Pusher, PushConfig
 

@@ -1,4 +1,4 @@
-"""LoRA under pipeline and tensor parallelism (torchtitan_grpo.lora_pp, lora_tp): PP=2
+"""LoRA under pipeline and tensor parallelism (torchtitan_grpo.lora.pp, lora_tp): PP=2
 and TP=2 each equal one process, on CPU over gloo with real torchrun ranks, in one launch.
 
 Each rank builds, with ``trainer.build_policy``, a one-process LoRA policy
@@ -11,7 +11,7 @@ rank 0's Pusher; every stage's frozen base stays bit-identical; each stage's
 optimizer holds its adapters only. A DCP checkpoint of the stages restores
 adapters and optimizer state into a fresh PP policy; ``checkpoint.export_hf``
 writes every stage's merged weights and the whole peft adapter. In the same launch,
-TP=2 (``tensor_parallel_degree``, :mod:`torchtitan_grpo.lora_tp`) against
+TP=2 (``tensor_parallel_degree``, :mod:`torchtitan_grpo.lora.tp`) against
 the same reference: the adapters' placements, losses, gradients, adapters,
 merged HF weights and both pushes within 1e-6, the base bit-identical and
 frozen (the optimizer holds the adapters only), and a DCP checkpoint of the
@@ -56,9 +56,10 @@ def _worker(model_dir: str, out_dir: str) -> dict:
     """Every check's numbers on this rank (a collective: both ranks run it)."""
     import torch.distributed as dist
 
-    from torchtitan_grpo import lora, lora_sharded, trainer
-    from torchtitan_grpo.checkpoint import export_hf
-    from torchtitan_grpo.lora_peft import peft_adapter_tensors
+    from torchtitan_grpo.lora import adapters as lora, sharded as lora_sharded
+    from torchtitan_grpo.train import trainer
+    from torchtitan_grpo.train.checkpoint import export_hf
+    from torchtitan_grpo.lora.peft import peft_adapter_tensors
     from torchtitan_grpo.weight_sync.gather import trainer_push
 
     rank = dist.get_rank()
@@ -129,14 +130,15 @@ def _worker(model_dir: str, out_dir: str) -> dict:
 
 def _tp(model_dir: str, out_dir: str, ref_base: dict, ref_out: dict, ref_hf: dict, ref_peft: dict,
         *extra: str) -> dict:
-    """TP=2 (torchtitan_grpo.lora_tp) against the same one-process reference, in the same launch, and
+    """TP=2 (torchtitan_grpo.lora.tp) against the same one-process reference, in the same launch, and
     its DCP save-and-resume under ``out_dir`` (``extra``: more [parallelism] keys, e.g. FSDP x TP on four
     ranks by hand)."""
     import torch.distributed as dist
     from torch.distributed.tensor import Replicate, Shard
 
-    from torchtitan_grpo import lora, trainer
-    from torchtitan_grpo.parallel import data_parallel_rank_and_degree
+    from torchtitan_grpo.lora import adapters as lora
+    from torchtitan_grpo.train import trainer
+    from torchtitan_grpo.distributed.parallel import data_parallel_rank_and_degree
     from torchtitan_grpo.weight_sync.gather import trainer_push
 
     rank, device = dist.get_rank(), torch.device("cpu")

@@ -1,6 +1,6 @@
 """Adapter push (weight_sync.lora_push = "adapter", issue 40): the trainer's
 transport (weight_sync/adapter_push.py) against the built-in server's LoRA
-routes (inference/lora_receive.py), in this process, on the demo's tiny Qwen3.
+routes (server/receive/lora.py), in this process, on the demo's tiny Qwen3.
 
 Adapters get random, non-zero A and B: a zero B would leave the base and
 make every comparison pass whatever the code did.
@@ -100,8 +100,8 @@ def test_adapter_push_matches_a_merged_push_and_merges_onto_the_base(protocol, t
                                                                      tmp_path):
     from tests.server_procs import in_process_server
     from torchtitan_grpo.aio import LoopThread
-    from torchtitan_grpo.inference.pool import InferencePool, PoolConfig
-    from torchtitan_grpo.inference.types import SamplingParams
+    from torchtitan_grpo.fleet.pool import InferencePool, PoolConfig
+    from torchtitan_grpo.fleet.types import SamplingParams
     from torchtitan_grpo.weight_sync.pusher import Pusher, PushConfig
 
     base = _base(tiny_model_dir)
@@ -226,8 +226,8 @@ def test_a_bad_adapter_is_refused_in_one_line_and_the_previous_version_serves(ti
 
 
 def test_adapter_push_needs_lora(tiny_model_dir):
-    from torchtitan_grpo.config import parse_config
-    from torchtitan_grpo.config_checks import ConfigError
+    from torchtitan_grpo.config.parse import parse_config
+    from torchtitan_grpo.config.checks import ConfigError
 
     demo = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train_configs", "demo_cpu.toml")
     with pytest.raises(ConfigError, match="weight_sync.lora_push"):

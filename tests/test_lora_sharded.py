@@ -1,4 +1,4 @@
-"""LoRA on two trainer ranks (torchtitan_grpo.lora_sharded): FSDP2 equals one
+"""LoRA on two trainer ranks (torchtitan_grpo.lora.sharded): FSDP2 equals one
 process, on CPU over gloo with real torchrun ranks, in one launch.
 
 Each rank builds, with ``trainer.build_policy``, a one-process LoRA policy
@@ -45,7 +45,7 @@ SEED = 7  # grpo.seed: the adapters' A
 
 
 def _cfg(model_dir: str, *extra: str):
-    from torchtitan_grpo.config import parse_config
+    from torchtitan_grpo.config.parse import parse_config
 
     return parse_config(["--job.config_file", DEMO, "--model.hf_assets_path", model_dir,
                          "--lora.enable", "--lora.rank", "4", "--lora.alpha", "8", "--grpo.seed", str(SEED),
@@ -55,7 +55,7 @@ def _cfg(model_dir: str, *extra: str):
 
 
 def _batch():
-    from torchtitan_grpo.rollout.sample import Sample
+    from torchtitan_grpo.train.sample import Sample
 
     g = torch.Generator().manual_seed(3)
     out = []
@@ -86,7 +86,8 @@ class _Recorder:
 
 def _train(policy, cfg, d, dp_rank: int, dp_degree: int, steps: int = 2) -> dict:
     """``steps`` GRPO steps; losses, the last step's adapter gradients, adapters after."""
-    from torchtitan_grpo import lora, trainer
+    from torchtitan_grpo.lora import adapters as lora
+    from torchtitan_grpo.train import trainer
 
     batch = _batch()
     ntok = sum(len(s.completion_ids) for s in batch)
@@ -121,9 +122,10 @@ def _worker(model_dir: str, out_dir: str) -> dict:
     """Every check's numbers on this rank (a collective: both ranks run it)."""
     import torch.distributed as dist
 
-    from torchtitan_grpo import lora, lora_sharded, trainer
-    from torchtitan_grpo.lora_peft import peft_adapter_tensors
-    from torchtitan_grpo.parallel import data_parallel_rank_and_degree
+    from torchtitan_grpo.lora import adapters as lora, sharded as lora_sharded
+    from torchtitan_grpo.train import trainer
+    from torchtitan_grpo.lora.peft import peft_adapter_tensors
+    from torchtitan_grpo.distributed.parallel import data_parallel_rank_and_degree
 
     rank = dist.get_rank()
     device = torch.device("cuda", rank) if ON_GPUS else torch.device("cpu")
@@ -206,8 +208,8 @@ def resume_check(cfg, pol, model_dir: str, d) -> tuple[dict, object]:
     """A DCP save of ``pol`` at step 2, a fresh policy built and resumed from it:
     the resumed step and the max differences of the model and optimizer states,
     and the resumed policy."""
-    from torchtitan_grpo import trainer
-    from torchtitan_grpo.checkpoint import Checkpointer
+    from torchtitan_grpo.train import trainer
+    from torchtitan_grpo.train.checkpoint import Checkpointer
 
     ckpt = Checkpointer(cfg, pol, d)
     ckpt.save(2, weight_version=2)

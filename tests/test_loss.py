@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from torchtitan_grpo.loss import entropy_from_logits, grpo_loss, is_weights, token_logprobs
+from torchtitan_grpo.train.loss import entropy_from_logits, grpo_loss, is_weights, token_logprobs
 from torchtitan_grpo.rollout.advantages import constant_group_mask, group_advantages
 
 LN = math.log
@@ -58,7 +58,7 @@ def test_entropy_from_logits_masked_mean():
 
 @pytest.mark.parametrize("chunk_rows", [1, 2, 5])
 def test_entropy_is_the_same_whatever_the_chunk(monkeypatch, chunk_rows):
-    import torchtitan_grpo.loss as L
+    import torchtitan_grpo.train.loss as L
 
     torch.manual_seed(0)
     logits = torch.randn(5, 3, 7, dtype=torch.bfloat16)

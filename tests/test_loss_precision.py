@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchtitan_grpo.loss import grpo_loss, is_weights
+from torchtitan_grpo.train.loss import grpo_loss, is_weights
 
 
 def _inputs(seed: int = 0):

@@ -1,5 +1,5 @@
-"""Qwen3-MoE on TorchTitan's MoE qwen3 (torchtitan_grpo.qwen3_moe) and router
-replay (torchtitan_grpo.router_replay): logits parity with transformers, the
+"""Qwen3-MoE on TorchTitan's MoE qwen3 (torchtitan_grpo.models.qwen3_moe) and router
+replay (torchtitan_grpo.models.router_replay): logits parity with transformers, the
 per-expert HF names both ways, replayed routes, the auxiliary loss.
 
 A tiny fp32 Qwen3-MoE written by transformers; every parameter is redrawn at
@@ -17,17 +17,9 @@ import torch
 from safetensors.torch import load_file
 
 import torchtitan_grpo  # noqa: F401  (before torchtitan)
-from torchtitan_grpo import qwen3_moe, router_replay
-from torchtitan_grpo.model import (
-    build_model,
-    checkpoint_names,
-    hf_state_dict,
-    load_hf_config,
-    load_hf_weights,
-    model_args_from_hf,
-    state_dict_adapter,
-)
-from torchtitan_grpo.rollout.sample import Sample
+from torchtitan_grpo.models import qwen3_moe, router_replay
+from torchtitan_grpo.models.hf_bridge import build_model, checkpoint_names, hf_state_dict, load_hf_config, load_hf_weights, model_args_from_hf, state_dict_adapter
+from torchtitan_grpo.train.sample import Sample
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 torch.set_num_threads(1)
@@ -264,7 +256,7 @@ def test_aux_loss_matches_hand_computation(hf_pair, loaded):
 
 
 def test_demo_writer_moe(tmp_path):
-    from torchtitan_grpo.demo_assets import main
+    from torchtitan_grpo.models.demo_assets import main
 
     out = main([str(tmp_path / "m"), "--moe"])
     config = json.load(open(os.path.join(out, "config.json")))

@@ -89,8 +89,8 @@ def test_the_moe_demo_path_is_written_as_a_moe(tmp_path, monkeypatch):
     """The MoE demo's own path may be missing at start-up, and what the
     start-up writes there (asking for the dense demo's shape with the run's
     seed) is the tiny Qwen3-MoE; the dense demo's path stays dense."""
-    from torchtitan_grpo.config import parse_config
-    from torchtitan_grpo.demo_assets import TinyQwen3, ensure_tiny_qwen3
+    from torchtitan_grpo.config.parse import parse_config
+    from torchtitan_grpo.models.demo_assets import TinyQwen3, ensure_tiny_qwen3
 
     monkeypatch.chdir(tmp_path)
     cfg = parse_config(["--job.config_file", DEMO_MOE])
@@ -105,7 +105,7 @@ def test_the_moe_demo_path_is_written_as_a_moe(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory) -> str:
-    from torchtitan_grpo.demo_assets import TinyQwen3Moe, write_tiny_qwen3
+    from torchtitan_grpo.models.demo_assets import TinyQwen3Moe, write_tiny_qwen3
 
     return write_tiny_qwen3(str(tmp_path_factory.mktemp("models") / "moe"), TinyQwen3Moe(seed=3))
 
@@ -116,9 +116,9 @@ def test_step_metrics_count_the_replayed_positions(moe_dir, replay):
     a sample without routes) do not; the count restarts after each report;
     replay off reports nothing."""
     import torchtitan_grpo  # noqa: F401  (before torchtitan)
-    from torchtitan_grpo import moe_step
-    from torchtitan_grpo.config import parse_config
-    from torchtitan_grpo.trainer import Sample, build_policy, init_distributed
+    from torchtitan_grpo.train import moe_step
+    from torchtitan_grpo.config.parse import parse_config
+    from torchtitan_grpo.train.trainer import Sample, build_policy, init_distributed
 
     cfg = parse_config(["--job.config_file", DEMO_MOE, "--model.hf_assets_path", moe_dir,
                         "--grpo.router_replay", replay])

@@ -2,7 +2,7 @@
 
 The trainer sends HF's per-expert checkpoint names (what SGLang and vLLM
 load); transformers keeps the experts fused (``gate_up_proj``, ``down_proj``),
-so the engine writes each tensor into its slice (``inference/expert_views.py``).
+so the engine writes each tensor into its slice (``server/engine/expert_views.py``).
 After a push of perturbed weights the server's log-probs are the trainer's.
 """
 
@@ -14,10 +14,10 @@ import torch
 
 import torchtitan_grpo  # noqa: F401  (before torchtitan)
 from tests.server_procs import in_process_server
-from torchtitan_grpo import model as tm
+from torchtitan_grpo.models import hf_bridge as tm
 from torchtitan_grpo.aio import LoopThread
-from torchtitan_grpo.demo_assets import TinyQwen3Moe, write_tiny_qwen3
-from torchtitan_grpo.inference.expert_views import expert_views
+from torchtitan_grpo.models.demo_assets import TinyQwen3Moe, write_tiny_qwen3
+from torchtitan_grpo.server.engine.expert_views import expert_views
 from torchtitan_grpo.weight_sync.pusher import Pusher, PushConfig
 
 PROMPT = [5, 9, 14, 3, 22, 7]

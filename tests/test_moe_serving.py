@@ -19,8 +19,9 @@ import pytest
 import requests
 import torch
 
-from torchtitan_grpo.inference import route_codec, sglang, vllm
-from torchtitan_grpo.inference.types import MalformedResponse, SamplingParams
+from torchtitan_grpo.protocol import route_codec
+from torchtitan_grpo.fleet import sglang, vllm
+from torchtitan_grpo.fleet.types import MalformedResponse, SamplingParams
 from tests.kv_stubs import Req as _Req, Seq as _Seq
 
 LAYERS, TOP_K, EXPERTS = 2, 2, 8
@@ -32,7 +33,7 @@ CHAT = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 def moe_dir(tmp_path_factory) -> str:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from torchtitan_grpo.demo_assets import CHARS, write_tokenizer
+    from torchtitan_grpo.models.demo_assets import CHARS, write_tokenizer
 
     out = str(tmp_path_factory.mktemp("models") / "tiny-qwen3-moe")
     cfg = Qwen3MoeConfig(
@@ -84,8 +85,8 @@ def same_routes(got: np.ndarray, want: np.ndarray) -> None:
 
 
 def test_static_batch_moe_logits_and_routes_match_hf(hf):
-    from torchtitan_grpo.inference import moe_routes
-    from torchtitan_grpo.inference.static_batch import StaticBatch, supports
+    from torchtitan_grpo.server.engine import moe_routes
+    from torchtitan_grpo.server.engine.static_batch import StaticBatch, supports
 
     assert supports(hf) is None
     batch = StaticBatch(hf, torch.device("cpu"), slots=4, max_len=64, routes=True)
@@ -228,8 +229,8 @@ def test_clients_refuse_malformed_routes():
 def test_pool_backend_asks_for_routes_and_samples_carry_them(moe_dir):
     import json
 
-    from torchtitan_grpo.inference.pool import BACKENDS
-    from torchtitan_grpo.inference.route_backend import route_shape, with_routes
+    from torchtitan_grpo.fleet.pool import BACKENDS
+    from torchtitan_grpo.fleet.route_backend import route_shape, with_routes
 
     with open(os.path.join(moe_dir, "config.json")) as f:
         shape = route_shape(json.load(f))
@@ -246,8 +247,8 @@ def test_scored_samples_carry_the_routes_and_refuse_misaligned_ones(moe_dir, tmp
 
     from transformers import AutoTokenizer
 
-    from torchtitan_grpo.inference.route_backend import replay_shape
-    from torchtitan_grpo.inference.types import Completion
+    from torchtitan_grpo.fleet.route_backend import replay_shape
+    from torchtitan_grpo.fleet.types import Completion
     from torchtitan_grpo.rollout.groups import GroupScorer
 
     assert replay_shape("off", moe_dir) is None and replay_shape("rollout", moe_dir) == (LAYERS, TOP_K)

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import torchtitan_grpo  # noqa: F401  (before torchtitan)
-from torchtitan_grpo import router_replay
-from torchtitan_grpo.config import parse_config
-from torchtitan_grpo.demo_assets import TinyQwen3Moe, write_tiny_qwen3
-from torchtitan_grpo.trainer import Sample, build_policy, init_distributed, train_step
+from torchtitan_grpo.models import router_replay
+from torchtitan_grpo.config.parse import parse_config
+from torchtitan_grpo.models.demo_assets import TinyQwen3Moe, write_tiny_qwen3
+from torchtitan_grpo.train.trainer import Sample, build_policy, init_distributed, train_step
 
 DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train_configs", "demo_cpu.toml")
 LAYERS, TOP_K, EXPERTS = 2, 2, 8
@@ -33,7 +33,7 @@ def _policy(moe_dir, *args):
 
 def _forward(policy, seq: list[int], packed: bool) -> torch.Tensor:
     """``[T, V]`` logits of one sequence, as the trainer's micro-batches run it."""
-    from torchtitan_grpo import packing
+    from torchtitan_grpo.train import packing
 
     device = next(policy.model.parameters()).device
     with torch.no_grad(), policy.amp:  # the trainer's precision (bf16 autocast on a GPU)
@@ -95,13 +95,13 @@ def test_aux_loss_adds_gradient_to_the_routers_only_when_on(moe_dir):
         cfg, policy = _policy(moe_dir, "--moe.aux_loss_coef", coef)
         batch = [Sample([5, 9], [22, 7], [-4.0, -4.0], 0.0, 0.0, "stop", ["0"])]  # advantage 0: no policy gradient
         policy.optimizers.zero_grad()
-        from torchtitan_grpo import trainer
+        from torchtitan_grpo.train import trainer
 
         trainer._forward_backward(policy, batch, trainer._LossContext(cfg.grpo, 1.0, 8, 1, 2), 0,
                                   init_distributed(), {k: 0.0 for k in ("loss", "clip_fraction", "lp_diff_max",
                                                                        "entropy", "tokens", "lp_diff_sum",
                                                                        "k3_sum")},
-                                  __import__("torchtitan_grpo.rollout.offpolicy", fromlist=["x"]).OffPolicyStats(
+                                  __import__("torchtitan_grpo.train.importance", fromlist=["x"]).OffPolicyStats(
                                       cfg.grpo.is_correction, False))
         grads[coef] = {n: (p.grad.abs().sum().item() if p.grad is not None else 0.0)
                        for n, p in policy.model.named_parameters()}

@@ -1,4 +1,4 @@
-"""Off-policy handling (torchtitan_grpo.rollout.offpolicy) and its wiring in
+"""Off-policy handling (torchtitan_grpo.train.importance) and its wiring in
 the GRPO step: the staleness bound, truncation masking, importance-sampling
 correction against the rollout logprobs, the frozen KL reference, and the
 chat template of dataset prompts."""
@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from torchtitan_grpo.rollout import offpolicy
-from torchtitan_grpo.trainer import Sample
+from torchtitan_grpo.train import importance as offpolicy
+from torchtitan_grpo.train.trainer import Sample
 
 from tests.conftest import ROOT
 
@@ -74,7 +74,8 @@ def test_mask_truncated_drops_length_finished_completions():
     ("--grpo.is_cap", "0", "grpo.is_cap"),
 ])
 def test_bad_offpolicy_values_name_the_key(arg, value, key):
-    from torchtitan_grpo.config import ConfigError, parse_config
+    from torchtitan_grpo.config.checks import ConfigError
+    from torchtitan_grpo.config.parse import parse_config
 
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         parse_config(["--job.config_file", DEMO, arg, value])
@@ -108,8 +109,8 @@ def test_importance_weights_modes():
 
 @pytest.fixture()
 def policy_for(tiny_model_dir):
-    from torchtitan_grpo.config import parse_config
-    from torchtitan_grpo.trainer import build_policy, init_distributed
+    from torchtitan_grpo.config.parse import parse_config
+    from torchtitan_grpo.train.trainer import build_policy, init_distributed
 
     def make(*overrides):
         cfg = parse_config(["--job.config_file", DEMO, "--model.hf_assets_path", tiny_model_dir, *overrides])
@@ -132,7 +133,7 @@ def _batch():
 
 
 def _recording_loss(monkeypatch):
-    from torchtitan_grpo import loss as grpo_losses
+    from torchtitan_grpo.train import loss as grpo_losses
 
     calls = []
     real = grpo_losses.grpo_loss
@@ -147,7 +148,7 @@ def _recording_loss(monkeypatch):
 
 @pytest.mark.parametrize("mode", ["none", "token", "sequence"])
 def test_train_step_applies_is_correction(policy_for, monkeypatch, mode):
-    from torchtitan_grpo.trainer import _pack, train_step
+    from torchtitan_grpo.train.trainer import _pack, train_step
 
     cfg, policy, d = policy_for("--grpo.is_correction", mode, "--grpo.is_cap", "1.5", "--grpo.micro_batch_size", "2")
     calls = _recording_loss(monkeypatch)
@@ -184,8 +185,8 @@ def test_train_step_applies_is_correction(policy_for, monkeypatch, mode):
 
 
 def test_kl_reference_is_frozen_initial_policy(policy_for, monkeypatch):
-    from torchtitan_grpo import model as hf_model
-    from torchtitan_grpo.trainer import train_step
+    from torchtitan_grpo.models import hf_bridge as hf_model
+    from torchtitan_grpo.train.trainer import train_step
 
     cfg, policy, d = policy_for("--grpo.kl_coef", "0.5", "--grpo.kl_estimator", "k3")
     ref = policy.reference
@@ -213,7 +214,7 @@ def test_the_training_forward_runs_in_the_policys_autocast(policy_for):
     """One GPU or DDP: ``Policy.amp`` is autocast to training.mixed_precision_param
     (parallel.mixed_precision); the forward must run inside it. CPU autocast
     stands in for CUDA's here."""
-    from torchtitan_grpo.trainer import train_step
+    from torchtitan_grpo.train.trainer import train_step
 
     cfg, policy, d = policy_for()
     seen = []
@@ -237,7 +238,7 @@ def test_train_step_reports_its_threads_cpu_and_the_rest_of_the_process(policy_f
     threads used meanwhile (here a thread that spins until the step ends)."""
     import threading
 
-    from torchtitan_grpo.trainer import train_step
+    from torchtitan_grpo.train.trainer import train_step
 
     cfg, policy, d = policy_for()
     batch = _batch()
@@ -320,7 +321,7 @@ def test_token_level_staleness_masks_only_the_stale_tokens():
 
 def test_version_spans_reach_the_sample():
     """The pool's completions carry the engine's per-token spans into the trainer's samples."""
-    from torchtitan_grpo.inference import sglang
+    from torchtitan_grpo.fleet import sglang
 
     body = {"output_ids": [4, 5, 6], "meta_info": {
         "output_token_logprobs": [[-1.0, 4, None], [-1.0, 5, None], [-1.0, 6, None]],

@@ -9,9 +9,9 @@ from tests.test_chunked_logprobs import DEMO, _batch
 
 
 def _step(tiny_model_dir, mode: str):
-    from torchtitan_grpo import model as hf_model
-    from torchtitan_grpo.config import parse_config
-    from torchtitan_grpo.trainer import build_policy, init_distributed, train_step
+    from torchtitan_grpo.models import hf_bridge as hf_model
+    from torchtitan_grpo.config.parse import parse_config
+    from torchtitan_grpo.train.trainer import build_policy, init_distributed, train_step
 
     cfg = parse_config(["--job.config_file", DEMO, "--model.hf_assets_path", tiny_model_dir,
                         "--activation_checkpoint.mode", mode, "--grpo.micro_batch_size", "3"])

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchtitan_grpo.inference.engine import Engine, EngineConfig
-from torchtitan_grpo.inference.requests import SamplingParams
+from torchtitan_grpo.server.engine.engine import Engine, EngineConfig
+from torchtitan_grpo.server.engine.requests import SamplingParams
 
 # Ends of every kind, run ahead and its guards: rows that end by length at
 # different steps, by a stop id, by the context (the static cache's 32

@@ -12,8 +12,9 @@ import torch
 from tests.conftest import ROOT
 from tests.producer_stubs import CharTokenizer, started
 from torchtitan_grpo.aio import LoopThread
-from torchtitan_grpo.config import ConfigError, parse_config
-from torchtitan_grpo.inference.types import Completion, SamplingParams
+from torchtitan_grpo.config.checks import ConfigError
+from torchtitan_grpo.config.parse import parse_config
+from torchtitan_grpo.fleet.types import Completion, SamplingParams
 from torchtitan_grpo.rollout.advantages import group_advantages
 from torchtitan_grpo.rollout.groups import GroupScorer, batch_metrics
 from torchtitan_grpo.rollout.ledger import PromptLedger

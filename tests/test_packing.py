@@ -1,4 +1,4 @@
-"""Packed micro-batches (torchtitan_grpo.packing, grpo.micro_batch_tokens)
+"""Packed micro-batches (torchtitan_grpo.train.packing, grpo.micro_batch_tokens)
 against padded ones: the plan, the row's layout and block mask, every GRPO
 loss variant and IS mode (loss and gradients, fp32 <= 1e-6) on a tiny random
 Qwen3, the chunked log-prob head, and one train_step through build_policy."""
@@ -12,10 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from torchtitan_grpo import loss as grpo_losses
-from torchtitan_grpo import packing
-from torchtitan_grpo.trainer import (Sample, _forward_terms, _LossContext, _logprob_loss, _micro_batches, _pack,
-                                     _reference_logprobs)
+from torchtitan_grpo.train import loss as grpo_losses
+from torchtitan_grpo.train import packing
+from torchtitan_grpo.train.trainer import Sample, _forward_terms, _LossContext, _logprob_loss, _micro_batches, _pack, _reference_logprobs
 
 from tests.conftest import ROOT
 
@@ -138,7 +137,7 @@ def models():
     """A tiny random Qwen3 and, as KL reference, a perturbed copy (a policy a
     few steps from its start), each padded (SDPA, causal) and packed
     (document attention): same weights."""
-    from torchtitan_grpo import model as hf_model
+    from torchtitan_grpo.models import hf_bridge as hf_model
 
     args = hf_model.model_args_from_hf("qwen3", TINY, max_seq_len=64)
     torch.manual_seed(0)
@@ -245,7 +244,7 @@ def test_a_samples_logprobs_ignore_its_row_neighbours(models):
 def test_compiled_flex_on_cuda_matches_the_padded_path(is_correction, kl_coef):
     """The CUDA route (flex attention reading the block tables) on rows long
     enough for skipped, full and partial tiles, in float32."""
-    from torchtitan_grpo import model as hf_model
+    from torchtitan_grpo.models import hf_bridge as hf_model
 
     torch.backends.cuda.matmul.allow_tf32 = False
     shape = {**TINY, "head_dim": 16, "max_position_embeddings": 1024}  # flex kernels: head_dim >= 16
@@ -295,9 +294,9 @@ def test_compiled_flex_on_cuda_matches_the_padded_path(is_correction, kl_coef):
 def test_train_step_packed_matches_padded(tiny_model_dir):
     """build_policy + train_step (KL reference, sequence IS, chunked head):
     packed rows give the padded step's loss, metrics, grad norm and weights."""
-    from torchtitan_grpo import model as hf_model
-    from torchtitan_grpo.config import parse_config
-    from torchtitan_grpo.trainer import build_policy, init_distributed, train_step
+    from torchtitan_grpo.models import hf_bridge as hf_model
+    from torchtitan_grpo.config.parse import parse_config
+    from torchtitan_grpo.train.trainer import build_policy, init_distributed, train_step
 
     batch = _batch()
     ntok = sum(s.num_loss_tokens for s in batch)

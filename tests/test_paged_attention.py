@@ -17,8 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchtitan_grpo.inference import paged_attention
-from torchtitan_grpo.inference.paged_attention import MIN_SPLIT, paged_decode, splits
+from torchtitan_grpo.server.engine import paged_attention
+from torchtitan_grpo.server.engine.paged_attention import MIN_SPLIT, paged_decode, splits
 from tests.kv_stubs import Req as _Req, Seq as _Seq, scripted_decode
 
 DEVICE = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
@@ -128,8 +128,8 @@ def test_paged_batch_with_the_kernel_equals_static(model, graphs):
     its CUDA graphs on a GPU) gives the static batch's logits, over contexts
     long enough for several splits and across block boundaries, a row leaving
     and one joining."""
-    from torchtitan_grpo.inference.paged_batch import PagedBatch
-    from torchtitan_grpo.inference.static_batch import StaticBatch
+    from torchtitan_grpo.server.engine.paged_batch import PagedBatch
+    from torchtitan_grpo.server.engine.static_batch import StaticBatch
 
     g = torch.Generator().manual_seed(0)
     rand = lambda n: torch.randint(3, 128, (n,), generator=g).tolist()  # noqa: E731

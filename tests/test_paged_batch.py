@@ -13,10 +13,10 @@ import random
 import pytest
 import torch
 
-from torchtitan_grpo.inference.kv_pool import NULL_BLOCK, BlockPool, bytes_per_token
-from torchtitan_grpo.inference.paged_batch import PagedBatch
-from torchtitan_grpo.inference.requests import RequestError, SamplingParams
-from torchtitan_grpo.inference.static_batch import StaticBatch
+from torchtitan_grpo.server.engine.kv_pool import NULL_BLOCK, BlockPool, bytes_per_token
+from torchtitan_grpo.server.engine.paged_batch import PagedBatch
+from torchtitan_grpo.server.engine.requests import RequestError, SamplingParams
+from torchtitan_grpo.server.engine.static_batch import StaticBatch
 from tests.kv_stubs import Req as _Req, Seq as _Seq, scripted_decode
 
 CPU = torch.device("cpu")
@@ -36,7 +36,7 @@ def _gib(blocks: int, model) -> float:
 
 
 def _engine(model_dir: str, kind: str, **kw):
-    from torchtitan_grpo.inference.engine import Engine, EngineConfig
+    from torchtitan_grpo.server.engine.engine import Engine, EngineConfig
 
     eng = Engine(EngineConfig(model_dir, dtype="float32", kv_cache=kind, **kw))
     eng.start()
@@ -174,7 +174,7 @@ def test_small_pool_retracts_and_resumes_with_the_same_tokens(tiny_model_dir, mo
     reqs = _requests(1) + [([7] * 100, SamplingParams(max_new_tokens=92, temperature=0.0, ignore_eos=True))]
     want = _generate(_engine(tiny_model_dir, "paged", max_batch_size=8, max_model_len=192,
                              overlap_schedule=overlap), reqs)
-    from torchtitan_grpo.inference.engine import Engine, EngineConfig
+    from torchtitan_grpo.server.engine.engine import Engine, EngineConfig
 
     eng = Engine(EngineConfig(tiny_model_dir, dtype="float32", kv_cache="paged", max_batch_size=8,
                               max_model_len=192, overlap_schedule=overlap, kv_cache_memory_gb=_gib(13, model)))
@@ -190,7 +190,7 @@ def test_small_pool_retracts_and_resumes_with_the_same_tokens(tiny_model_dir, mo
 def test_moe_paged_logits_and_routes_equal_static():
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from torchtitan_grpo.inference import moe_routes
+    from torchtitan_grpo.server.engine import moe_routes
 
     cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=8, intermediate_size=32, moe_intermediate_size=16,
@@ -243,8 +243,8 @@ def test_request_that_can_never_fit_the_pool_is_a_400(tiny_model_dir, model):
 
 
 def test_max_model_len_past_2048_when_paged(tmp_path, model):
-    from torchtitan_grpo.demo_assets import TinyQwen3, write_tiny_qwen3
-    from torchtitan_grpo.inference.engine import Engine, EngineConfig
+    from torchtitan_grpo.models.demo_assets import TinyQwen3, write_tiny_qwen3
+    from torchtitan_grpo.server.engine.engine import Engine, EngineConfig
 
     long_dir = write_tiny_qwen3(str(tmp_path / "long"), TinyQwen3(max_position_embeddings=8192))
     base = dict(dtype="float32", kv_cache="paged", max_batch_size=2, kv_cache_memory_gb=_gib(300, model))
@@ -268,7 +268,7 @@ def test_cuda_graph_replay_equals_eager_and_retracts(tiny_model_dir, model):
     reqs = _requests(2)
     outs = {}
     for graphs, blocks in ((False, 0), (True, 0), (True, 13)):
-        from torchtitan_grpo.inference.engine import Engine, EngineConfig
+        from torchtitan_grpo.server.engine.engine import Engine, EngineConfig
 
         eng = Engine(EngineConfig(tiny_model_dir, device="cuda:0", dtype="float32", kv_cache="paged",
                                   max_batch_size=8, max_model_len=192, cuda_graphs=graphs,
@@ -287,7 +287,7 @@ def test_inference_kv_cache_paged_reaches_the_started_servers(tiny_model_dir):
     """[inference] kv_cache = "paged" and kv_cache_memory_gb become the started servers' flags."""
     import os
 
-    from torchtitan_grpo.config import parse_config
+    from torchtitan_grpo.config.parse import parse_config
     from torchtitan_grpo.session import server_engine_args
 
     demo = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train_configs", "demo_cpu.toml")

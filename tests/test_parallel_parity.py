@@ -1,5 +1,5 @@
 """One GRPO step gives the same numbers in every parallel layout
-(torchtitan_grpo.parallel), on CPU over gloo with real torchrun ranks (the
+(torchtitan_grpo.distributed.parallel), on CPU over gloo with real torchrun ranks (the
 same file runs on GPUs over NCCL, one GPU per rank, where launches needing
 more GPUs than there are skip).
 
@@ -98,7 +98,7 @@ def _device() -> torch.device:
 
 def write_models(root: str) -> dict[str, str]:
     """Tiny qwen3 (untied and tied) and llama3 HF checkpoints under ``root``."""
-    from torchtitan_grpo.demo_assets import TinyQwen3, ensure_tiny_qwen3, write_tokenizer
+    from torchtitan_grpo.models.demo_assets import TinyQwen3, ensure_tiny_qwen3, write_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
 
     dirs = {
@@ -129,7 +129,7 @@ def write_models(root: str) -> dict[str, str]:
 
 def fixed_batch():
     """Seven samples with uneven prompt/completion lengths, drawn from a fixed seed."""
-    from torchtitan_grpo.trainer import Sample
+    from torchtitan_grpo.train.trainer import Sample
 
     g = torch.Generator().manual_seed(1234)
     samples = []
@@ -188,7 +188,7 @@ def step_job_config(model_name: str, layout_name: str, dtype: str = "float32"):
     """``job_config`` plus our ``[grpo]`` section, for ``trainer.build_policy``
     and ``trainer.train_step`` (the pipeline layouts and their reference)."""
     extra = [
-        "--job.custom_config_module", "torchtitan_grpo.config",
+        "--job.custom_config_module", "torchtitan_grpo.config.job_config",
         "--grpo.micro_batch_size", str(PP_MICRO_BATCH.get(layout_name, MICRO_BATCH)),
         "--grpo.is_correction", "none",  # the ratio against the rollout logprobs, as run_case
         "--lr_scheduler.warmup_steps", "1",  # the full lr at the first step, as run_case
@@ -232,7 +232,7 @@ def _bf16_fsdp_kept(dtype: str, device: torch.device):
     if dtype == "float32" or device.type != "cpu":
         yield
         return
-    from torchtitan_grpo import parallel
+    from torchtitan_grpo.distributed import parallel
 
     original = parallel._job_config_for
 
@@ -310,10 +310,10 @@ def run_case(model_dir: str, model_name: str, layout: tuple[int, int, int], worl
 
     from torchtitan.components.optimizer import build_optimizers
     from torchtitan.distributed.utils import clip_grad_norm_
-    from torchtitan_grpo import model as hf_model
-    from torchtitan_grpo import parallel
-    from torchtitan_grpo.loss import grpo_loss, token_logprobs
-    from torchtitan_grpo.trainer import _pack
+    from torchtitan_grpo.models import hf_bridge as hf_model
+    from torchtitan_grpo.distributed import parallel
+    from torchtitan_grpo.train.loss import grpo_loss, token_logprobs
+    from torchtitan_grpo.train.trainer import _pack
 
     device = _device()
     cfg = job_config(model_name, layout, dtype=dtype)
@@ -396,7 +396,7 @@ def _gathered_hf(policy) -> dict[str, torch.Tensor]:
     """What a weight push sends: each rank's ``hf_state_dict`` of its own
     module (under PP: its stage, whose FQNs the adapter maps as for the whole
     model), united over the stages. A collective."""
-    from torchtitan_grpo import model as hf_model
+    from torchtitan_grpo.models import hf_bridge as hf_model
 
     pushed = hf_model.hf_state_dict(policy.model, policy.adapter)
     local = {k: v.detach().to("cpu", copy=True) for k, v in pushed.items()}
@@ -422,7 +422,8 @@ def run_step_case(model_dir: str, model_name: str, layout_name: str, world_size:
     """
     import torch.distributed as dist
 
-    from torchtitan_grpo import parallel, trainer
+    from torchtitan_grpo.distributed import parallel
+    from torchtitan_grpo.train import trainer
 
     device = _device()
     cfg = step_job_config(model_name, layout_name, dtype)
@@ -473,7 +474,8 @@ def run_empty_rank_step(model_dir: str, model_name: str, layout_name: str, world
     least one per stage). Returns every rank's metrics."""
     import torch.distributed as dist
 
-    from torchtitan_grpo import parallel, trainer
+    from torchtitan_grpo.distributed import parallel
+    from torchtitan_grpo.train import trainer
 
     cfg = step_job_config(model_name, layout_name)
     d = trainer.Dist(dist.get_rank(), world_size, int(os.environ.get("LOCAL_RANK", "0")), _device())
@@ -494,7 +496,7 @@ def _exported_mismatches(policy, model_dir: str, out_dir: str, d) -> dict:
     names missing, extra or unequal (``bad_export``). A collective."""
     from safetensors.torch import load_file
 
-    from torchtitan_grpo.checkpoint import export_hf
+    from torchtitan_grpo.train.checkpoint import export_hf
 
     export_hf(policy, model_dir, out_dir, d)
     expected = _gathered_hf(policy)
@@ -515,8 +517,9 @@ def run_checkpoint_roundtrip(model_dir: str, model_name: str, layout_name: str, 
     (``bad_*``). A collective."""
     import torch.distributed as dist
 
-    from torchtitan_grpo import parallel, trainer
-    from torchtitan_grpo.checkpoint import Checkpointer
+    from torchtitan_grpo.distributed import parallel
+    from torchtitan_grpo.train import trainer
+    from torchtitan_grpo.train.checkpoint import Checkpointer
 
     cfg = step_job_config(model_name, layout_name)
     cfg.job.dump_folder, cfg.checkpoint.enable, cfg.checkpoint.interval = dump, True, 1
@@ -647,8 +650,8 @@ def run_torchrun(nproc: int, script_args: list[str], timeout: float) -> str:
 
 
 def test_pad_to_multiple_only_appends_masked_positions():
-    from torchtitan_grpo.parallel import pad_to_multiple
-    from torchtitan_grpo.trainer import _pack
+    from torchtitan_grpo.distributed.parallel import pad_to_multiple
+    from torchtitan_grpo.train.trainer import _pack
 
     tokens, mask, old, _ = _pack(fixed_batch()[:3], PAD, torch.device("cpu"))
     assert tokens.shape[1] % 2 == 1  # the fixture needs padding under TP=2
@@ -662,7 +665,7 @@ def test_pad_to_multiple_only_appends_masked_positions():
 
 @pytest.mark.parametrize("key", ["expert_tensor_parallel_degree"])  # CP: test_context_parallel
 def test_unsupported_parallelisms_are_rejected(key):
-    from torchtitan_grpo.parallel import build_parallel_dims
+    from torchtitan_grpo.distributed.parallel import build_parallel_dims
 
     cfg = job_config("qwen3", (1, 1, 1))
     setattr(cfg.parallelism, key, 2)
@@ -685,7 +688,7 @@ def test_unsupported_parallelisms_are_rejected(key):
 ])
 def test_unsupported_pipeline_settings_are_rejected(setting, error, names):
     """PP settings the trainer cannot run fail at start-up naming their keys."""
-    from torchtitan_grpo.pipeline import check_config, stage_module_names
+    from torchtitan_grpo.distributed.pipeline import check_config, stage_module_names
 
     cfg = step_job_config("qwen3", "pp")
     for key, value in setting.items():
@@ -699,7 +702,7 @@ def test_unsupported_pipeline_settings_are_rejected(setting, error, names):
 
 
 def test_build_parallel_dims_checks_pipeline_settings():
-    from torchtitan_grpo.parallel import build_parallel_dims
+    from torchtitan_grpo.distributed.parallel import build_parallel_dims
 
     cfg = step_job_config("qwen3", "pp")
     cfg.parallelism.pipeline_parallel_schedule = "ZBVZeroBubble"
@@ -713,7 +716,7 @@ def test_one_gpu_trains_in_the_configured_precision():
     "float32" stay float32 (no autocast)."""
     from types import SimpleNamespace
 
-    from torchtitan_grpo.parallel import build_parallel_dims, mixed_precision
+    from torchtitan_grpo.distributed.parallel import build_parallel_dims, mixed_precision
 
     cfg = job_config("qwen3", (1, 1, 1))
     one = build_parallel_dims(cfg, 1, "cpu")
@@ -733,7 +736,7 @@ def test_one_gpu_trains_in_the_configured_precision():
 
 
 def test_parallelize_refuses_pipeline_layouts():
-    from torchtitan_grpo.parallel import parallelize
+    from torchtitan_grpo.distributed.parallel import parallelize
 
     with pytest.raises(ValueError, match="pipeline_parallel_degree"):
         parallelize(torch.nn.Linear(2, 2), job_config("qwen3", LAYOUTS["pp"]), 2, "cpu")
@@ -743,8 +746,8 @@ def test_stage_split_keeps_fqns(tmp_path):
     """Each stage holds its modules under the whole model's FQNs, and the
     stages together hold every parameter once (twice for a tied embedding:
     once per end of the pipeline)."""
-    from torchtitan_grpo import model as hf_model
-    from torchtitan_grpo.pipeline import split_stage, stage_module_names
+    from torchtitan_grpo.models import hf_bridge as hf_model
+    from torchtitan_grpo.distributed.pipeline import split_stage, stage_module_names
 
     model_dirs = write_models(str(tmp_path))
     for model_name in MODELS:
@@ -764,7 +767,7 @@ def test_stage_split_keeps_fqns(tmp_path):
 
 
 def test_bucketed_seq_len():
-    from torchtitan_grpo.pipeline import bucketed_seq_len
+    from torchtitan_grpo.distributed.pipeline import bucketed_seq_len
 
     assert bucketed_seq_len(5, 64) == 8  # buckets of 64 / 8
     assert bucketed_seq_len(8, 64) == 8 and bucketed_seq_len(9, 64) == 16
@@ -777,7 +780,7 @@ def test_bucketed_seq_len():
 
 def test_cpu_sdpa_strategy_is_registered_once():
     from torch.distributed.tensor import DTensor
-    from torchtitan_grpo.parallel import register_cpu_sdpa_sharding
+    from torchtitan_grpo.distributed.parallel import register_cpu_sdpa_sharding
 
     register_cpu_sdpa_sharding()
     assert register_cpu_sdpa_sharding() is False  # already there: left alone

@@ -28,20 +28,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from torchtitan_grpo.inference import sglang
-from torchtitan_grpo.inference.pool import (
-    CATCHING_UP,
-    DOWN,
-    HEALTHY,
-    REMOVED,
-    SLOW,
-    STATE_CODES,
-    GenerationFailed,
-    InferencePool,
-    NoHealthyReplica,
-    PoolConfig,
-)
-from torchtitan_grpo.inference.types import SamplingParams
+from torchtitan_grpo.fleet import sglang
+from torchtitan_grpo.fleet.pool import CATCHING_UP, DOWN, HEALTHY, REMOVED, SLOW, STATE_CODES, GenerationFailed, InferencePool, NoHealthyReplica, PoolConfig
+from torchtitan_grpo.fleet.types import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 N = 4  # samples per prompt (GRPO group size)
@@ -79,7 +68,7 @@ def spawn(cmd: list[str], log_path: Path, timeout_s: float = 120.0) -> tuple[sub
 
 
 def server_cmd(model_dir: str, port: int = 0, seed: int = 0) -> list[str]:
-    return [sys.executable, "-m", "torchtitan_grpo.inference.server", "--model", model_dir, "--port", str(port),
+    return [sys.executable, "-m", "torchtitan_grpo.server", "--model", model_dir, "--port", str(port),
             "--seed", str(seed), "--num-threads", "1"]
 
 

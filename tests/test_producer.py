@@ -15,8 +15,8 @@ import pytest
 
 from tests.producer_stubs import CharTokenizer
 from torchtitan_grpo.aio import LoopThread
-from torchtitan_grpo.inference.pool import GenerationFailed
-from torchtitan_grpo.inference.types import Completion, SamplingParams
+from torchtitan_grpo.fleet.pool import GenerationFailed
+from torchtitan_grpo.fleet.types import Completion, SamplingParams
 from torchtitan_grpo.rollout.groups import GroupScorer
 from torchtitan_grpo.rollout.ledger import PromptLedger
 from torchtitan_grpo.rollout.producer import ProducerStopped, RolloutProducer

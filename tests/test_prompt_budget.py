@@ -9,10 +9,10 @@ import pytest
 
 from tests.producer_stubs import CharTokenizer, ListSource, started
 from torchtitan_grpo.aio import LoopThread
-from torchtitan_grpo.inference.types import Completion, SamplingParams
+from torchtitan_grpo.fleet.types import Completion, SamplingParams
 from torchtitan_grpo.rollout.groups import GroupScorer
 from torchtitan_grpo.rollout.ledger import PromptLedger
-from torchtitan_grpo.rollout.offpolicy import select_samples
+from torchtitan_grpo.train.importance import select_samples
 from torchtitan_grpo.rollout.prompt_budget import check_budgets, fit_budget, group_budget
 from torchtitan_grpo.rollout.producer import ProducerSpec, ProducerStopped, RolloutProducer, build_producer
 from torchtitan_grpo.rollout.tasks import PromptIterator
@@ -144,7 +144,7 @@ def test_the_sequence_limit_reaches_the_producer(args, expected):
     import os
 
     from torchtitan_grpo import session
-    from torchtitan_grpo.config import parse_config
+    from torchtitan_grpo.config.parse import parse_config
 
     demo = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train_configs", "demo_cpu.toml")
     tok = CharTokenizer()

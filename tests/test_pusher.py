@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from torchtitan_grpo.aio import LoopThread
-from torchtitan_grpo.inference.launcher import ServerSpec, start_servers, stop_process
+from torchtitan_grpo.fleet.launcher import ServerSpec, start_servers, stop_process
 from torchtitan_grpo.protocol.builtin import BuiltinTraits
 from torchtitan_grpo.weight_sync.group_push import GroupPush
 from torchtitan_grpo.weight_sync.pusher import Pusher, PushConfig
@@ -238,7 +238,7 @@ def test_killed_replica_is_ejected_then_catches_up_before_readmission(tmp_path, 
         srv.proc.wait()
         _wait(lambda: rec.ejected == [srv.url], 20, "ejection of the killed replica")
         pusher.push(_weights(tiny_model_dir, 3.0), version=3)  # the trainer goes on meanwhile
-        cmd = [sys.executable, "-m", "torchtitan_grpo.inference.server", "--model", tiny_model_dir,
+        cmd = [sys.executable, "-m", "torchtitan_grpo.server", "--model", tiny_model_dir,
                "--port", str(srv.port), "--debug-update-delay-s", "0"]
         restarted = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -283,7 +283,7 @@ def test_replica_joining_from_file_gets_newest_weights_before_traffic(tmp_path, 
     held as catching-up, joined by the pusher's transport (gloo: its weight
     group; ipc: asked for its ranks), sent the newest version, and only then
     routed to."""
-    from torchtitan_grpo.inference.pool import InferencePool, PoolConfig
+    from torchtitan_grpo.fleet.pool import InferencePool, PoolConfig
 
     a, b = _servers(tmp_path, tiny_model_dir, [0.0, 0.0])
     listing = tmp_path / "replicas.txt"
@@ -698,7 +698,7 @@ def test_a_replica_is_readmitted_when_as_current_as_the_fleet_even_if_versions_o
         victim.proc.kill()
         victim.proc.wait()
         step_until(lambda: rec.ejected == [victim.url], 20, "ejection of the killed replica")
-        cmd = [sys.executable, "-m", "torchtitan_grpo.inference.server", "--model", tiny_model_dir,
+        cmd = [sys.executable, "-m", "torchtitan_grpo.server", "--model", tiny_model_dir,
                "--port", str(victim.port), "--debug-update-delay-s", "0.6", "--weight-group-timeout", "30"]
         restarted = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -743,7 +743,7 @@ def test_ipc_push_hands_over_whole_versions_and_a_killed_replica_catches_up(tmp_
 
         # Kill it inside an update handler (a slow replica in its place), restart it, catch up.
         stop_process(srv.proc)
-        cmd = [sys.executable, "-m", "torchtitan_grpo.inference.server", "--model", tiny_model_dir,
+        cmd = [sys.executable, "-m", "torchtitan_grpo.server", "--model", tiny_model_dir,
                "--port", str(srv.port)]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         slow = subprocess.Popen(cmd + ["--debug-update-delay-s", "3"], stdout=subprocess.DEVNULL,
@@ -950,7 +950,7 @@ def test_a_restarted_replica_is_caught_up_without_a_new_version(tmp_path, tiny_m
                     init_timeout_s=20, reconnect_interval_s=0.5), torch.device("cpu"),
                     on_eject=rec.eject, on_readmit=rec.readmit)
     names = list(_weights(tiny_model_dir, 0.0))
-    cmd = [sys.executable, "-m", "torchtitan_grpo.inference.server", "--model", tiny_model_dir,
+    cmd = [sys.executable, "-m", "torchtitan_grpo.server", "--model", tiny_model_dir,
            "--port", str(srv.port)]
     procs = [srv.proc]
 

@@ -6,7 +6,7 @@ reaches only the trainer, which then stops them itself (issue 37: they
 
 import os
 
-from torchtitan_grpo.inference.launcher import ServerSpec, _spawn, stop_process
+from torchtitan_grpo.fleet.launcher import ServerSpec, _spawn, stop_process
 from torchtitan_grpo.rollout.client_process import SpawnedClient
 
 

@@ -1,4 +1,4 @@
-"""Checkpoint and resume (torchtitan_grpo.checkpoint): a run stopped after
+"""Checkpoint and resume (torchtitan_grpo.train.checkpoint): a run stopped after
 step k and restarted continues from k with the same prompts, sampling seeds
 and weights as a run that was never stopped; the HF export loads in
 transformers.
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from tests.conftest import ROOT
-from torchtitan_grpo.config import ConfigError
+from torchtitan_grpo.config.checks import ConfigError
 
 DEMO = os.path.join(ROOT, "train_configs", "demo_cpu.toml")
 
@@ -49,7 +49,8 @@ def own_process_group():
 
 
 def test_checkpoint_section_has_our_keys_and_checks(tmp_path):
-    from torchtitan_grpo.config import ConfigError, parse_config
+    from torchtitan_grpo.config.checks import ConfigError
+    from torchtitan_grpo.config.parse import parse_config
 
     toml = tmp_path / "c.toml"
     toml.write_text(open(DEMO).read() + '\n[checkpoint]\nenable = true\ninterval = 5\nhf_export = true\n')
@@ -99,7 +100,7 @@ def test_metrics_of_a_resumed_run_continue_the_file(tmp_path):
 
 
 def _batch():
-    from torchtitan_grpo.trainer import Sample
+    from torchtitan_grpo.train.trainer import Sample
 
     return [Sample([19, 31], [20, 21, 1], [-4.0, -4.2, -4.5], 1.0, 1.0, "stop", ["0"]),
             Sample([20, 31], [22, 1], [-4.1, -4.4], -1.0, 0.0, "stop", ["0"])]
@@ -118,10 +119,10 @@ def test_checkpointer_restores_every_state(tmp_path, tiny_model_dir, own_process
     refused with a message instead of a DCP key error."""
     import random
 
-    from torchtitan_grpo.checkpoint import Checkpointer
-    from torchtitan_grpo.config import parse_config
+    from torchtitan_grpo.train.checkpoint import Checkpointer
+    from torchtitan_grpo.config.parse import parse_config
     from torchtitan_grpo.rollout.tasks import DigitsPrompts
-    from torchtitan_grpo.trainer import build_policy, init_distributed, train_step
+    from torchtitan_grpo.train.trainer import build_policy, init_distributed, train_step
 
     args = ["--job.config_file", DEMO, "--model.hf_assets_path", tiny_model_dir, "--job.dump_folder",
             str(tmp_path), "--checkpoint.enable", "--checkpoint.interval", "2", "--training.steps", "3"]
@@ -277,9 +278,9 @@ def test_hf_export_loads_in_transformers(tmp_path, tiny_model_dir):
     computes the TorchTitan policy's logits."""
     from transformers import AutoModelForCausalLM
 
-    from torchtitan_grpo.checkpoint import export_hf
-    from torchtitan_grpo.config import parse_config
-    from torchtitan_grpo.trainer import build_policy, init_distributed, train_step
+    from torchtitan_grpo.train.checkpoint import export_hf
+    from torchtitan_grpo.config.parse import parse_config
+    from torchtitan_grpo.train.trainer import build_policy, init_distributed, train_step
 
     cfg = parse_config(["--job.config_file", DEMO, "--model.hf_assets_path", tiny_model_dir])
     d = init_distributed()

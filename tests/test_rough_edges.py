@@ -16,7 +16,7 @@ DEMO = os.path.join(ROOT, "train_configs", "demo_cpu.toml")
 # 1. --section.key true|false for boolean keys (tyro takes only --key / --no-key)
 
 def test_bool_keys_take_a_value_like_every_other_key():
-    from torchtitan_grpo.config import parse_config
+    from torchtitan_grpo.config.parse import parse_config
 
     cfg = parse_config(["--job.config_file", DEMO, "--checkpoint.enable", "true", "--grpo.scale_rewards", "false",
                         "--metrics.enable-tensorboard=no", "--training.dataloader.pin_memory", "1",
@@ -33,7 +33,8 @@ def test_bool_keys_take_a_value_like_every_other_key():
 
 
 def test_bool_key_with_a_non_boolean_value_names_the_key():
-    from torchtitan_grpo.config import ConfigError, parse_config
+    from torchtitan_grpo.config.checks import ConfigError
+    from torchtitan_grpo.config.parse import parse_config
 
     with pytest.raises(ConfigError, match=r"checkpoint\.enable: 'maybe' is not a boolean"):
         parse_config(["--job.config_file", DEMO, "--checkpoint.enable", "maybe"])
@@ -44,7 +45,8 @@ def test_bool_key_with_a_non_boolean_value_names_the_key():
 # 2. The API key of a started server is not on its command line (ps shows it to everyone)
 
 def test_started_server_gets_its_api_key_from_the_environment_not_argv(tmp_path, monkeypatch):
-    from torchtitan_grpo.inference import launcher, server
+    from torchtitan_grpo.fleet import launcher
+    from torchtitan_grpo.server import app as server
 
     launched = []
 
@@ -62,7 +64,7 @@ def test_started_server_gets_its_api_key_from_the_environment_not_argv(tmp_path,
     assert launcher.API_KEY_ENV not in open_env  # no key set: the shell's must not lock the server
 
     # the server, given exactly that command line and environment, requires the key
-    assert keyed_cmd[1:3] == ["-m", "torchtitan_grpo.inference.server"]
+    assert keyed_cmd[1:3] == ["-m", "torchtitan_grpo.server"]
     monkeypatch.setattr(server.os, "environ", keyed_env)
     assert server.parse_args(keyed_cmd[3:]).api_key == "s3cret-key"
     monkeypatch.setattr(server.os, "environ", open_env)
@@ -76,7 +78,7 @@ def test_started_server_gets_its_api_key_from_the_environment_not_argv(tmp_path,
 
 def test_groups_failing_alike_are_logged_once(caplog):
     from tests.test_producer import make, until
-    from torchtitan_grpo.inference.pool import NoHealthyReplica
+    from torchtitan_grpo.fleet.pool import NoHealthyReplica
     from torchtitan_grpo.rollout.producer import ProducerStopped
 
     class GonePool:
@@ -228,8 +230,8 @@ def test_empty_exception_messages_name_their_type(caplog):
 
 
 def test_readmitted_replica_logs_the_state_it_leaves_and_enters(caplog):
-    from torchtitan_grpo.inference.pool import PoolConfig
-    from torchtitan_grpo.inference.replicas import ReplicaSet
+    from torchtitan_grpo.fleet.pool import PoolConfig
+    from torchtitan_grpo.fleet.replicas import ReplicaSet
 
     fleet = ReplicaSet(["http://a", "http://b"], PoolConfig())
     a, b = fleet.replicas

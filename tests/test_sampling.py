@@ -1,4 +1,4 @@
-"""sampling.py: the fast inverse-CDF path (nothing edits or truncates the
+"""server/engine/sampling.py: the fast inverse-CDF path (nothing edits or truncates the
 distribution) picks what the general path picks from the same uniform."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from torchtitan_grpo.inference.requests import SamplingParams, _Request, _sample_generator, _Sequence
-from torchtitan_grpo.inference.sampling import sample_tokens
+from torchtitan_grpo.server.engine.requests import SamplingParams, _Request, _sample_generator, _Sequence
+from torchtitan_grpo.server.engine.sampling import sample_tokens
 
 
 def _seqs(params: list[SamplingParams]) -> list[_Sequence]:

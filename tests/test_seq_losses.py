@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from torchtitan_grpo.loss import LOSS_VARIANTS, cispo_loss, grpo_loss, gspo_loss
+from torchtitan_grpo.train.loss import LOSS_VARIANTS, cispo_loss, grpo_loss, gspo_loss
 
 LN = math.log
 
@@ -316,7 +316,7 @@ def test_micro_batches_with_the_steps_normalisers_match_one_batch(name):
 
 
 def _ctx(loss_agg, is_correction, num_samples, num_tokens, kl_coef=0.0):
-    from torchtitan_grpo.trainer import _LossContext
+    from torchtitan_grpo.train.trainer import _LossContext
 
     g = SimpleNamespace(loss_agg=loss_agg, is_correction=is_correction, is_cap=2.0, clip_low=0.2, clip_high=0.2,
                         gspo_clip_low=0.01, gspo_clip_high=0.015, cispo_clip_low=0.2, cispo_clip_high=0.28,
@@ -330,8 +330,8 @@ def test_trainer_loss_path(name, is_correction):
     """_logprob_loss picks the loss from grpo.loss_agg, passes the step's
     normalisers, and its records add up to the one-batch loss and clip
     fraction (of completions for GSPO, of tokens for CISPO)."""
-    from torchtitan_grpo.rollout.offpolicy import OffPolicyStats
-    from torchtitan_grpo.trainer import _add_record, _logprob_loss
+    from torchtitan_grpo.train.importance import OffPolicyStats
+    from torchtitan_grpo.train.trainer import _add_record, _logprob_loss
 
     lp, rollout, ref, adv, mask, _ = _random_batch(8, spread=0.02 if name == "gspo" else 0.3)
     n_seq, n_tok = int((mask.sum(-1) > 0).sum()), int(mask.sum())
@@ -346,7 +346,7 @@ def test_trainer_loss_path(name, is_correction):
     if is_correction == "none":  # the ratio against the behaviour policy, no weights
         old, w = rollout, None
     else:  # the ratio centred on the trainer's own log-probs (s = r = 1), truncated IS weights
-        from torchtitan_grpo.loss import is_weights
+        from torchtitan_grpo.train.loss import is_weights
 
         old, w = lp, is_weights(lp, rollout, mask, mode=is_correction, cap=2.0)[0]
     direct, m = fn(lp, old, adv, mask, ref_logprobs=ref, kl_coef=0.1, is_weights=w, **clip)
@@ -375,7 +375,7 @@ def test_gspo_token_is_weights_become_one_per_completion():
     """With grpo.is_correction = "token" the trainer's GSPO gradient is
     -A_i W_i / (|y_i| N) per token, W_i the geometric mean of the row's
     truncated token weights min(pi_train / pi_rollout, cap)."""
-    from torchtitan_grpo.trainer import _logprob_loss
+    from torchtitan_grpo.train.trainer import _logprob_loss
 
     lp, rollout, _, adv, mask, _ = _random_batch(7, spread=0.5)
     n_seq = int((mask.sum(-1) > 0).sum())
@@ -413,8 +413,9 @@ _DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_config_selects_the_losses_and_refuses_bad_values():
     import re
 
-    from torchtitan_grpo.config import ConfigError, parse_config
-    from torchtitan_grpo.config_checks import validate
+    from torchtitan_grpo.config.checks import ConfigError
+    from torchtitan_grpo.config.parse import parse_config
+    from torchtitan_grpo.config.checks import validate
 
     cfg = parse_config(["--job.config_file", _DEMO, "--grpo.loss_agg", "cispo"])
     g = cfg.grpo
@@ -443,10 +444,10 @@ def test_train_step_on_the_tiny_model(tiny_model_dir):
     ratio against the rollout log-probs), GSPO then CISPO: each step's loss
     is the sum of its micro-batch losses, and its clip fraction counts
     completions under GSPO, tokens under CISPO."""
-    from torchtitan_grpo.config import parse_config
-    from torchtitan_grpo.loss import token_logprobs
-    from torchtitan_grpo.rollout.sample import Sample
-    from torchtitan_grpo.trainer import _pack, build_policy, init_distributed, train_step
+    from torchtitan_grpo.config.parse import parse_config
+    from torchtitan_grpo.train.loss import token_logprobs
+    from torchtitan_grpo.train.sample import Sample
+    from torchtitan_grpo.train.trainer import _pack, build_policy, init_distributed, train_step
 
     # GSPO's default range (3e-4 / 4e-4) would clip every completion of this batch
     # (its rollout log-probs are far from the model's): a wider one clips some

@@ -501,7 +501,7 @@ def test_update_from_disk_errors(server, model_dir, tmp_path):
 ])
 def test_update_metadata_is_refused_naming_the_field(field, value, words):
     """SGLang's ``names``/``dtypes``/``shapes``, checked before any receive is posted."""
-    from torchtitan_grpo.inference.sglang_weights import _Refused, _tensor_specs
+    from torchtitan_grpo.server.routes.sglang_weights import _Refused, _tensor_specs
 
     good = {"names": ["a", "b"], "dtypes": ["float32", "bfloat16"], "shapes": [[64], [2, 3]]}
     specs = _tensor_specs(**good)
@@ -815,7 +815,7 @@ def test_bad_model_dir_exits_nonzero(tmp_path):
     (broken / "config.json").write_text("{not json")
     cases = [(tmp_path / "missing", "does not exist"), (broken, "cannot load model")]
     procs = [
-        subprocess.Popen([sys.executable, "-m", "torchtitan_grpo.inference.server", "--model", str(d),
+        subprocess.Popen([sys.executable, "-m", "torchtitan_grpo.server", "--model", str(d),
                           "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=server_env(), cwd=REPO)
         for d, _ in cases
     ]
@@ -930,7 +930,7 @@ def test_adopt_decided_while_receiving_is_what_install_weights_would_decide():
     dtype, shape and device) what ``install_weights`` decides from the
     received tensors; with those flags the load only swaps or copies, and a
     session that received an update without flags checks at load time."""
-    from torchtitan_grpo.inference.weights import PendingVersion, adoptable, install_weights
+    from torchtitan_grpo.server.engine.weights import PendingVersion, adoptable, install_weights
     from torchtitan_grpo.weight_sync.buckets import TensorSpec, unpack
 
     params = {"a": torch.zeros(2, 3), "b": torch.zeros(4, dtype=torch.bfloat16), "c": torch.zeros(5)}
@@ -967,7 +967,7 @@ def test_install_weights_adopts_fresh_buffers_and_copies_the_rest(tmp_path):
     copied; tensors read from disk never stay backed by the file."""
     from safetensors.torch import save_file
 
-    from torchtitan_grpo.inference.weights import install_weights, read_safetensors_dir
+    from torchtitan_grpo.server.engine.weights import install_weights, read_safetensors_dir
 
     emb = torch.nn.Parameter(torch.zeros(4, 3), requires_grad=False)
     norm = torch.nn.Parameter(torch.zeros(3), requires_grad=False)
@@ -1078,8 +1078,8 @@ def test_post_receive_check_first_posts_at_once_and_cuts_the_views_later():
     thread, ``cut_views`` runs it once), ``wait`` delivers every tensor
     exactly, and a bucket whose views could not be cut, or that the check
     refuses, is refused with nothing posted."""
-    from torchtitan_grpo.inference.requests import WeightUpdateError
-    from torchtitan_grpo.inference.weights import post_receive
+    from torchtitan_grpo.server.engine.requests import WeightUpdateError
+    from torchtitan_grpo.server.engine.weights import post_receive
 
     g = torch.Generator().manual_seed(11)
     named = [("w.fp32", torch.randn(4, 3, generator=g)), ("b.bf16", torch.randn(5, generator=g).to(torch.bfloat16)),
@@ -1196,8 +1196,8 @@ def test_top_logprobs_of_a_mixed_batch_come_from_one_topk():
 
     import torch
 
-    from torchtitan_grpo.inference.requests import SamplingParams as EngineParams, _Request, _Sequence
-    from torchtitan_grpo.inference.sampling import sample_tokens
+    from torchtitan_grpo.server.engine.requests import SamplingParams as EngineParams, _Request, _Sequence
+    from torchtitan_grpo.server.engine.sampling import sample_tokens
 
     torch.manual_seed(0)
     ks = [0, 3, 1, 0, 5, 2]

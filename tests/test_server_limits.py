@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from tests.server_procs import in_process_server
-from torchtitan_grpo.inference import vllm
-from torchtitan_grpo.inference.engine import Engine, EngineConfig
-from torchtitan_grpo.inference.requests import SamplingParams
-from torchtitan_grpo.inference.server import engine_config, exposure_warning, parse_args
+from torchtitan_grpo.fleet import vllm
+from torchtitan_grpo.server.engine.engine import Engine, EngineConfig
+from torchtitan_grpo.server.engine.requests import SamplingParams
+from torchtitan_grpo.server.app import engine_config, exposure_warning, parse_args
 
 torch.set_num_threads(1)
 

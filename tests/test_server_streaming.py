@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from tests.server_procs import in_process_server, write_chat_template
-from torchtitan_grpo.inference import vllm
-from torchtitan_grpo.inference.engine import Engine
+from torchtitan_grpo.fleet import vllm
+from torchtitan_grpo.server.engine.engine import Engine
 
 torch.set_num_threads(1)
 

@@ -222,7 +222,7 @@ def test_sbatch_builtin_server_two_steps(jobs):
     assert len(server_logs) == 1
     server_log = _read(server_logs[0])
     assert "ready http://0.0.0.0:" in server_log and "shutting down" in server_log, server_log[-2000:]
-    assert _gone("torchtitan_grpo.inference.server", j.model) == []
+    assert _gone("torchtitan_grpo.server", j.model) == []
     assert _gone("grpo_train.py", j.dump) == []
 
 
@@ -231,7 +231,7 @@ def test_server_dying_mid_run_fails_the_job_with_its_log_tail(jobs):
     of that server's log, and stops the trainer."""
     j = jobs["server_dying"]
     _wait_for_text(j.out, "step    2 | reward", j.job, JOB_WAIT_S)
-    servers = _procs("torchtitan_grpo.inference.server", j.model, "--port")
+    servers = _procs("torchtitan_grpo.server", j.model, "--port")
     assert len(servers) == 1, servers
     os.kill(servers[0][0], signal.SIGKILL)
     state, _ = _wait(j.job, JOB_WAIT_S)
@@ -260,7 +260,7 @@ def test_trainer_failure_fails_the_job_and_stops_the_servers(jobs):
     assert (state, code) == ("FAILED", "1:0"), log[-4000:]
     assert "config key grpo.group_size = 1" in log  # the trainer's own message
     assert "trainer failed with exit code 1" in log and "inference servers stopped" in log, log[-3000:]
-    assert _gone("torchtitan_grpo.inference.server", j.model) == []
+    assert _gone("torchtitan_grpo.server", j.model) == []
 
 
 def test_scancel_stops_trainer_and_servers(jobs):
@@ -270,7 +270,7 @@ def test_scancel_stops_trainer_and_servers(jobs):
     state, _ = _wait(j.job, JOB_WAIT_S)
     assert state == "CANCELLED"
     assert _gone("grpo_train.py", j.dump) == []
-    assert _gone("torchtitan_grpo.inference.server", j.model) == []
+    assert _gone("torchtitan_grpo.server", j.model) == []
     log = _read(j.out)
     assert "got SIGTERM" in log and "inference servers stopped" in log, log[-3000:]
 
@@ -344,7 +344,8 @@ def test_step_wrapper_slices_gpus_and_sets_node_rank():
 def test_inference_urls_override_is_a_comma_separated_list():
     """How grpo.sbatch hands the URLs over: TorchTitan's ConfigManager parses a
     list[str] override as one comma-separated value (two values is an error)."""
-    from torchtitan_grpo.config import ConfigError, parse_config
+    from torchtitan_grpo.config.checks import ConfigError
+    from torchtitan_grpo.config.parse import parse_config
 
     demo = os.path.join(ROOT, "train_configs", "demo_cpu.toml")
     cfg = parse_config(["--job.config_file", demo, "--inference.urls", "http://n1:30000,http://n2:30001"])

@@ -1,4 +1,4 @@
-"""torchtitan_grpo.weight_sync.stage_transfer over 3 real gloo ranks.
+"""torchtitan_grpo.distributed.stage_transfer over 3 real gloo ranks.
 
 Each rank plays a pipeline stage with a hand-made list of tensors that
 exercises every rule of the plan: a name rank 0 already holds (under an
@@ -52,7 +52,7 @@ def _worker(rank: int, store: str, out: str) -> None:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from torchtitan_grpo.weight_sync import stage_transfer
+    from torchtitan_grpo.distributed import stage_transfer
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     try:

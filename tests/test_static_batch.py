@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchtitan_grpo.inference.static_batch import StaticBatch, supports
+from torchtitan_grpo.server.engine.static_batch import StaticBatch, supports
 from tests.kv_stubs import Req as _Req, Seq as _Seq
 
 
@@ -150,8 +150,8 @@ def test_engine_on_a_second_gpu_captures_its_graphs_there(tiny_model_dir):
     """A server on cuda:1 starts with cuda:0 current: its decode graphs must
     be captured on cuda:1's stream (they were not, and start-up failed), and
     it generates what the same engine on cuda:0 does."""
-    from torchtitan_grpo.inference.engine import Engine, EngineConfig
-    from torchtitan_grpo.inference.requests import SamplingParams
+    from torchtitan_grpo.server.engine.engine import Engine, EngineConfig
+    from torchtitan_grpo.server.engine.requests import SamplingParams
 
     assert torch.cuda.current_device() == 0
     outs = {}
@@ -173,8 +173,8 @@ def test_engine_on_a_static_cache_generates_what_the_dynamic_one_does(tiny_model
     """Same requests (seeded sampling, n > 1, a top-p row, a greedy row) on
     both KV batches: the same tokens and logprobs; the static engine's context
     is its max_model_len (a longer prompt is refused, output stops there)."""
-    from torchtitan_grpo.inference.engine import Engine, EngineConfig
-    from torchtitan_grpo.inference.requests import RequestError, SamplingParams
+    from torchtitan_grpo.server.engine.engine import Engine, EngineConfig
+    from torchtitan_grpo.server.engine.requests import RequestError, SamplingParams
 
     reqs = [([5, 9, 4, 7, 11], SamplingParams(max_new_tokens=12, n=2, seed=3)),
             ([8, 3], SamplingParams(max_new_tokens=9, top_p=0.8, seed=4)),
@@ -204,7 +204,8 @@ def test_config_keys_reach_the_launched_servers():
     started servers' --kv-cache / --max-model-len."""
     import os
 
-    from torchtitan_grpo.config import ConfigError, parse_config
+    from torchtitan_grpo.config.checks import ConfigError
+    from torchtitan_grpo.config.parse import parse_config
 
     demo = os.path.join(os.path.dirname(os.path.dirname(__file__)), "train_configs", "demo_cpu.toml")
     with pytest.raises(ConfigError, match=r"inference\.max_model_len"):
@@ -213,7 +214,7 @@ def test_config_keys_reach_the_launched_servers():
         parse_config(["--job.config_file", demo, "--inference.kv_cache", "ring"])
     cfg = parse_config(["--job.config_file", demo, "--inference.kv_cache", "static", "--inference.max_model_len", "96"])
     assert (cfg.inference.kv_cache, cfg.inference.max_model_len) == ("static", 96)
-    from torchtitan_grpo.inference.server import engine_config, parse_args
+    from torchtitan_grpo.server.app import engine_config, parse_args
 
     srv = parse_args(["--model", "m", "--port", "0", "--kv-cache", "static", "--max-model-len", "96"])
     eng = engine_config(srv)
@@ -225,7 +226,8 @@ def test_config_keys_reach_the_launched_servers():
 def test_auto_pipeline_depth_is_serial_when_servers_share_a_float32_trainers_gpu(monkeypatch):
     import os
 
-    from torchtitan_grpo.config import parse_config, pipeline_depth
+    from torchtitan_grpo.config.parse import parse_config
+    from torchtitan_grpo.config.job_config import pipeline_depth
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     demo = os.path.join(os.path.dirname(os.path.dirname(__file__)), "train_configs", "demo_cpu.toml")
@@ -242,7 +244,7 @@ def test_auto_pipeline_depth_is_serial_when_servers_share_a_float32_trainers_gpu
 def test_static_engine_copies_updates_into_the_parameters(tiny_model_dir):
     """Under a static cache a loaded version never swaps a parameter's storage
     (captured graphs read it): the values change, the addresses do not."""
-    from torchtitan_grpo.inference.engine import Engine, EngineConfig
+    from torchtitan_grpo.server.engine.engine import Engine, EngineConfig
 
     eng = Engine(EngineConfig(tiny_model_dir, dtype="float32", max_batch_size=2, kv_cache="static", max_model_len=32))
     name = "model.layers.0.self_attn.q_proj.weight"

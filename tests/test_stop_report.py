@@ -9,9 +9,9 @@ import logging
 import pytest
 
 from tests.test_producer import ScriptedPool, make, rows
-from torchtitan_grpo.inference.launcher import ReplicaEvent
-from torchtitan_grpo.inference.pool import PoolConfig
-from torchtitan_grpo.inference.replicas import ReplicaSet
+from torchtitan_grpo.fleet.launcher import ReplicaEvent
+from torchtitan_grpo.fleet.pool import PoolConfig
+from torchtitan_grpo.fleet.replicas import ReplicaSet
 from torchtitan_grpo.rollout.producer import ProducerStopped
 from torchtitan_grpo.rollout.tasks import PromptIterator
 from torchtitan_grpo.session import _replica_events, causal_order

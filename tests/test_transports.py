@@ -149,5 +149,5 @@ def test_the_weight_push_sits_below_inference_and_its_files_stay_small():
 
 def test_parallel_does_not_import_pipeline():
     """pipeline builds on parallel; what both need is in pipeline_config, below both."""
-    assert "torchtitan_grpo.pipeline" not in _imports(PACKAGE / "parallel.py")
-    assert "torchtitan_grpo.parallel" in _imports(PACKAGE / "pipeline.py")
+    assert "torchtitan_grpo.distributed.pipeline" not in _imports(PACKAGE / "distributed/parallel.py")
+    assert "torchtitan_grpo.distributed.parallel" in _imports(PACKAGE / "distributed/pipeline.py")

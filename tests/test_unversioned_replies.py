@@ -5,9 +5,9 @@ staleness filter sees a version instead of "unknown"."""
 
 import pytest
 
-from torchtitan_grpo.inference.types import MalformedResponse
-from torchtitan_grpo.inference.vllm import parse_completions
-from torchtitan_grpo.rollout.offpolicy import select_samples
+from torchtitan_grpo.fleet.types import MalformedResponse
+from torchtitan_grpo.fleet.vllm import parse_completions
+from torchtitan_grpo.train.importance import select_samples
 from torchtitan_grpo.rollout.producer import label_unversioned
 
 

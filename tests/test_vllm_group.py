@@ -27,10 +27,10 @@ import pytest
 import torch
 
 from tests.server_procs import free_port
-from torchtitan_grpo.inference import vllm
-from torchtitan_grpo.inference.packed_receive import receive_packed
-from torchtitan_grpo.inference.vllm_http import VLLMError
-from torchtitan_grpo.inference.vllm_weights import parse_update_info
+from torchtitan_grpo.fleet import vllm
+from torchtitan_grpo.server.receive.packed import receive_packed
+from torchtitan_grpo.server.vllm_http import VLLMError
+from torchtitan_grpo.server.routes.vllm_weights import parse_update_info
 from torchtitan_grpo.weight_sync import vllm_group as vg
 from torchtitan_grpo.weight_sync.buckets import TensorSpec, plan_packed_chunks
 from torchtitan_grpo.weight_sync.group import init_weight_group, master_store
@@ -78,7 +78,7 @@ def test_receive_packed_views_aligned_tensors_and_copies_the_rest():
     """Each chunk lands in a buffer of its own; tensors at itemsize-aligned
     offsets come back as views of it, the others (bf16 then fp32 makes them)
     as copies of their own, and every one is adopted by ``install_weights``."""
-    from torchtitan_grpo.inference.weights import install_weights
+    from torchtitan_grpo.server.engine.weights import install_weights
 
     g = torch.Generator().manual_seed(5)
 
@@ -365,7 +365,7 @@ def test_post_packed_returns_before_the_bytes_and_wait_delivers_them():
     the trainer has sent a byte (several gloo receives outstanding, matched
     in order), and ``wait`` delivers every tensor exactly, the unaligned
     copies included."""
-    from torchtitan_grpo.inference.packed_receive import post_packed
+    from torchtitan_grpo.server.receive.packed import post_packed
 
     g = torch.Generator().manual_seed(9)
     named = [("a.bf16", torch.randn(3, generator=g).to(torch.bfloat16)),  # chunk 1 @0

@@ -1,6 +1,6 @@
 """vLLM 0.33 protocol: client bodies and the built-in server's vLLM routes.
 
-* Request bodies from ``inference/vllm.py`` are validated against vLLM's own
+* Request bodies from ``fleet/vllm.py`` are validated against vLLM's own
   pydantic JSON schema (and their keys against its field list: the schema
   allows extra keys, so a renamed field would otherwise pass).
 * One built-in server subprocess (tiny random Qwen3, CPU) answers
@@ -24,10 +24,10 @@ import pytest
 import torch
 
 from tests.server_procs import CHAT_TEMPLATE, free_port, http_json, start_server, stop_server, write_chat_template
-from torchtitan_grpo.inference import vllm
-from torchtitan_grpo.inference.vllm_http import VLLMError
-from torchtitan_grpo.inference.vllm_weights import GROUP_NAME
-from torchtitan_grpo.inference.types import MalformedResponse, SamplingParams
+from torchtitan_grpo.fleet import vllm
+from torchtitan_grpo.server.vllm_http import VLLMError
+from torchtitan_grpo.server.routes.vllm_weights import GROUP_NAME
+from torchtitan_grpo.fleet.types import MalformedResponse, SamplingParams
 from torchtitan_grpo.weight_sync import vllm_group as vg
 from torchtitan_grpo.weight_sync.buckets import dtype_name
 from torchtitan_grpo.weight_sync.group import init_weight_group
@@ -361,16 +361,16 @@ class _Reads(dict):
 @pytest.fixture(scope="module")
 def parse_engine(model_dir):
     """An engine that is never started: the routes only parse with it here."""
-    from torchtitan_grpo.inference.engine import Engine
-    from torchtitan_grpo.inference.server import engine_config, parse_args
+    from torchtitan_grpo.server.engine.engine import Engine
+    from torchtitan_grpo.server.app import engine_config, parse_args
 
     return Engine(engine_config(parse_args(["--model", model_dir, "--port", "0"])))
 
 
 def _chat_routes(engine, *args: str):
-    from torchtitan_grpo.inference.server import parse_args
-    from torchtitan_grpo.inference.vllm_chat import ChatRoutes
-    from torchtitan_grpo.inference.vllm_http import PauseGate
+    from torchtitan_grpo.server.app import parse_args
+    from torchtitan_grpo.server.routes.vllm_chat import ChatRoutes
+    from torchtitan_grpo.server.vllm_http import PauseGate
 
     return ChatRoutes(engine, parse_args(["--model", engine.cfg.model_path, "--port", "0", *args]), PauseGate(engine))
 
@@ -378,7 +378,7 @@ def _chat_routes(engine, *args: str):
 def test_chat_template_options(parse_engine, tmp_path, capsys):
     """``--chat-template`` takes a file or the template itself (vLLM's flag);
     a request's own ``chat_template`` needs ``--trust-request-chat-template``."""
-    from torchtitan_grpo.inference.server import parse_args
+    from torchtitan_grpo.server.app import parse_args
 
     base = ["--model", "m", "--port", "0"]
     assert parse_args([*base, "--chat-template", str(write_chat_template(tmp_path / "t.jinja"))]).chat_template \
@@ -404,9 +404,9 @@ def test_chat_and_generate_read_only_vllm_field_names(parse_engine, model_dir):
     """The fields the routes read are vLLM's names (a misspelt name would be
     one vLLM clients never send, silently defaulted): recorded from a real
     parse of a body that sets every field the routes know."""
-    from torchtitan_grpo.inference import vllm_chat, vllm_generate
-    from torchtitan_grpo.inference.vllm_http import PauseGate
-    from torchtitan_grpo.inference.vllm_openai import sampling_params
+    from torchtitan_grpo.server.routes import vllm_chat, vllm_generate
+    from torchtitan_grpo.server.vllm_http import PauseGate
+    from torchtitan_grpo.server.routes.vllm_openai import sampling_params
 
     assert vllm_chat.KNOWN_FIELDS <= CHAT_FIELDS["ChatCompletionRequest"]
     assert vllm_generate.SAMPLING_FIELDS | set(vllm_generate._UNSUPPORTED) - {"stream"} <= CHAT_FIELDS["SamplingParams"]

@@ -13,25 +13,25 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from torchtitan_grpo.aio import LoopThread
-from torchtitan_grpo.inference.engine_commands import VLLM_TRANSFER, EngineLaunch
-from torchtitan_grpo.inference.launcher import ReplicaEvent, ServerSpec, Supervisor, format_events, running_servers
-from torchtitan_grpo.inference.pool import InferencePool, PoolConfig
-from torchtitan_grpo.inference.route_backend import replay_shape
-from torchtitan_grpo.inference.types import SamplingParams
+from torchtitan_grpo.fleet.engine_commands import VLLM_TRANSFER, EngineLaunch
+from torchtitan_grpo.fleet.launcher import ReplicaEvent, ServerSpec, Supervisor, format_events, running_servers
+from torchtitan_grpo.fleet.pool import InferencePool, PoolConfig
+from torchtitan_grpo.fleet.route_backend import replay_shape
+from torchtitan_grpo.fleet.types import SamplingParams
 from torchtitan_grpo.metrics import MetricLogger, window_mean
-from torchtitan_grpo.config import api_key, client_process, pipeline_depth, server_devices, servers_share_trainer_gpu
-from torchtitan_grpo.convert import is_gguf_path, resolve_model_dir
+from torchtitan_grpo.config.job_config import api_key, client_process, pipeline_depth, server_devices, servers_share_trainer_gpu
+from torchtitan_grpo.models.gguf import is_gguf_path, resolve_model_dir
 from torchtitan_grpo.rollout.client_process import RolloutProcess, SpawnedClient
 from torchtitan_grpo.rollout.evaluation import EvalResult, Evaluator, format_eval_line
 from torchtitan_grpo.rollout.producer import ProducerSpec, RolloutProducer, build_producer
-from torchtitan_grpo.trainer import Dist
+from torchtitan_grpo.train.trainer import Dist
 from torchtitan_grpo.weight_sync import adapter_push
 from torchtitan_grpo.weight_sync.gather import push_dtype
 from torchtitan_grpo.weight_sync.pusher import NoPush, Pusher, PushConfig, WeightPusher
 
 if TYPE_CHECKING:
-    from torchtitan_grpo.checkpoint import Resumed
-    from torchtitan_grpo.eval_config import Eval
+    from torchtitan_grpo.train.checkpoint import Resumed
+    from torchtitan_grpo.config.eval import Eval
     from torchtitan_grpo.rollout.atropos import AtroposSource
 
 logger = logging.getLogger("torchtitan_grpo")
@@ -46,7 +46,7 @@ def prepare_model_dir(cfg, d: Dist) -> str:
         path = resolve_model_dir(path, cfg.job.dump_folder, convert=d.is_main)
     elif cfg.grpo.tiny_model_if_missing and not os.path.isfile(os.path.join(path, "config.json")):
         if d.is_main:
-            from torchtitan_grpo.demo_assets import DEMO_MOE_MODEL_DIR, TinyQwen3, ensure_tiny_qwen3
+            from torchtitan_grpo.models.demo_assets import DEMO_MOE_MODEL_DIR, TinyQwen3, ensure_tiny_qwen3
 
             moe = os.path.normpath(path) == os.path.normpath(DEMO_MOE_MODEL_DIR)
             logger.info("writing a tiny random Qwen3%s model and tokenizer to %s", "-MoE" if moe else "", path)
@@ -165,7 +165,7 @@ def causal_order(events: list[ReplicaEvent]) -> list[ReplicaEvent]:
 
 def _atropos_source(cfg, hf_dir: str, pool: InferencePool, resume: Resumed | None):
     """rollout.source = "atropos": scored groups pulled from Atropos's trajectory API."""
-    from torchtitan_grpo.model import load_hf_config
+    from torchtitan_grpo.models.hf_bridge import load_hf_config
     from torchtitan_grpo.rollout.atropos import AtroposConfig, AtroposSource
 
     r, c = cfg.rollout, cfg.checkpoint

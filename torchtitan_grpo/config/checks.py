@@ -1,7 +1,7 @@
 """Start-up checks of the configuration: every value of our sections (and
 the TorchTitan keys we rely on), the model path, external servers, and the
 TOML file's keys, each failing with one message that names the key or file.
-The sections themselves are in config.py."""
+The sections themselves are in config/job_config.py."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import os
 import re
 import sys
 
-from torchtitan_grpo.eval_config import validate_eval
-from torchtitan_grpo.lora_config import validate_lora
+from torchtitan_grpo.config.eval import validate_eval
+from torchtitan_grpo.config.lora import validate_lora
 
 
 class ConfigError(ValueError):
@@ -24,8 +24,8 @@ def _check(ok: bool, key: str, msg: str, value) -> None:
 
 def validate(cfg) -> None:
     """Check every value of our sections (and the TorchTitan keys we rely on)."""
-    from torchtitan_grpo.config import _gpu_count, _trainer_gpus, server_devices
-    from torchtitan_grpo.loss import LOSS_VARIANTS
+    from torchtitan_grpo.config.job_config import _gpu_count, _trainer_gpus, server_devices
+    from torchtitan_grpo.train.loss import LOSS_VARIANTS
 
     g, r, i, w = cfg.grpo, cfg.rollout, cfg.inference, cfg.weight_sync
     _check(g.group_size >= 2, "grpo.group_size", "must be >= 2 (advantages are relative within a group)", g.group_size)
@@ -116,7 +116,7 @@ def validate(cfg) -> None:
     _check(i.max_model_len == 0 or i.max_model_len >= 2, "inference.max_model_len",
            "must be 0 (the model's context, at most 2048) or >= 2", i.max_model_len)
     if i.chat_template:
-        from torchtitan_grpo.inference.chat_template import load_chat_template
+        from torchtitan_grpo.models.chat_template import load_chat_template
 
         try:
             load_chat_template(i.chat_template)
@@ -183,10 +183,10 @@ def _check_model_dir(cfg) -> None:
     demo's own default path and grpo.tiny_model_if_missing will write the tiny
     model there. A path the user gave is never created: a typo must not train
     a random model."""
-    from torchtitan_grpo.demo_assets import DEMO_MODEL_DIR, DEMO_MOE_MODEL_DIR, is_demo_model_dir
+    from torchtitan_grpo.models.demo_assets import DEMO_MODEL_DIR, DEMO_MOE_MODEL_DIR, is_demo_model_dir
 
     path = cfg.model.hf_assets_path
-    if path.lower().endswith(".gguf"):  # dequantised into the dump folder at start-up (convert.py)
+    if path.lower().endswith(".gguf"):  # dequantised into the dump folder at start-up (models/gguf.py)
         _check(os.path.isfile(path), "model.hf_assets_path", "names a .gguf file that does not exist", path)
         return
     if os.path.isfile(os.path.join(path, "config.json")):
@@ -198,7 +198,7 @@ def _check_model_dir(cfg) -> None:
     _check(is_demo_model_dir(path), "model.hf_assets_path",
            f"{what}; grpo.tiny_model_if_missing writes the tiny demo models only at the demos' own {DEMO_MODEL_DIR} "
            f"and {DEMO_MOE_MODEL_DIR}, never at a path given to it: fix the path, or write the demo model there "
-           "first (python -m torchtitan_grpo.demo_assets DIR [--moe])", path)
+           "first (python -m torchtitan_grpo.models.demo_assets DIR [--moe])", path)
 
 
 def check_reachable(cfg, timeout_s: float = 10.0) -> None:
@@ -226,8 +226,8 @@ def _check_toml_keys(argv: list[str]) -> None:
     from torchtitan.config import ConfigManager
     from torchtitan.config import JobConfig as TitanJobConfig
 
-    from torchtitan_grpo.config import JobConfig
-    from torchtitan_grpo.config_keys import check_toml_values, key_types
+    from torchtitan_grpo.config.job_config import JobConfig
+    from torchtitan_grpo.config.keys import check_toml_values, key_types
 
     path = None
     for k, a in enumerate(argv):
@@ -256,7 +256,7 @@ def _check_launched_engine(cfg) -> None:
     a route it has."""
     import importlib.util
 
-    from torchtitan_grpo.config import server_devices
+    from torchtitan_grpo.config.job_config import server_devices
 
     i, w = cfg.inference, cfg.weight_sync
     module = {"vllm": "vllm", "sglang": "sglang"}[i.backend]

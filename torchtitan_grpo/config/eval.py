@@ -1,6 +1,6 @@
 """The ``[eval]`` section: held-out evaluation during training.
 
-Kept out of ``config.py`` (one job per module): the dataclass merged into
+Kept out of ``config/job_config.py`` (one job per module): the dataclass merged into
 TorchTitan's JobConfig and its start-up checks, each naming its key.
 """
 

@@ -1,9 +1,9 @@
 """The ``[grpo]`` section: the algorithm's settings (group size, loss, clipping,
 staleness, packing, reward shaping, dynamic sampling).
 
-Kept out of ``config.py`` (one job per module, as ``eval_config.py``,
-``lora_config.py`` and ``moe_config.py``): the dataclass TorchTitan merges into
-its JobConfig. Its start-up checks are in ``config_checks.py``.
+Kept out of ``config/job_config.py`` (one job per module, as ``config/eval.py``,
+``config/lora.py`` and ``config/moe.py``): the dataclass TorchTitan merges into
+its JobConfig. Its start-up checks are in ``config/checks.py``.
 """
 
 from dataclasses import dataclass
@@ -35,7 +35,7 @@ class GRPO:
     with how per-token losses become one number: GRPO's mean over sequences of
     per-sequence token means, DAPO's mean over all tokens, or Dr. GRPO's token
     sum over a constant length (rollout.max_new_tokens). Or a loss of its own
-    (torchtitan_grpo/loss.py): "gspo" (GSPO: one ratio per completion, the
+    (torchtitan_grpo/train/loss.py): "gspo" (GSPO: one ratio per completion, the
     geometric mean of its token ratios, clipped per completion by
     gspo_clip_low / gspo_clip_high; mean over completions; the clip fraction
     counts completions), "cispo" (CISPO: every token's log-prob weighted by its
@@ -157,7 +157,7 @@ class GRPO:
     write that tiny random checkpoint and a character tokenizer there (the
     demos; nothing is downloaded). Any other missing path is an error at
     start-up: write a demo model elsewhere with ``python -m
-    torchtitan_grpo.demo_assets DIR [--moe]``."""
+    torchtitan_grpo.models.demo_assets DIR [--moe]``."""
 
     seed: int = 0
     """Seed for the prompt order, sampling seeds and model init."""

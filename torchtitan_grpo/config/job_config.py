@@ -1,34 +1,28 @@
 """Our sections of TorchTitan's JobConfig: ``[rollout]``, ``[inference]`` and
 ``[weight_sync]`` here; ``[grpo]``, ``[eval]``, ``[lora]`` and ``[moe]`` from
-their own modules (``grpo_config.py``, ...).
+their own modules (``config/grpo.py``, ...).
 
 TorchTitan merges the ``JobConfig`` dataclass of this module into its own
-when ``job.custom_config_module`` names it; ``parse_config`` injects that
+when ``job.custom_config_module`` names it; ``parse_config`` (config/parse.py) injects that
 argument so users never pass it. Every key has a default and a docstring, and
-``validate`` (config_checks.py) checks them all at start-up with a message
+``validate`` (config/checks.py) checks them all at start-up with a message
 that names the key. The values the run derives from them (pipeline depth,
 server devices, ...) are resolved here.
 """
 
 
 
-import logging
 import os
 from dataclasses import dataclass, field
 from typing import Literal
 
 from torchtitan_grpo import _titan  # noqa: F401  (before torchtitan)
-from torchtitan_grpo.eval_config import Eval
-from torchtitan_grpo.grpo_config import GRPO
-from torchtitan_grpo.lora_config import LoRA
-from torchtitan_grpo.moe_config import MoE
-# The start-up checks live in config_checks.py; these names are imported from here too.
-from torchtitan_grpo.config_checks import (  # noqa: F401
-    ConfigError, _check, _check_model_dir, _check_toml_keys, check_reachable, validate,
-)
-from torchtitan_grpo.config_keys import check_cli_args
+from torchtitan_grpo.config.eval import Eval
+from torchtitan_grpo.config.grpo import GRPO
+from torchtitan_grpo.config.lora import LoRA
+from torchtitan_grpo.config.moe import MoE
 
-CONFIG_MODULE = "torchtitan_grpo.config"
+CONFIG_MODULE = "torchtitan_grpo.config.job_config"
 
 
 @dataclass
@@ -424,86 +418,3 @@ def api_key(cfg) -> str:
     """inference.api_key with "env:NAME" resolved."""
     key = cfg.inference.api_key
     return os.environ.get(key[4:], "") if key.startswith("env:") else key
-
-
-def parse_config(argv: list[str]):
-    """Parse ``--job.config_file X.toml`` plus CLI overrides into a validated JobConfig.
-
-    Our sections are merged in through ``--job.custom_config_module``. An
-    unknown key (in the file or on the command line), a value of the wrong
-    type and a bad value of ours each raise a one-line ConfigError naming the
-    key (and the nearest valid key for a misspelled one).
-    """
-    from torchtitan.config import ConfigManager
-
-    argv = list(argv)
-    if not any(a.split("=")[0] in ("--job.custom_config_module", "--job.custom-config-module") for a in argv):
-        argv += ["--job.custom_config_module", CONFIG_MODULE]
-    _check_toml_keys(argv)
-    argv = _bool_values_to_flags(argv)
-    check_cli_args(argv, _merged_keys(), ConfigError)  # one line, before tyro's box
-    quiet = _NoMissingAssetsWarning()
-    logging.getLogger().addFilter(quiet)  # TorchTitan logs on the root logger
-    try:
-        cfg = _tyro_in_one_line(lambda: ConfigManager().parse_args(argv))
-    finally:
-        logging.getLogger().removeFilter(quiet)
-    validate(cfg)
-    return cfg
-
-
-def _merged_keys() -> dict:
-    """Every key of TorchTitan's JobConfig and ours, with its type and default (config_keys.py)."""
-    from torchtitan.config import ConfigManager
-    from torchtitan.config import JobConfig as TitanJobConfig
-
-    from torchtitan_grpo.config_keys import key_types
-
-    return key_types(ConfigManager._merge_configs(TitanJobConfig, JobConfig))
-
-
-def _tyro_in_one_line(parse):
-    """``parse()``, with an error tyro still finds (one check_cli_args does not
-    make, e.g. a stray word) raised as a ConfigError of one line instead of
-    its box on stderr; --help is printed as tyro writes it."""
-    import contextlib
-    import io
-    import sys
-
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            return parse()
-    except SystemExit as e:
-        if e.code in (0, None):
-            sys.stderr.write(err.getvalue())
-            raise
-        # tyro's message sits between the first two rules: below the title (in a box, the
-        # top edge is the first rule; without a terminal a plain title line comes before
-        # it) and above the help text, wrapped to the terminal's width; joined into one line.
-        rows = [row.strip("\u2502\u2570\u256f ") for row in err.getvalue().splitlines()]
-        rules = [k for k, row in enumerate(rows) if row.startswith("\u256d") or (row and set(row) <= {"\u2500", "-"})]
-        part = rows[rules[0] + 1:rules[1] if len(rules) > 1 else None] if rules else rows
-        text = " ".join(" ".join(part).split())
-        raise ConfigError(f"command line: {text or 'not understood'}") from None
-
-
-def _bool_values_to_flags(argv: list[str]) -> list[str]:
-    """``--a.b true|false|1|0|yes|no`` (or ``=value``) for a boolean key of
-    TorchTitan's or ours becomes tyro's ``--a.b`` / ``--a.no_b`` (cli_bools.py)."""
-    from torchtitan.config import ConfigManager
-    from torchtitan.config import JobConfig as TitanJobConfig
-
-    from torchtitan_grpo.cli_bools import bool_keys, rewrite_bool_args
-
-    return rewrite_bool_args(argv, bool_keys(ConfigManager._merge_configs(TitanJobConfig, JobConfig)), ConfigError)
-
-
-class _NoMissingAssetsWarning(logging.Filter):
-    """TorchTitan warns "HF assets path X does not exist!" while parsing. Here
-    such a path is either written just after (``grpo.tiny_model_if_missing``:
-    the demo's first run would open with that warning) or refused by
-    :func:`validate` with the key named, so the warning only misleads."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.getMessage().startswith("HF assets path ") and "does not exist" in record.getMessage())

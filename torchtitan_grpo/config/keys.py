@@ -79,7 +79,7 @@ def _fits(tp, value, from_cli: bool) -> bool | None:
             choices = typing.get_args(t)
             ok = (value in [str(c) for c in choices]) if from_cli else value in choices
         elif t is bool:
-            ok = (not from_cli) and isinstance(value, bool)  # the command line's booleans are cli_bools.py's
+            ok = (not from_cli) and isinstance(value, bool)  # the command line's booleans are config/cli_bools.py's
         elif t is int:
             ok = _parses(int, value) if from_cli else isinstance(value, int) and not isinstance(value, bool)
         elif t is float:
@@ -124,7 +124,7 @@ def _expected(tp, default) -> str:
 def check_cli_args(argv: list[str], keys: dict[str, tuple[Any, Any]], error: type[Exception]) -> None:
     """Raise ``error`` (one line) for the first ``--section.key`` of ``argv``
     that names no key, or whose value is not of the key's type. Booleans
-    have been turned into flags (cli_bools.py) before: ``--a.b`` and
+    have been turned into flags (config/cli_bools.py) before: ``--a.b`` and
     ``--a.no_b`` take no value."""
     flags = {k for k, (t, _) in keys.items() if t is bool}
     flags |= {f"{k.rpartition('.')[0]}.no_{k.rpartition('.')[2]}" for k in flags}

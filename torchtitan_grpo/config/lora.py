@@ -1,8 +1,8 @@
 """The ``[lora]`` section: low-rank adapters on a frozen base.
 
-Kept out of ``config.py`` (one job per module): the dataclass merged into
+Kept out of ``config/job_config.py`` (one job per module): the dataclass merged into
 TorchTitan's JobConfig and its start-up checks, each naming its key. The
-adapters themselves are :mod:`torchtitan_grpo.lora`.
+adapters themselves are :mod:`torchtitan_grpo.lora.adapters`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The ``[moe]`` section: options of mixture-of-experts models (Qwen3-MoE).
 
-Kept out of ``config.py`` (one job per module). Router replay is
+Kept out of ``config/job_config.py`` (one job per module). Router replay is
 ``grpo.router_replay``; expert parallelism is TorchTitan's
 ``parallelism.expert_parallel_degree``.
 """

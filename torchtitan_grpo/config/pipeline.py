@@ -44,7 +44,7 @@ def check_config(job_config, world_size: int | None = None) -> None:
     """Raise, naming the key, for a PP setting the GRPO trainer cannot run.
 
     A no-op for ``pipeline_parallel_degree == 1``. Called at start-up by
-    :func:`torchtitan_grpo.parallel.build_parallel_dims`.
+    :func:`torchtitan_grpo.distributed.parallel.build_parallel_dims`.
     """
     p = job_config.parallelism
     pp = p.pipeline_parallel_degree

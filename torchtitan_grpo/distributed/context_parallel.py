@@ -15,7 +15,7 @@ for the GRPO forward and adds what the GRPO loss needs:
   the RoPE cache) and the per-position mask are sharded together through
   TorchTitan's ``cp_shard``, so they stay aligned whatever the load balancer
   does. The model's output projection (full logits, or the chunked head of
-  :mod:`torchtitan_grpo.token_logprobs`) then scores each rank's local
+  :mod:`torchtitan_grpo.train.token_logprobs`) then scores each rank's local
   positions only: no rank forms more than ``T / cp`` positions of logits.
 * **The loss sees whole sequences.** The ``[B, T / cp]`` local log-probs are
   all-gathered over the CP ranks and put back in sequence order (by the
@@ -26,7 +26,7 @@ for the GRPO forward and adds what the GRPO loss needs:
   only (every rank's loss is the same function, so its slice of that
   gradient is exact); the parameter gradients of the CP ranks' positions are
   then summed by FSDP's reduce-scatter over ``dp_shard x cp``, which
-  :mod:`torchtitan_grpo.parallel` makes a plain SUM in every layout. A
+  :mod:`torchtitan_grpo.distributed.parallel` makes a plain SUM in every layout. A
   gathered row costs ``4 T`` bytes, nothing beside the activations.
 * **CPU.** PyTorch's ring attention handles the CUDA SDPA kernels only
   (flash, memory-efficient, cuDNN); CPU SDPA dispatches to
@@ -49,13 +49,11 @@ for the GRPO forward and adds what the GRPO loss needs:
 Supported: CP alone, CP x FSDP / HSDP (``data_parallel_*``), CP x TP, CP x
 PP, with padded micro-batches. Refused in one line naming the key: CP with
 EP, packed micro-batches (``grpo.micro_batch_tokens``, refused in
-:mod:`torchtitan_grpo.packing`), and load balancers other than head-tail.
+:mod:`torchtitan_grpo.train.packing`), and load balancers other than head-tail.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 from collections.abc import Callable
 
 import torch
@@ -63,11 +61,8 @@ import torch.distributed as dist
 from torch import nn
 
 from torchtitan_grpo import _titan  # noqa: F401  (before torchtitan)
-from torchtitan_grpo import token_logprobs
-from torchtitan_grpo.loss import token_logprobs as logits_logprobs
 
-__all__ = ["check_config", "enable_cpu_ring_attention", "forward_terms", "forwards", "gather_sequence",
-           "prepare_model", "reference_logprobs", "shard_batch"]
+__all__ = ["check_config", "enable_cpu_ring_attention", "gather_sequence", "prepare_model", "shard_batch"]
 
 
 # ------------------------------------------------------------------ config
@@ -163,7 +158,7 @@ def enable_cpu_ring_attention() -> None:
     and backward) on sequence-sharded DTensors through PyTorch's ring attention
     templates (a sharding strategy without its handler would attend within
     each shard only). Idempotent; overrides the head-only strategy that
-    :func:`torchtitan_grpo.cpu_sdpa_sharding.register_cpu_sdpa_sharding` may have set."""
+    :func:`torchtitan_grpo.distributed.cpu_sdpa_sharding.register_cpu_sdpa_sharding` may have set."""
     from torch.distributed.tensor import DTensor
 
     aten = torch.ops.aten
@@ -234,7 +229,7 @@ def _local_heads(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, 
 
 def shard_batch(parallel_dims, tokens: torch.Tensor, mask: torch.Tensor | None = None):
     """This CP rank's share of a ``[B, T]`` micro-batch (``T`` divisible by
-    ``2 * cp``, see :func:`torchtitan_grpo.parallel.seq_len_multiple`):
+    ``2 * cp``, see :func:`torchtitan_grpo.distributed.parallel.seq_len_multiple`):
     ``(tokens, targets, positions, mask)``, each ``[B, T / cp]``. ``targets``
     are the next tokens (0 after the last, never scored), ``positions`` each
     local position's index in the sequence (the RoPE cache's index, and the
@@ -283,89 +278,3 @@ def gather_sequence(parallel_dims, local: torch.Tensor, positions: torch.Tensor)
     dist.all_gather(parts, positions.contiguous(), group=group)
     order = torch.cat(parts, dim=1).long()
     return _GatherSequence.apply(local, order, group, mesh.get_local_rank())
-
-
-# ----------------------------------------------------------------- forward
-
-
-def _local_logprobs(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor,
-                    temperature: float, chunk_tokens: int, with_entropy: bool):
-    """``[B, T / cp]`` log-probs of the local targets, and per-token entropy (or None)."""
-    if not chunk_tokens:
-        logits = model(tokens, positions=positions).float()
-        lp = logits_logprobs(logits, targets, temperature)
-        return lp, _token_entropy(logits, temperature) if with_entropy else None
-    with token_logprobs.logprob_head(model.output, targets, temperature, chunk_tokens,
-                                     with_entropy=with_entropy) as head:
-        lp = model(tokens, positions=positions)
-    return lp, head.entropy
-
-
-@torch.no_grad()
-def _token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Per-token entropy of ``[B, T, V]`` float logits (a metric: no gradient)."""
-    x = logits / temperature if temperature > 0 and temperature != 1.0 else logits
-    logp = torch.log_softmax(x, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
-
-
-def _masked_mean_entropy(parallel_dims, ent: torch.Tensor, local_mask: torch.Tensor) -> torch.Tensor:
-    """The masked mean of per-token entropy over the whole sequences (every CP rank's share)."""
-    with torch.no_grad():
-        total = torch.stack([(ent.float() * local_mask).sum(), local_mask.sum()])
-        dist.all_reduce(total, group=parallel_dims.get_mesh("cp").get_group())
-        return total[0] / total[1].clamp(min=1.0)
-
-
-def pipeline_tokens(parallel_dims, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """CP x PP: this CP rank's ``[B, T / cp]`` share of a pipelined batch and
-    its positions (every row's are the same: one row is returned, which the
-    stages' RoPE and the last stage's loss expand to their micro-batch)."""
-    tok, _, positions, _ = shard_batch(parallel_dims, tokens)
-    return tok, positions[:1]
-
-
-def pipeline_terms(parallel_dims, logits: torch.Tensor, next_tokens: torch.Tensor, mask: torch.Tensor,
-                   positions: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """CP x PP, in the last stage's loss: ``([B, T - 1]`` log-probs of whole
-    sequences, masked mean entropy``)`` from this rank's ``[B, T / cp, V]``
-    float logits at ``positions`` (:func:`pipeline_tokens`' row) and the
-    micro-batch's whole ``[B, T - 1]`` next tokens and mask (the schedule
-    hands every CP rank the same target rows)."""
-    pos = positions.expand(logits.shape[0], -1).long()
-    targets = nn.functional.pad(next_tokens, (0, 1)).gather(1, pos)
-    local_mask = nn.functional.pad(mask, (0, 1)).gather(1, pos)
-    lp = logits_logprobs(logits, targets, temperature)
-    logprobs = gather_sequence(parallel_dims, lp.float(), pos)[:, :-1]
-    return logprobs, _masked_mean_entropy(parallel_dims, _token_entropy(logits, temperature), local_mask)
-
-
-def forward_terms(parallel_dims, model: nn.Module, tokens: torch.Tensor, mask: torch.Tensor, temperature: float,
-                  chunk_tokens: int, amp: contextlib.AbstractContextManager):
-    """The trainer's ``_forward_terms`` under CP: ``([B, T - 1] log-probs of
-    tokens[:, 1:]`` (whole sequences, with gradient), masked mean entropy)``."""
-    tok, targets, positions, local_mask = shard_batch(parallel_dims, tokens, mask)
-    with amp:
-        lp, ent = _local_logprobs(model, tok, targets, positions, temperature, chunk_tokens, True)
-    logprobs = gather_sequence(parallel_dims, lp.float(), positions)[:, :-1]
-    return logprobs, _masked_mean_entropy(parallel_dims, ent, local_mask)
-
-
-def forwards(parallel_dims, forward: Callable, reference: Callable) -> tuple[Callable, Callable]:
-    """The trainer's ``(forward terms, reference log-probs)``: its own
-    (``forward``, ``reference``) without CP, this module's under CP."""
-    if not getattr(parallel_dims, "cp_enabled", False):
-        return forward, reference
-    return functools.partial(forward_terms, parallel_dims), functools.partial(reference_logprobs, parallel_dims)
-
-
-@torch.no_grad()
-def reference_logprobs(parallel_dims, reference: nn.Module, tokens: torch.Tensor, temperature: float,
-                       chunk_tokens: int, amp: contextlib.AbstractContextManager) -> torch.Tensor:
-    """``[B, T - 1]`` log-probs of ``tokens[:, 1:]`` under the frozen reference
-    (laid out with CP like the policy, see ``offpolicy.build_reference``)."""
-    tok, targets, positions, _ = shard_batch(parallel_dims, tokens)
-    with amp:
-        lp, _ = _local_logprobs(reference, tok, targets, positions, temperature, chunk_tokens, False)
-    return gather_sequence(parallel_dims, lp.float(), positions)[:, :-1]
-

@@ -4,7 +4,7 @@ TorchTitan's qwen3 TP feeds DTensor q/k/v (sharded on heads) to SDPA; on CPU
 that dispatches to ``aten._scaled_dot_product_flash_attention_for_cpu``, for
 which torch 2.13 registers no DTensor strategy: TP and CP tests on CPU need
 one (:func:`register_cpu_sdpa_sharding`, called by
-:mod:`torchtitan_grpo.parallel`)."""
+:mod:`torchtitan_grpo.distributed.parallel`)."""
 
 from __future__ import annotations
 

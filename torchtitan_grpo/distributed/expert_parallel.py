@@ -60,7 +60,7 @@ def check_config(p, world_size: int) -> tuple[int, int]:
     with HSDP replicas around it. Not: EP with TP (TorchTitan's EP then borrows
     TP ranks, with wrong router gradients), expert tensor parallelism
     (``expert_tensor_parallel_degree``), EP with pipeline stages (untested
-    with the trainer's own stage split). CP: :mod:`torchtitan_grpo.context_parallel`.
+    with the trainer's own stage split). CP: :mod:`torchtitan_grpo.distributed.context_parallel`.
     """
     ep, etp = p.expert_parallel_degree, p.expert_tensor_parallel_degree
     if ep < 1:

@@ -7,13 +7,13 @@ The layout comes from the job config's ``[parallelism]`` section:
   otherwise DDP (TorchTitan's ``replicate``);
 * ``tensor_parallel_degree``: TP with sequence parallelism;
 * ``pipeline_parallel_degree``: PP, one stage per PP rank, built by
-  :mod:`torchtitan_grpo.pipeline` (which applies the layout above to each
+  :mod:`torchtitan_grpo.distributed.pipeline` (which applies the layout above to each
   stage through :func:`apply_layout`);
 * ``expert_parallel_degree``: EP of MoE experts, its ranks borrowed from
-  dp_shard (:mod:`torchtitan_grpo.expert_parallel`, which also runs MoE on
+  dp_shard (:mod:`torchtitan_grpo.distributed.expert_parallel`, which also runs MoE on
   CPU);
 * ``context_parallel_degree``: CP, the sequence split over ranks
-  (:mod:`torchtitan_grpo.context_parallel`);
+  (:mod:`torchtitan_grpo.distributed.context_parallel`);
 
 and their products (HSDP, FSDP + TP, PP x FSDP/HSDP/TP, EP x FSDP/HSDP, CP x FSDP/HSDP).
 
@@ -68,9 +68,9 @@ import torch.distributed as dist
 from torch import nn
 
 from torchtitan_grpo import _titan  # noqa: F401  (before torchtitan)
-from torchtitan_grpo import context_parallel, expert_parallel
-from torchtitan_grpo.cpu_sdpa_sharding import register_cpu_sdpa_sharding
-from torchtitan_grpo.pipeline_config import check_config
+from torchtitan_grpo.distributed import context_parallel, expert_parallel
+from torchtitan_grpo.distributed.cpu_sdpa_sharding import register_cpu_sdpa_sharding
+from torchtitan_grpo.config.pipeline import check_config
 
 logger = logging.getLogger(__name__)
 
@@ -454,14 +454,14 @@ def parallelize(model: nn.Module, job_config, world_size: int, device: torch.dev
     optimizer builder and :func:`data_parallel_rank_and_degree` expect. For
     ``world_size == 1`` only ``[activation_checkpoint]`` applies. With
     ``pipeline_parallel_degree > 1`` one module cannot hold the layout: use
-    :func:`torchtitan_grpo.pipeline.build_pipeline`.
+    :func:`torchtitan_grpo.distributed.pipeline.build_pipeline`.
     """
     device = torch.device(device)
     if job_config.parallelism.pipeline_parallel_degree != 1:
         raise ValueError(
             f"parallelism.pipeline_parallel_degree={job_config.parallelism.pipeline_parallel_degree}: "
             "parallelize() returns one module; build the stages with "
-            "torchtitan_grpo.pipeline.build_pipeline"
+            "torchtitan_grpo.distributed.pipeline.build_pipeline"
         )
     parallel_dims = build_parallel_dims(job_config, world_size, device)
     if world_size == 1:
@@ -478,7 +478,7 @@ def apply_layout(model: nn.Module, job_config, parallel_dims, device: torch.devi
     """The non-pipeline part of the layout (FSDP / HSDP / DDP / TP) on ``model``.
 
     ``model`` is a whole model or one pipeline stage (a model whose missing
-    modules are None, see :mod:`torchtitan_grpo.pipeline`); TorchTitan's
+    modules are None, see :mod:`torchtitan_grpo.distributed.pipeline`); TorchTitan's
     ``parallelize_fn`` skips the modules a stage does not hold. Returns the
     parallelised module (the same object for TorchTitan's in-place
     wrappers).
@@ -531,9 +531,9 @@ def apply_layout(model: nn.Module, job_config, parallel_dims, device: torch.devi
 
 
 def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
-    """Allocate a model parallelised on meta (``torchtitan_grpo.model.materialize``)
+    """Allocate a model parallelised on meta (``torchtitan_grpo.models.hf_bridge.materialize``)
     and finish what :func:`apply_layout` could not do on meta tensors."""
-    from torchtitan_grpo import model as hf_model
+    from torchtitan_grpo.models import hf_bridge as hf_model
 
     hf_model.materialize(model, device)
     if getattr(model, "_grpo_settle_grads_pending", False):

@@ -14,7 +14,7 @@ batch (its batches are always ``training.seq_len`` long). Here, instead:
   (``layers.3.attention.wq.weight``), so the state-dict adapter maps them to
   HF names as for the whole model, and TorchTitan's ``parallelize_fn`` then
   applies FSDP / HSDP / TP to the stage over the non-PP mesh dims
-  (:func:`torchtitan_grpo.parallel.apply_layout`). Which modules each stage
+  (:func:`torchtitan_grpo.distributed.parallel.apply_layout`). Which modules each stage
   holds follows TorchTitan's own keys: ``module_fqns_per_model_part``, or
   ``generate_llm_fqn_per_model_part`` with the first/last stage weights.
 * **GRPO batches change shape every step** (number of samples per rank,
@@ -50,14 +50,14 @@ rank's coordinate on ``Policy.pipeline.pp_mesh`` (TorchTitan's "pp" mesh).
 With CP (``parallelism.context_parallel_degree``) each CP rank feeds its
 share of the sequence; the stages' RoPE positions come from the step (the
 schedule passes activations only) and the last stage's loss gathers whole
-sequences (:func:`torchtitan_grpo.context_parallel.pipeline_terms`).
+sequences (:func:`torchtitan_grpo.distributed.context_parallel.pipeline_terms`).
 
 Not supported under PP (rejected by :func:`check_config` with the key named):
 other schedules (interleaved/looped ones need several stages per rank), CSV
 schedules, DDP without dp_shard (TorchTitan's composable ``replicate`` is
 neither an FSDP module nor a ``DistributedDataParallel``, the two kinds whose
 gradient sync a pipeline stage defers to the end of the step, and the DDP
-sum fix of :mod:`torchtitan_grpo.parallel` scales a whole model's output),
+sum fix of :mod:`torchtitan_grpo.distributed.parallel` scales a whole model's output),
 and the KL penalty (its reference model would need a pipeline of its own).
 """
 
@@ -75,8 +75,8 @@ import torch.distributed as dist
 from torch import nn
 
 from torchtitan_grpo import _titan  # noqa: F401  (before torchtitan)
-from torchtitan_grpo import parallel
-from torchtitan_grpo.pipeline_config import SCHEDULES, check_config, schedule_class
+from torchtitan_grpo.distributed import parallel
+from torchtitan_grpo.config.pipeline import SCHEDULES, check_config, schedule_class
 
 logger = logging.getLogger(__name__)
 
@@ -322,7 +322,7 @@ def build_pipeline(model: nn.Module, job_config, parallel_dims, device: torch.de
     ``model``: the whole TorchTitan model with its weights loaded on
     ``device``; it is reduced in place (the other stages' modules are
     released). ``parallel_dims`` from
-    :func:`torchtitan_grpo.parallel.build_parallel_dims` (with its mesh).
+    :func:`torchtitan_grpo.distributed.parallel.build_parallel_dims` (with its mesh).
     ``loss_fn(stage_output, target)`` is the last stage's per-micro-batch loss.
     """
     device = torch.device(device)

@@ -5,7 +5,7 @@ starts the servers itself (``launcher``) and supervises them the same way
 whatever they are: /health, restarts on the same port, shutdown. Only the
 command differs, and it is built here, one function per engine:
 
-* ``builtin``: our server (``python -m torchtitan_grpo.inference.server``);
+* ``builtin``: our server (``python -m torchtitan_grpo.server``);
 * ``vllm``: vLLM's OpenAI server with its RL routes (dev mode) and a weight
   transfer engine, NCCL or CUDA IPC (``weight_sync.transport``);
 * ``sglang``: ``python -m sglang.launch_server``.
@@ -58,7 +58,7 @@ def gpu_env(device: str) -> dict[str, str]:
 
 def builtin_command(spec, port: int) -> tuple[list[str], dict[str, str]]:
     return [
-        sys.executable, "-m", "torchtitan_grpo.inference.server",
+        sys.executable, "-m", "torchtitan_grpo.server",
         "--model", spec.model_dir, "--port", str(port), "--host", spec.host,
         "--device", spec.device, "--dtype", spec.dtype, "--seed", str(spec.seed),
         *spec.extra_args,

@@ -31,15 +31,12 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from torchtitan_grpo.inference.engine_commands import EngineLaunch, server_command
+from torchtitan_grpo.fleet.engine_commands import EngineLaunch, server_command
+from torchtitan_grpo.protocol.builtin import API_KEY_ENV
 from torchtitan_grpo.net import free_port  # noqa: F401  (shared with the weight push; re-exported here)
 
 logger = logging.getLogger(__name__)
 
-API_KEY_ENV = "GRPO_API_KEY"
-"""Environment variable that hands a started server its API key: a command
-line is readable by every user of the host (``ps``), a process's environment
-only by its owner."""
 
 
 @dataclass

@@ -13,11 +13,11 @@ replica never gets more than ``max_connections`` outstanding requests (extra
 requests queue in the pool, where they do not burn their timeout).
 
 Replica states (``states()``, ``metrics()``) and the machine that moves a
-replica between them live in ``replicas.py`` (:class:`ReplicaSet`, the
+replica between them live in ``fleet/replicas.py`` (:class:`ReplicaSet`, the
 pool's ``fleet``); this module dispatches requests over it:
 
 * ``healthy``: routable.
-* ``slow``: routable but deprioritised (``replicas.py`` says when). Each
+* ``slow``: routable but deprioritised (``fleet/replicas.py`` says when). Each
   outstanding request on a slow replica counts ``slow_weight`` times in
   routing, and an idle slow replica gets one request every
   ``slow_probe_interval_s`` so that its latency is re-measured: that is how
@@ -73,19 +73,9 @@ from typing import Any, Callable
 
 import aiohttp
 
-from torchtitan_grpo.inference import sglang
-from torchtitan_grpo.inference.replicas import (
-    CATCHING_UP,
-    DOWN,
-    HEALTHY,
-    REMOVED,
-    SLOW,
-    STATE_CODES,
-    Replica,
-    ReplicaSet,
-    read_replica_file,
-)
-from torchtitan_grpo.inference.types import Completion, MalformedResponse, SamplingParams
+from torchtitan_grpo.fleet import sglang
+from torchtitan_grpo.fleet.replicas import CATCHING_UP, DOWN, HEALTHY, REMOVED, SLOW, STATE_CODES, Replica, ReplicaSet, read_replica_file
+from torchtitan_grpo.fleet.types import Completion, MalformedResponse, SamplingParams
 from torchtitan_grpo.reasons import typed_reason
 
 __all__ = [
@@ -126,7 +116,7 @@ def _sglang_backend() -> Backend:
 
 def _vllm_backend() -> Backend:
     # Imported on use: a pool that speaks SGLang must not depend on this module.
-    from torchtitan_grpo.inference import vllm
+    from torchtitan_grpo.fleet import vllm
 
     from torchtitan_grpo.protocol.vllm import name_adapter
 
@@ -271,7 +261,7 @@ class InferencePool:
             raise ValueError("InferencePool needs replica URLs or PoolConfig.replica_file")
         self.backend = BACKENDS[self.config.backend]()
         if self.config.route_shape is not None:  # router replay: every request asks for its routed experts
-            from torchtitan_grpo.inference.route_backend import with_routes
+            from torchtitan_grpo.fleet.route_backend import with_routes
 
             self.backend = with_routes(self.config.backend, self.backend, self.config.route_shape)
         self.fleet = ReplicaSet(urls, self.config, self.backend.health_path)

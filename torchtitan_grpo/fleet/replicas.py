@@ -1,8 +1,8 @@
-"""The replica fleet of an :class:`~torchtitan_grpo.inference.pool.InferencePool`:
+"""The replica fleet of an :class:`~torchtitan_grpo.fleet.pool.InferencePool`:
 each replica's state and the machine that moves it between states (health
 checks, back-off, slow detection, the replica file, the launcher's and the
 weight pusher's hooks). Request dispatch (which replica gets a request,
-retries, the HTTP call) is ``pool.py``'s; it asks this module which replicas
+retries, the HTTP call) is ``fleet/pool.py``'s; it asks this module which replicas
 are routable and tells it how each attempt went.
 
 Replica states (``ReplicaSet.states()``):
@@ -49,7 +49,7 @@ import aiohttp
 
 from torchtitan_grpo.reasons import typed_reason
 
-logger = logging.getLogger("torchtitan_grpo.inference.pool")  # the pool's log, as before the split
+logger = logging.getLogger("torchtitan_grpo.fleet.pool")  # the pool's log, as before the split
 
 HEALTHY, SLOW, DOWN, CATCHING_UP, REMOVED = "healthy", "slow", "down", "catching-up", "removed"
 STATE_CODES: dict[str, float] = {HEALTHY: 0.0, SLOW: 1.0, DOWN: 2.0, CATCHING_UP: 3.0, REMOVED: 4.0}

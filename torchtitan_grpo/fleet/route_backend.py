@@ -1,6 +1,6 @@
 """The pool's backends asking for routed experts (``grpo.router_replay =
 "rollout"``): every generation request carries ``return_routed_experts`` and
-every reply's routes are decoded (``route_codec.py``) into
+every reply's routes are decoded (``protocol/route_codec.py``) into
 ``Completion.routed_experts``. A reply without them, or with a malformed
 field, is a :class:`MalformedResponse` naming the field and the replica."""
 
@@ -11,7 +11,8 @@ import json
 import os
 from typing import Any
 
-from torchtitan_grpo.inference import route_codec, sglang
+from torchtitan_grpo.protocol import route_codec
+from torchtitan_grpo.fleet import sglang
 
 
 def with_routes(protocol: str, backend: Any, shape: tuple[int, int]) -> Any:
@@ -23,7 +24,7 @@ def with_routes(protocol: str, backend: Any, shape: tuple[int, int]) -> Any:
         return {**build(ids, n, params, model), route_codec.REQUEST_FIELD: True}
 
     if protocol == "vllm":
-        from torchtitan_grpo.inference import vllm
+        from torchtitan_grpo.fleet import vllm
 
         def parse(body: Any, n: int, replica: str) -> list:
             return vllm.parse_completions(body, n, replica, route_shape=shape)

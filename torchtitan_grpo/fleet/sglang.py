@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchtitan_grpo.inference import route_codec
-from torchtitan_grpo.inference.types import Completion, SamplingParams, is_logprob, need, parse_spans
+from torchtitan_grpo.protocol import route_codec
+from torchtitan_grpo.fleet.types import Completion, SamplingParams, is_logprob, need, parse_spans
 # The weight-update bodies are shared with the weight push: protocol.sglang; re-exported here.
 from torchtitan_grpo.protocol.sglang import init_group_request, update_request  # noqa: F401
 

@@ -46,7 +46,7 @@ class Completion:
     the request finished)."""
     routed_experts: Any = None
     """int16 ``[len(prompt) + len(token_ids) - 1, moe_layers, top_k]`` when routes
-    were asked for (``route_codec.py``), else None."""
+    were asked for (``protocol/route_codec.py``), else None."""
 
 
 def is_logprob(x: Any) -> bool:

@@ -1,8 +1,8 @@
 """vLLM 0.33 HTTP protocol (see PROTOCOLS.md): request bodies and strict
 parsing of responses, for /v1/completions and the weight-transfer routes.
 
-The client-side twin of ``sglang.py``. The built-in server speaks the same
-subset (``vllm_openai.py``, ``vllm_weights.py``), so everything here is
+The client-side twin of ``fleet/sglang.py``. The built-in server speaks the same
+subset (``server/routes/vllm_openai.py``, ``server/routes/vllm_weights.py``), so everything here is
 exercised against it in tests and checked against vLLM's own JSON schemas.
 
 Logprob semantics differ between engines and are a deployment choice, not a
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from torchtitan_grpo.inference import route_codec
-from torchtitan_grpo.inference.types import Completion, MalformedResponse, SamplingParams, is_logprob, need, parse_spans
+from torchtitan_grpo.protocol import route_codec
+from torchtitan_grpo.fleet.types import Completion, MalformedResponse, SamplingParams, is_logprob, need, parse_spans
 # The weight-transfer control plane (routes, bodies, parsers) is shared with the weight push:
 # protocol.vllm, re-exported here.
 from torchtitan_grpo.protocol.vllm import (  # noqa: F401

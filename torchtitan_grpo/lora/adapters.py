@@ -29,12 +29,12 @@ TorchTitan's modules under FSDP2/DTensor (``fully_shard`` must see the
 adapters as parameters of the block it wraps, and a merge of DTensor shards
 is ours to define). A forty-line ``nn.Linear`` subclass keeps the base names,
 is a plain parameter holder for FSDP2, and is exported to peft's format
-separately (:mod:`torchtitan_grpo.lora_peft`).
+separately (:mod:`torchtitan_grpo.lora.peft`).
 
 Several trainer ranks (FSDP2, HSDP, DDP) put the same adapters on the meta
 model before it is sharded and gather them for the merge:
-:mod:`torchtitan_grpo.lora_sharded`; pipeline stages: :mod:`torchtitan_grpo.lora_pp`; tensor parallelism:
-:mod:`torchtitan_grpo.lora_tp`. ``[lora] base_dtype = "bfloat16"``
+:mod:`torchtitan_grpo.lora.sharded`; pipeline stages: :mod:`torchtitan_grpo.lora.pp`; tensor parallelism:
+:mod:`torchtitan_grpo.lora.tp`. ``[lora] base_dtype = "bfloat16"``
 stores the adapted projections' frozen weights in bf16 (the adapters stay
 float32): the forward computes with the weight cast to the input's dtype,
 and the merge is done in the adapters' dtype.
@@ -51,10 +51,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchtitan_grpo.lora_config import LORA_TARGETS
+from torchtitan_grpo.config.lora import LORA_TARGETS
 
 __all__ = ["LoRALinear", "apply_lora", "adapted_modules", "has_lora", "merge", "merged_state", "merged_hf_state",
-           "check_layout"]
+           "check_layout", "whole_adapter"]
 
 # the parent module of each target: attention.wq ... feed_forward.w3 (MoE experts are not nn.Linear)
 _PARENT = {"wq": "attention", "wk": "attention", "wv": "attention", "wo": "attention",
@@ -150,7 +150,7 @@ def apply_lora(model: nn.Module, cfg) -> list[str]:
     whole, loaded model on one device), freeze everything else, and return the
     adapted modules' names. Call before the optimizer is built.
 
-    Also on a model on meta, before it is sharded (:mod:`torchtitan_grpo.lora_sharded`,
+    Also on a model on meta, before it is sharded (:mod:`torchtitan_grpo.lora.sharded`,
     which then initialises the adapters itself once the tensors are allocated).
     ``cfg.base_dtype`` (default float32) is the adapted weights' dtype."""
     unknown = [t for t in cfg.target_modules if t not in LORA_TARGETS]
@@ -158,7 +158,7 @@ def apply_lora(model: nn.Module, cfg) -> list[str]:
         raise ValueError(f"lora.target_modules: unknown {unknown} (the TorchTitan projections are {list(LORA_TARGETS)})")
     if any(isinstance(p, DTensor) for p in model.parameters()):
         raise ValueError("lora.enable: the model is already sharded (DTensor parameters): put the adapters on the "
-                         "meta model before fully_shard (torchtitan_grpo.lora_sharded)")
+                         "meta model before fully_shard (torchtitan_grpo.lora.sharded)")
     targets = _targets(model, list(cfg.target_modules))
     if not targets:
         raise ValueError(f"lora.target_modules = {list(cfg.target_modules)}: no such nn.Linear in the model")
@@ -194,7 +194,7 @@ def merged_state(model: nn.Module, gather=None) -> dict[str, torch.Tensor]:
     copied). Feed it to the state-dict adapter's ``to_hf`` for HF names.
 
     ``gather`` turns a (sharded) parameter into its whole tensor before use
-    (:mod:`torchtitan_grpo.lora_sharded`; a collective there); None: the
+    (:mod:`torchtitan_grpo.lora.sharded`; a collective there); None: the
     parameters are whole already (one process)."""
     by_weight = {id(m.weight): m for m in model.modules() if isinstance(m, LoRALinear)}
     adapter_ids = {id(p) for m in by_weight.values() for p in (m.lora_A, m.lora_B)}
@@ -217,3 +217,23 @@ def merged_state(model: nn.Module, gather=None) -> dict[str, torch.Tensor]:
 def merged_hf_state(model: nn.Module, adapter) -> dict[str, torch.Tensor]:
     """HF-named merged weights: what the push and the HF export send with LoRA on."""
     return adapter.to_hf(merged_state(model))
+
+
+def _stamp(m: LoRALinear) -> tuple[int, int]:
+    """Version counters of ``A`` / ``B``'s local tensors: any in-place update
+    (optimizer step, checkpoint load) changes them."""
+    def local(p):
+        return p._local_tensor if isinstance(p, DTensor) else p
+    return local(m.lora_A)._version, local(m.lora_B)._version
+
+
+def whole_adapter(m: LoRALinear) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(A, B)`` of ``m`` whole: the parameters themselves when not sharded,
+    else the copy the last gather on this rank left, if still current."""
+    if not isinstance(m.lora_A, DTensor):
+        return m.lora_A.detach(), m.lora_B.detach()
+    kept = getattr(m, "_grpo_whole_adapter", None)
+    if kept is None or kept[0] != _stamp(m):
+        raise RuntimeError("LoRA adapters are sharded and not gathered since their last update: call "
+                           "lora_sharded.gather_adapters (or merged_hf_state) on every rank first")
+    return kept[1], kept[2]

@@ -5,7 +5,7 @@ whose keys are ``base_model.model.<HF module>.lora_A.weight`` /
 ``.lora_B.weight`` (``<HF module>`` e.g. ``model.layers.0.self_attn.q_proj``),
 ``lora_A`` ``[r, in]`` and ``lora_B`` ``[out, r]``, scaled by
 ``lora_alpha / r``: ``PeftModel.from_pretrained(base, folder)`` then computes
-what our :class:`~torchtitan_grpo.lora.LoRALinear` computes.
+what our :class:`~torchtitan_grpo.lora.adapters.LoRALinear` computes.
 
 HF module names come from the train spec's state-dict adapter, applied to the
 base weight's name. Where that adapter reorders the weight's rows (llama3's
@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from torchtitan_grpo.lora import adapted_modules, LoRALinear
+from torchtitan_grpo.lora.adapters import adapted_modules, LoRALinear
 
 __all__ = ["ADAPTER_FOLDER", "export_peft_adapter", "peft_adapter_tensors"]
 
@@ -59,8 +59,8 @@ def _hf_module_and_rows(adapter, fqn: str, m: LoRALinear) -> tuple[str, torch.Te
 def peft_adapter_tensors(model: torch.nn.Module, adapter) -> dict[str, torch.Tensor]:
     """The peft-named adapter tensors of ``model`` (detached CPU copies).
     Sharded adapters (FSDP2) must have been gathered on this rank since their
-    last update (:func:`torchtitan_grpo.lora_sharded.gather_adapters`)."""
-    from torchtitan_grpo.lora_sharded import whole_adapter
+    last update (:func:`torchtitan_grpo.lora.sharded.gather_adapters`)."""
+    from torchtitan_grpo.lora.adapters import whole_adapter
 
     out: dict[str, torch.Tensor] = {}
     for fqn, m in adapted_modules(model).items():

@@ -1,10 +1,10 @@
 """LoRA under pipeline parallelism (PP): adapters on each stage, merged and
 pushed over the stages.
 
-One process adapts the loaded model (:mod:`torchtitan_grpo.lora`), data
+One process adapts the loaded model (:mod:`torchtitan_grpo.lora.adapters`), data
 parallelism puts the adapters on the meta model before ``fully_shard``
-(:mod:`torchtitan_grpo.lora_sharded`). Under PP each rank keeps one stage
-of the model (:mod:`torchtitan_grpo.pipeline`), so in ``trainer.build_policy``:
+(:mod:`torchtitan_grpo.lora.sharded`). Under PP each rank keeps one stage
+of the model (:mod:`torchtitan_grpo.distributed.pipeline`), so in ``trainer.build_policy``:
 
 * **Untied models** (built on meta, cut, laid out, then loaded):
   :func:`inject` puts the adapters on the *whole* meta model before the
@@ -29,7 +29,7 @@ The merged weights and the adapters are per stage (each rank merges its own
 ``W + scale B A``, gathering FSDP shards within the stage when there are
 any); :class:`PipelineLoraPush` brings the stages' HF-named (merged) or
 peft-named (adapter) tensors to rank 0, point to point, as the full-weight
-``ShardGatherer`` brings stages' weights (:mod:`weight_sync.stage_transfer`:
+``ShardGatherer`` brings stages' weights (:mod:`distributed.stage_transfer`:
 each tensor rank 0 lacks comes from the lowest rank that has it; planned
 once), and rank 0's Pusher sends them.
 """
@@ -42,9 +42,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchtitan_grpo import lora, lora_sharded
-from torchtitan_grpo.lora_sharded import ShardedLoraPush
-from torchtitan_grpo.weight_sync import stage_transfer
+from torchtitan_grpo.lora import adapters as lora, sharded as lora_sharded
+from torchtitan_grpo.lora.sharded import ShardedLoraPush
+from torchtitan_grpo.distributed import stage_transfer
 
 __all__ = ["inject", "adapt_whole", "PipelineLoraPush"]
 

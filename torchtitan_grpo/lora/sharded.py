@@ -1,6 +1,6 @@
 """LoRA on several trainer ranks: FSDP2, HSDP and DDP (data-parallel layouts).
 
-One process adapts the loaded model in place (:func:`torchtitan_grpo.lora.apply_lora`).
+One process adapts the loaded model in place (:func:`torchtitan_grpo.lora.adapters.apply_lora`).
 With several ranks the model is built on meta and sharded before any tensor
 exists, and ``fully_shard`` must see the adapters as parameters of the
 transformer block it wraps (a parameter added later would be neither
@@ -45,11 +45,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchtitan_grpo import lora
-from torchtitan_grpo.lora import LoRALinear
+from torchtitan_grpo.lora import adapters as lora
+from torchtitan_grpo.lora.adapters import LoRALinear, _stamp
 
 __all__ = ["inject", "load_and_init", "adapter_order", "init_adapters", "merged_state", "merged_hf_state", "gather_adapters",
-           "whole_adapter", "is_sharded", "ShardedLoraPush"]
+           "is_sharded", "ShardedLoraPush"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def _adapters_hidden(model: nn.Module) -> Iterator[None]:
 
 
 def _copy_whole(param: torch.Tensor, whole: torch.Tensor) -> None:
-    from torchtitan_grpo.model import _copy_full  # each rank cuts its own shard of ``whole``
+    from torchtitan_grpo.models.hf_bridge import _copy_full  # each rank cuts its own shard of ``whole``
 
     _copy_full(param, whole)
 
@@ -119,9 +119,9 @@ def init_adapters(model: nn.Module, seed: int, order: list[tuple[str, torch.Size
 def load_and_init(model: nn.Module, adapter, hf_dir: str, seed: int, whole: dict | None = None,
                   order: list[tuple[str, torch.Size]] | None = None) -> None:
     """Step 3 above, on the materialised (sharded) model. ``whole`` / ``order``:
-    ``model`` is one pipeline stage (:mod:`torchtitan_grpo.lora_pp`), these are
+    ``model`` is one pipeline stage (:mod:`torchtitan_grpo.lora.pp`), these are
     the whole model's checkpoint names and :func:`adapter_order`."""
-    from torchtitan_grpo.model import load_hf_weights
+    from torchtitan_grpo.models.hf_bridge import load_hf_weights
 
     with _adapters_hidden(model):
         load_hf_weights(model, adapter, hf_dir, whole)
@@ -129,14 +129,6 @@ def load_and_init(model: nn.Module, adapter, hf_dir: str, seed: int, whole: dict
 
 
 # ------------------------------------------------------------------ gather
-
-
-def _stamp(m: LoRALinear) -> tuple[int, int]:
-    """Version counters of ``A`` / ``B``'s local tensors: any in-place update
-    (optimizer step, checkpoint load) changes them."""
-    def local(p):
-        return p._local_tensor if isinstance(p, DTensor) else p
-    return local(m.lora_A)._version, local(m.lora_B)._version
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -149,7 +141,7 @@ def _remember(m: LoRALinear, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """:func:`torchtitan_grpo.lora.merged_state` of a sharded model: every
+    """:func:`torchtitan_grpo.lora.adapters.merged_state` of a sharded model: every
     parameter whole (a collective: every rank calls it, all get the tensors)."""
     wholes: dict[int, torch.Tensor] = {}
 
@@ -176,18 +168,6 @@ def gather_adapters(model: nn.Module) -> None:
         _remember(m, _whole(m.lora_A), _whole(m.lora_B))
 
 
-def whole_adapter(m: LoRALinear) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(A, B)`` of ``m`` whole: the parameters themselves when not sharded,
-    else the copy the last gather on this rank left, if still current."""
-    if not isinstance(m.lora_A, DTensor):
-        return m.lora_A.detach(), m.lora_B.detach()
-    kept = getattr(m, "_grpo_whole_adapter", None)
-    if kept is None or kept[0] != _stamp(m):
-        raise RuntimeError("LoRA adapters are sharded and not gathered since their last update: call "
-                           "lora_sharded.gather_adapters (or merged_hf_state) on every rank first")
-    return kept[1], kept[2]
-
-
 # ------------------------------------------------------------------- push
 
 
@@ -209,13 +189,13 @@ class ShardedLoraPush:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """What rank 0 pushes (every rank must call it; the others get it too, and drop it)."""
-        from torchtitan_grpo.weight_sync.adapter_push import adapter_tensors
+        from torchtitan_grpo.lora.peft import peft_adapter_tensors
 
         out: dict[str, torch.Tensor] = {}
         for part in self.model_parts:
             if self.adapter_only:
                 gather_adapters(part)
-                out |= adapter_tensors(part, self.adapter)
+                out |= peft_adapter_tensors(part, self.adapter)
             else:
                 out |= merged_hf_state(part, self.adapter)
         return out

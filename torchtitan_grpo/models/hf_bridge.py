@@ -8,9 +8,9 @@ train spec's own state-dict adapter, so the name/permutation logic stays
 TorchTitan's and we only add the checks that make a mismatch loud.
 
 Supported train specs: ``qwen3`` (dense ``Qwen3ForCausalLM``; ``Qwen3MoeForCausalLM``
-through :mod:`torchtitan_grpo.qwen3_moe`) and ``llama3``
+through :mod:`torchtitan_grpo.models.qwen3_moe`) and ``llama3``
 (``LlamaForCausalLM``; with ``tie_word_embeddings`` the model and adapter of
-:mod:`torchtitan_grpo.llama3_tied`). Anything the TorchTitan model cannot express (biases,
+:mod:`torchtitan_grpo.models.llama3_tied`). Anything the TorchTitan model cannot express (biases,
 sliding windows, other RoPE types, ...) raises instead of silently producing a
 different network.
 """
@@ -30,12 +30,8 @@ import torchtitan_grpo  # noqa: F401  (installs the triton shim before torchtita
 from torchtitan.models.llama3.model.args import RoPEScalingArgs, TransformerModelArgs
 from torchtitan.models.llama3.model.model import FeedForward as Llama3FeedForward
 from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
-from torchtitan_grpo import qwen3_moe
-from torchtitan_grpo.llama3_tied import (
-    TiedLlama3ModelArgs,
-    TiedLlama3StateDictAdapter,
-    TiedLlama3Transformer,
-)
+from torchtitan_grpo.models import qwen3_moe
+from torchtitan_grpo.models.llama3_tied import TiedLlama3ModelArgs, TiedLlama3StateDictAdapter, TiedLlama3Transformer
 from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
 from torchtitan.protocols.train_spec import get_train_spec
 

@@ -6,12 +6,12 @@ output projection *is* the token embedding, and their checkpoints hold no
 separate output matrix; its qwen3 model has the tie behind
 ``enable_weight_tying``. This module gives llama3 the same switch, so the
 rest of the project (FSDP grouping and TP re-tie in
-:mod:`torchtitan_grpo.parallel`, the pipeline's mirrored copy, the weight
+:mod:`torchtitan_grpo.distributed.parallel`, the pipeline's mirrored copy, the weight
 push, the HF export) sees exactly what it sees for a tied qwen3: one
 parameter under the two names ``tok_embeddings.weight`` and
 ``output.weight``.
 
-:mod:`torchtitan_grpo.model` picks these classes for ``model.name = "llama3"``
+:mod:`torchtitan_grpo.models.hf_bridge` picks these classes for ``model.name = "llama3"``
 when config.json says ``tie_word_embeddings: true``; the train spec (its
 ``parallelize_fn`` included) stays TorchTitan's llama3.
 """

@@ -5,13 +5,13 @@ TorchTitan 0.2.2's ``qwen3`` train spec has the MoE variant (grouped experts
 grouped experts to HF's per-expert names
 (``model.layers.{i}.mlp.experts.{j}.{gate,up,down}_proj.weight``, router
 ``model.layers.{i}.mlp.gate.weight``) both ways: the names SGLang and vLLM
-load, and the ones :mod:`torchtitan_grpo.model` pushes and exports. So the
+load, and the ones :mod:`torchtitan_grpo.models.hf_bridge` pushes and exports. So the
 train spec stays ``qwen3`` (``model.name = "qwen3"``); this module only
 
 * maps config.json onto ``Qwen3ModelArgs(moe_enabled=True, moe_args=...)``
   and refuses what TorchTitan's model cannot express (:func:`moe_model_args`);
 * makes the built model's routers replayable and CPU-runnable
-  (:func:`prepare`, see :mod:`torchtitan_grpo.router_replay`);
+  (:func:`prepare`, see :mod:`torchtitan_grpo.models.router_replay`);
 * computes the router's auxiliary load-balancing loss (:func:`aux_loss`).
 """
 
@@ -26,7 +26,7 @@ import torchtitan_grpo  # noqa: F401  (installs the triton shim before torchtita
 from torchtitan.models.moe import MoEArgs
 from torchtitan.models.moe.moe import TokenChoiceTopKRouter, TokenReorderer
 from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
-from torchtitan_grpo.router_replay import ReplayRouter, expert_counts, moe_routers
+from torchtitan_grpo.models.router_replay import ReplayRouter, expert_counts, moe_routers
 
 __all__ = ["MODEL_TYPE", "ARCHITECTURE", "is_moe_config", "moe_model_args", "prepare",
            "enable_aux_loss", "aux_loss"]

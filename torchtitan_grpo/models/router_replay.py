@@ -11,7 +11,7 @@ keeps getting gradients.
 Pieces:
 
 * :class:`ReplayRouter`: TorchTitan's ``TokenChoiceTopKRouter`` with a forward
-  that can take given expert ids. :func:`torchtitan_grpo.qwen3_moe.prepare`
+  that can take given expert ids. :func:`torchtitan_grpo.models.qwen3_moe.prepare`
   swaps every MoE layer's router to it when the model is built (before any
   parallelisation), so the replay state (``replay_routes``, ``replay_chunk``)
   lives on the router modules themselves and survives FSDP / TP / EP, which
@@ -80,7 +80,7 @@ class ReplayRouter(TokenChoiceTopKRouter):
     * ``replay_chunk``: PP micro-batch index, see the module docstring.
     * ``keep_stats``: keep ``(scores [N, E] fp32, expert ids [N, k])`` of the
       last forward in ``last_stats`` for the auxiliary loss
-      (:func:`torchtitan_grpo.qwen3_moe.aux_loss`).
+      (:func:`torchtitan_grpo.models.qwen3_moe.aux_loss`).
     """
 
     replay_routes: torch.Tensor | None = None
@@ -150,7 +150,7 @@ def moe_routers(model: nn.Module) -> list[tuple[int, ReplayRouter]]:
         if isinstance(module, TokenChoiceTopKRouter):
             if not isinstance(module, ReplayRouter):
                 raise TypeError(f"{name} is a plain TorchTitan router: build the model with "
-                                "torchtitan_grpo.model.build_model (qwen3_moe.prepare)")
+                                "torchtitan_grpo.models.hf_bridge.build_model (qwen3_moe.prepare)")
             match = _LAYER.search(name)
             if match is None:
                 raise ValueError(f"cannot tell the layer of MoE router {name}")

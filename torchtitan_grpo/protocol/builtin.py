@@ -11,6 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+API_KEY_ENV = "GRPO_API_KEY"
+"""Environment variable that hands a started server its API key: a command
+line is readable by every user of the host (``ps``), a process's environment
+only by its owner."""
+
 BUILTIN_ENGINE = "torchtitan-grpo"
 """What the built-in server's ``/model_info`` says in its ``engine`` field
 (SGLang's and vLLM's have no such field): a pusher that sees it may rely on
@@ -52,4 +57,4 @@ def traits(model_info: Any, protocol: str) -> BuiltinTraits:
 
 DELTA_ROUTE = "/update_weights_delta"
 """weight_sync.delta: the built-in server's route taking a version as changed
-elements against the one it serves (``inference/delta_receive.py``)."""
+elements against the one it serves (``server/receive/delta.py``)."""

@@ -13,7 +13,7 @@ import torch
 
 from torchtitan_grpo.rollout.atropos_groups import MALFORMED_KINDS, ConvertedGroup, Malformed, convert_groups
 from torchtitan_grpo.rollout.producer import RolloutBatch
-from torchtitan_grpo.rollout.sample import Sample
+from torchtitan_grpo.train.sample import Sample
 
 logger = logging.getLogger("torchtitan_grpo")
 

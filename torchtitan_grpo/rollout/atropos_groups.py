@@ -3,7 +3,7 @@ the Atropos source, ``atropos.py``; pure functions, no HTTP).
 
 * **conversion** (:func:`convert_groups`, vectorised over the batch's
   concatenated sequences): each ``ScoredData`` group becomes
-  one :class:`~torchtitan_grpo.rollout.sample.Sample` per sequence. ``masks`` holds
+  one :class:`~torchtitan_grpo.train.sample.Sample` per sequence. ``masks`` holds
   ``-100`` for tokens that are not trained (prompt, environment and tool
   tokens) and the token id for trained ones; a sequence becomes
   ``prompt_ids`` = the tokens before its first trained token and
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from torchtitan_grpo.rollout.advantages import constant_group_mask, group_advantages
-from torchtitan_grpo.rollout.sample import Sample
+from torchtitan_grpo.train.sample import Sample
 
 MASKED = -100
 """Atropos's mask value of a token that is not trained."""

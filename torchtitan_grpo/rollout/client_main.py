@@ -71,7 +71,7 @@ def main(fd: int) -> int:
     importlib.import_module("transformers").AutoTokenizer
 
     from torchtitan_grpo.aio import LoopThread
-    from torchtitan_grpo.inference.pool import InferencePool
+    from torchtitan_grpo.fleet.pool import InferencePool
     from torchtitan_grpo.rollout.producer import build_producer
 
     conn = Connection(fd)

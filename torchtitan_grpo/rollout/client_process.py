@@ -66,8 +66,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-from torchtitan_grpo.inference.launcher import describe_exit
-from torchtitan_grpo.inference.pool import PoolConfig
+from torchtitan_grpo.fleet.launcher import describe_exit
+from torchtitan_grpo.fleet.pool import PoolConfig
 from torchtitan_grpo.rollout.groups import ScoredGroup
 from torchtitan_grpo.rollout.producer import ProducerSpec, ProducerStopped, RolloutBatch
 

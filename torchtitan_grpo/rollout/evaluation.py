@@ -27,8 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from torchtitan_grpo.aio import LoopThread
-from torchtitan_grpo.inference.pool import InferencePool, PoolError
-from torchtitan_grpo.inference.types import SamplingParams
+from torchtitan_grpo.fleet.pool import InferencePool, PoolError
+from torchtitan_grpo.fleet.types import SamplingParams
 from torchtitan_grpo.rollout.groups import GroupScorer, ScoredGroup
 from torchtitan_grpo.rollout.prompt_budget import fit_budget
 

@@ -14,12 +14,12 @@ from typing import Callable
 
 import torch
 
-from torchtitan_grpo.inference.route_codec import for_sample
-from torchtitan_grpo.inference.types import Completion
+from torchtitan_grpo.protocol.route_codec import for_sample
+from torchtitan_grpo.fleet.types import Completion
 from torchtitan_grpo.rollout import rewards as rw
 from torchtitan_grpo.rollout.advantages import constant_group_mask, group_advantages
 from torchtitan_grpo.rollout.overlong import shape_rewards
-from torchtitan_grpo.rollout.sample import Sample
+from torchtitan_grpo.train.sample import Sample
 
 
 @dataclass

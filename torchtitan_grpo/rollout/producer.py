@@ -43,13 +43,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 from torchtitan_grpo.aio import LoopThread
-from torchtitan_grpo.inference.pool import InferencePool
-from torchtitan_grpo.inference.types import SamplingParams
+from torchtitan_grpo.fleet.pool import InferencePool
+from torchtitan_grpo.fleet.types import SamplingParams
 from torchtitan_grpo.rollout.dynamic_sampling import DynamicSampler
 from torchtitan_grpo.rollout.groups import GroupScorer, ScoredGroup, batch_metrics
 from torchtitan_grpo.rollout.ledger import PromptLedger
 from torchtitan_grpo.rollout.prompt_budget import check_budgets, fit_budget, group_budget
-from torchtitan_grpo.rollout.sample import Sample
+from torchtitan_grpo.train.sample import Sample
 
 logger = logging.getLogger("torchtitan_grpo")
 

@@ -1,7 +1,7 @@
 """Built-in inference server: an HF model behind SGLang's HTTP protocol and
 vLLM's OpenAI + weight-transfer subset, in one process.
 
-    python -m torchtitan_grpo.inference.server --model DIR --port 30000 \
+    python -m torchtitan_grpo.server --model DIR --port 30000 \
         [--host 127.0.0.1] [--device cpu|cuda|cuda:N] [--dtype auto|float32|bfloat16|float16] \
         [--seed 0] [--max-batch-size 64] [--api-key KEY] [--weight-group-timeout 300] \
         [--num-threads N] [--chat-template FILE] [--trust-request-chat-template] \
@@ -60,33 +60,25 @@ import sys
 
 from aiohttp import web
 
-from torchtitan_grpo.inference.chat_template import load_chat_template
-from torchtitan_grpo.inference.engine import Engine, EngineConfig
-from torchtitan_grpo.inference.launcher import API_KEY_ENV
-from torchtitan_grpo.inference.httputil import (
-    OPEN_PATHS,
-    BadRequest,
-    BodyError,
-    BodyLimits,
-    Handler,
-    authorized,
-    read_json,
-)
-from torchtitan_grpo.inference.delta_receive import DeltaRoutes
-from torchtitan_grpo.inference.lora_receive import LoraRoutes
-from torchtitan_grpo.inference.requests import ModelLoadError, RequestError
-from torchtitan_grpo.inference.server_config import ServerConfig
-from torchtitan_grpo.inference.sglang_routes import SGLangGenerateRoutes
-from torchtitan_grpo.inference.sglang_weights import SGLangWeightRoutes
-from torchtitan_grpo.inference.vllm_chat import ChatRoutes
-from torchtitan_grpo.inference.vllm_generate import VLLMGenerateRoute, is_vllm_generate_body
-from torchtitan_grpo.inference.vllm_http import PauseGate
-from torchtitan_grpo.inference.vllm_openai import OpenAIRoutes
-from torchtitan_grpo.inference.vllm_weights import VLLMWeightRoutes
+from torchtitan_grpo.models.chat_template import load_chat_template
+from torchtitan_grpo.server.engine.engine import Engine, EngineConfig
+from torchtitan_grpo.protocol.builtin import API_KEY_ENV
+from torchtitan_grpo.server.httputil import OPEN_PATHS, BadRequest, BodyError, BodyLimits, Handler, authorized, read_json
+from torchtitan_grpo.server.receive.delta import DeltaRoutes
+from torchtitan_grpo.server.receive.lora import LoraRoutes
+from torchtitan_grpo.server.engine.requests import ModelLoadError, RequestError
+from torchtitan_grpo.server.settings import ServerConfig
+from torchtitan_grpo.server.routes.sglang import SGLangGenerateRoutes
+from torchtitan_grpo.server.routes.sglang_weights import SGLangWeightRoutes
+from torchtitan_grpo.server.routes.vllm_chat import ChatRoutes
+from torchtitan_grpo.server.routes.vllm_generate import VLLMGenerateRoute, is_vllm_generate_body
+from torchtitan_grpo.server.vllm_http import PauseGate
+from torchtitan_grpo.server.routes.vllm_openai import OpenAIRoutes
+from torchtitan_grpo.server.routes.vllm_weights import VLLMWeightRoutes
 
 __all__ = ["ServerConfig", "build_app", "engine_config", "exposure_warning", "main", "parse_args", "serve"]
 
-logger = logging.getLogger("torchtitan_grpo.inference.server")
+logger = logging.getLogger("torchtitan_grpo.server")
 
 
 # --------------------------------------------------------------------------- #
@@ -173,7 +165,7 @@ def build_app(engine: Engine, cfg: ServerConfig) -> tuple[web.Application, SGLan
 
 def parse_args(argv: list[str] | None = None) -> ServerConfig:
     p = argparse.ArgumentParser(
-        prog="python -m torchtitan_grpo.inference.server",
+        prog="python -m torchtitan_grpo.server",
         description="Built-in inference server (SGLang and vLLM HTTP protocols) for an HF causal LM.",
     )
     p.add_argument("--model", required=True, help="HF model directory (config.json + safetensors)")
@@ -343,6 +335,3 @@ def main(argv: list[str] | None = None) -> int:
     sys.stderr.flush()
     os._exit(code)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

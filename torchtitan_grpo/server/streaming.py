@@ -21,9 +21,9 @@ from typing import Any, AsyncIterator
 
 from aiohttp import web
 
-from torchtitan_grpo.inference.requests import SampleResult, SamplingParams, decode_ids
+from torchtitan_grpo.server.engine.requests import SampleResult, SamplingParams, decode_ids
 
-logger = logging.getLogger("torchtitan_grpo.inference.server")
+logger = logging.getLogger("torchtitan_grpo.server")
 
 
 @dataclass

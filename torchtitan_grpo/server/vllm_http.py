@@ -13,9 +13,9 @@ from typing import Any
 
 from aiohttp import web
 
-from torchtitan_grpo.inference.engine import Engine
-from torchtitan_grpo.inference.httputil import JSON_KINDS, BodyError, Handler
-from torchtitan_grpo.inference.requests import RequestError
+from torchtitan_grpo.server.engine.engine import Engine
+from torchtitan_grpo.server.httputil import JSON_KINDS, BodyError, Handler
+from torchtitan_grpo.server.engine.requests import RequestError, SampleResult, SamplingParams
 
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 
@@ -100,3 +100,21 @@ class PauseGate:
         """Raise vLLM's 503 while new generation requests are refused."""
         if self.rejecting():
             raise VLLMError(503, f"generation is paused (mode={self.mode}); retry after /resume")
+
+
+def stop_reason(r: SampleResult, params: SamplingParams) -> int | str | None:
+    """vLLM's ``stop_reason``: the stop string or stop token id that ended the
+    sample; None for EOS, length or abort."""
+    f = r.finish_reason
+    if f.kind == "stop" and (isinstance(f.matched, str) or f.matched in params.stop_token_ids):
+        return f.matched
+    return None
+
+
+def version_spans(r: SampleResult) -> list[dict]:
+    """vLLM reports spans covering every output token, even when the version
+    never changed (the engine records spans only on a change)."""
+    if r.weight_versions:
+        return [{"version": s.version, "start": s.start, "end": s.end} for s in r.weight_versions]
+    n = len(r.output_ids)
+    return [{"version": r.weight_version, "start": 0, "end": n}] if n else []

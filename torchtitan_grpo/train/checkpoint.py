@@ -46,8 +46,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
 from torchtitan_grpo import _titan  # noqa: F401  (before torchtitan)
-from torchtitan_grpo.config_checks import ConfigError
-from torchtitan_grpo.trainer import broadcast_object, Dist, hf_weights, Policy
+from torchtitan_grpo.config.checks import ConfigError
+from torchtitan_grpo.train.trainer import broadcast_object, Dist, hf_weights, Policy
 
 logger = logging.getLogger("torchtitan_grpo")
 
@@ -304,8 +304,8 @@ def _pipeline_peft_tensors(policy: Policy) -> dict[str, torch.Tensor] | None:
     """Under PP with LoRA, every stage's peft-named adapters on rank 0 (a
     collective: the stages' adapters go to rank 0 as the adapter push sends
     them); None without LoRA (decided over every rank: a stage may hold none)."""
-    from torchtitan_grpo.lora import has_lora
-    from torchtitan_grpo.lora_pp import PipelineLoraPush
+    from torchtitan_grpo.lora.adapters import has_lora
+    from torchtitan_grpo.lora.pp import PipelineLoraPush
 
     anyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(anyone, any(has_lora(part) for part in policy.model_parts))
@@ -330,12 +330,12 @@ def export_hf(policy: Policy, hf_dir: str, out_dir: str, d: Dist, dtype: str = "
 
     With LoRA (``lora.enable``) the weights are the merged ones (base + scaled
     ``B A``), and ``out_dir/lora_adapter/`` holds the adapters in peft's format
-    for the base checkpoint ``hf_dir`` (:mod:`torchtitan_grpo.lora_peft`).
+    for the base checkpoint ``hf_dir`` (:mod:`torchtitan_grpo.lora.peft`).
     """
     from safetensors.torch import save_file
 
-    from torchtitan_grpo.lora import has_lora
-    from torchtitan_grpo.lora_peft import ADAPTER_FOLDER, export_peft_adapter
+    from torchtitan_grpo.lora.adapters import has_lora
+    from torchtitan_grpo.lora.peft import ADAPTER_FOLDER, export_peft_adapter
 
     tensors = hf_weights(policy) if policy.pipeline is None else _pipeline_hf_weights(policy, d)
     peft = _pipeline_peft_tensors(policy) if policy.pipeline is not None else None

@@ -16,7 +16,7 @@ into:
   not count in the loss normalisers);
 * **importance-sampling correction** (:func:`importance_weights`): the
   trainer's logprobs under its current weights, before the step (detached),
-  against the rollout logprobs, through :func:`torchtitan_grpo.loss.is_weights`
+  against the rollout logprobs, through :func:`torchtitan_grpo.train.loss.is_weights`
   (truncated at ``grpo.is_cap``, per token or per sequence);
 * **the KL reference** (:func:`build_reference`, :func:`reference_logprobs`):
   a frozen copy of the initial weights (``model.hf_assets_path``), laid out
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchtitan_grpo import loss as grpo_losses
+from torchtitan_grpo.train import loss as grpo_losses
 
 logger = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ def importance_weights(
     """What the GRPO loss needs for ``grpo.is_correction = mode``.
 
     Returns ``(old_logprobs, is_weights, metrics)`` for
-    :func:`torchtitan_grpo.loss.grpo_loss`:
+    :func:`torchtitan_grpo.train.loss.grpo_loss`:
 
     * ``"none"``: the ratio is taken against the rollout logprobs (its clip
       bounds the off-policy gap), no weights;
@@ -272,8 +272,8 @@ def build_reference(job_config, hf_dir: str, d) -> nn.Module:
     collective). Its parameters never require gradients and it stays in eval
     mode.
     """
-    from torchtitan_grpo import model as hf_model
-    from torchtitan_grpo import parallel
+    from torchtitan_grpo.models import hf_bridge as hf_model
+    from torchtitan_grpo.distributed import parallel
 
     name = job_config.model.name
     hf_config = hf_model.load_hf_config(hf_dir)

@@ -2,7 +2,7 @@
 
 * Router replay (``grpo.router_replay = "rollout"``): each micro-batch's
   forward *and* backward (activation checkpointing routes again in the
-  recompute) run inside :func:`torchtitan_grpo.router_replay.replay` with the
+  recompute) run inside :func:`torchtitan_grpo.models.router_replay.replay` with the
   routes the servers reported, laid out like the model's input (padded
   samples, or a packed row at its samples' offsets).
 * The router's auxiliary load-balancing loss (``moe.aux_loss_coef > 0``),
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchtitan_grpo import qwen3_moe, router_replay
+from torchtitan_grpo.models import qwen3_moe, router_replay
 
 
 def configure(job_config, model_args, device: torch.device) -> None:

@@ -47,8 +47,8 @@ import torch
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from torchtitan_grpo import loss as grpo_losses
-from torchtitan_grpo import token_logprobs
+from torchtitan_grpo.train import loss as grpo_losses
+from torchtitan_grpo.train import token_logprobs
 
 __all__ = ["PackedRow", "check_layout", "forward_terms", "pack_row", "plan", "reference_logprobs",
            "use_document_attention"]

@@ -19,7 +19,7 @@ Three ways to build, by layout (``[parallelism]``):
   start from the embedding).
 
 Gradients are summed over data-parallel ranks in every layout
-(:mod:`torchtitan_grpo.parallel`).
+(:mod:`torchtitan_grpo.distributed.parallel`).
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from torchtitan_grpo import lora, lora_pp, lora_sharded, lora_tp
-from torchtitan_grpo import model as hf_model
-from torchtitan_grpo import parallel
-from torchtitan_grpo import pipeline as pipeline_parallel
+from torchtitan_grpo.lora import adapters as lora, pp as lora_pp, sharded as lora_sharded, tp as lora_tp
+from torchtitan_grpo.models import hf_bridge as hf_model
+from torchtitan_grpo.distributed import parallel
+from torchtitan_grpo.distributed import pipeline as pipeline_parallel
 
 DTYPE = torch.float32
 """Master weights; bf16 compute on GPUs: FSDP's mixed precision, else autocast (amp)."""

@@ -142,7 +142,7 @@ def chunked_logprobs(
         weight: ``[V, dim]`` output projection (no bias), a plain tensor.
         targets: ``[...]`` token ids, aligned with ``hidden`` (the caller shifts).
         temperature: the rollout's sampling temperature; ``0`` and ``1`` leave
-            the logits unscaled (as :func:`torchtitan_grpo.loss.token_logprobs`).
+            the logits unscaled (as :func:`torchtitan_grpo.train.loss.token_logprobs`).
         chunk_tokens: tokens per chunk; the float32 temporaries are
             ``chunk_tokens x V``.
         with_entropy: also return each token's entropy (nats, no gradient).

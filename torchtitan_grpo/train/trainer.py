@@ -17,15 +17,16 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_grpo import _titan  # noqa: F401
-from torchtitan_grpo import lora, lora_sharded, policy_model
-from torchtitan_grpo import loss as grpo_losses
-from torchtitan_grpo import model as hf_model
-from torchtitan_grpo import context_parallel, moe_step, packing
-from torchtitan_grpo import parallel
-from torchtitan_grpo import pipeline as pipeline_parallel
-from torchtitan_grpo import token_logprobs
-from torchtitan_grpo.rollout import offpolicy
-from torchtitan_grpo.rollout.sample import Sample
+from torchtitan_grpo.lora import adapters as lora, sharded as lora_sharded
+from torchtitan_grpo.train import policy as policy_model
+from torchtitan_grpo.train import loss as grpo_losses
+from torchtitan_grpo.models import hf_bridge as hf_model
+from torchtitan_grpo.train import cp_step, moe_step, packing
+from torchtitan_grpo.distributed import parallel
+from torchtitan_grpo.distributed import pipeline as pipeline_parallel
+from torchtitan_grpo.train import token_logprobs
+from torchtitan_grpo.train import importance as offpolicy
+from torchtitan_grpo.train.sample import Sample
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ class Policy:
     """This rank's stage and schedules under PP (pipeline_parallel_degree > 1)."""
     amp: contextlib.AbstractContextManager = field(default_factory=contextlib.nullcontext)
     """The forward's autocast (one GPU or DDP: ``training.mixed_precision_param``),
-    see :func:`torchtitan_grpo.parallel.mixed_precision`."""
+    see :func:`torchtitan_grpo.distributed.parallel.mixed_precision`."""
     aux_loss_coef: float = 0.0
     """MoE: weight of the router's load-balancing loss (``moe.aux_loss_coef``)."""
 
@@ -271,7 +272,7 @@ def _logprob_loss(logprobs: torch.Tensor, entropy: torch.Tensor | float, mask: t
 
 
 def _logprob_chunk_tokens(policy: Policy, grpo_cfg) -> int:
-    """Tokens per chunk of the chunked log-prob head (:mod:`torchtitan_grpo.token_logprobs`),
+    """Tokens per chunk of the chunked log-prob head (:mod:`torchtitan_grpo.train.token_logprobs`),
     0 for the full-logits path. The head needs the whole output weight on each
     rank (one device, FSDP / HSDP, DDP): TP's output projection is vocab-sharded
     (its logits are all-gathered, no loss parallel) and PP runs the loss on the
@@ -382,7 +383,7 @@ def _micro_batch_tokens(grpo_cfg) -> int:
 
 def _micro_batches(local: list[Sample], grpo_cfg) -> list[list[Sample]]:
     """This rank's samples per micro-batch: ``micro_batch_size`` at a time, or
-    with grpo.micro_batch_tokens the rows of :func:`torchtitan_grpo.packing.plan`."""
+    with grpo.micro_batch_tokens the rows of :func:`torchtitan_grpo.train.packing.plan`."""
     budget = _micro_batch_tokens(grpo_cfg)
     if budget:
         rows = packing.plan([len(s.prompt_ids) + len(s.completion_ids) for s in local], budget)
@@ -396,12 +397,12 @@ def _forward_backward(policy: Policy, local: list[Sample], ctx: _LossContext, pa
     """Micro-batched forward/backward through the whole model (no PP): padded
     ``[samples, longest]`` micro-batches, or packed ``[1, L]`` rows
     (grpo.micro_batch_tokens) whose outputs return to the same per-sample
-    layout before the loss (:mod:`torchtitan_grpo.packing`)."""
+    layout before the loss (:mod:`torchtitan_grpo.train.packing`)."""
     model = policy.model
     packed = _micro_batch_tokens(ctx.grpo_cfg) > 0
     row_multiple = packing.CUDA_ROW_MULTIPLE if d.device.type == "cuda" else 1
     chunk_tokens = _logprob_chunk_tokens(policy, ctx.grpo_cfg)
-    forward, ref_forward = context_parallel.forwards(policy.parallel_dims, _forward_terms, _reference_logprobs)
+    forward, ref_forward = cp_step.forwards(policy.parallel_dims, _forward_terms, _reference_logprobs)
     micro = _micro_batches(local, ctx.grpo_cfg)
     # Ranks with fewer local samples still run the same number of forward/backward
     # passes (on an empty micro-batch), or FSDP's collectives would deadlock.
@@ -490,7 +491,7 @@ class _PipelineLoss:
         # full logits: the chunked head does not run inside the pipeline schedule
         if self.cp is not None:  # logits at this rank's share of the positions: whole sequences gathered
             dims, positions = self.cp
-            logprobs, entropy = context_parallel.pipeline_terms(dims, output.float(), next_tokens, mask, positions,
+            logprobs, entropy = cp_step.pipeline_terms(dims, output.float(), next_tokens, mask, positions,
                                                                 self.ctx.temperature)
             loss, record = _logprob_loss(logprobs, entropy, mask, old, adv, self.ctx)
         else:
@@ -502,7 +503,7 @@ class _PipelineLoss:
 def _pipeline_batch_shape(policy: Policy, local: list[Sample], ctx: _LossContext, d: Dist) -> tuple[int, int, int]:
     """``(micro-batches, rows per micro-batch, sequence length)`` of this step, the
     same on every rank (a new shape builds new schedules on all ranks at once,
-    see :meth:`torchtitan_grpo.pipeline.StagePipeline.schedule_for`)."""
+    see :meth:`torchtitan_grpo.distributed.pipeline.StagePipeline.schedule_for`)."""
     longest = max((len(s.prompt_ids) + len(s.completion_ids) for s in local), default=2)
     t = torch.tensor([len(local), longest], device=d.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -533,7 +534,7 @@ def _pipeline_forward_backward(policy: Policy, local: list[Sample], ctx: _LossCo
     loss_fn = pipe.loss_fn
     loss_fn.ctx, loss_fn.records, loss_fn.cp, positions = ctx, [], None, None
     if policy.parallel_dims.cp_enabled:  # the first stage gets this CP rank's share of the tokens
-        tokens, positions = context_parallel.pipeline_tokens(policy.parallel_dims, tokens)
+        tokens, positions = cp_step.pipeline_tokens(policy.parallel_dims, tokens)
         loss_fn.cp = (policy.parallel_dims, positions)
     pipe.step(tokens, target, n_micro, positions)
     if pipe.is_last:

@@ -60,7 +60,7 @@ def adapter_tensors(model: torch.nn.Module, sd_adapter) -> dict[str, torch.Tenso
     """What the trainer pushes with ``lora_push = "adapter"``: the peft-named
     adapter tensors of ``model`` (``sd_adapter``: the train spec's state-dict
     adapter, for the HF names)."""
-    from torchtitan_grpo.lora_peft import peft_adapter_tensors
+    from torchtitan_grpo.lora.peft import peft_adapter_tensors
 
     return peft_adapter_tensors(model, sd_adapter)
 
@@ -68,7 +68,7 @@ def adapter_tensors(model: torch.nn.Module, sd_adapter) -> dict[str, torch.Tenso
 def adapter_config(model: torch.nn.Module, sd_adapter, base_path: str) -> dict:
     """The peft ``adapter_config.json`` of ``model``'s adapters, for the base
     checkpoint ``base_path`` (``PushConfig.adapter_config``)."""
-    from torchtitan_grpo.lora_peft import _adapter_config, peft_adapter_tensors
+    from torchtitan_grpo.lora.peft import _adapter_config, peft_adapter_tensors
 
     return _adapter_config(model, peft_adapter_tensors(model, sd_adapter), base_path)
 

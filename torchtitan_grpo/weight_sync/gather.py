@@ -41,7 +41,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from torchtitan_grpo.weight_sync import stage_transfer
+from torchtitan_grpo.distributed import stage_transfer
 
 logger = logging.getLogger(__name__)
 
@@ -439,8 +439,8 @@ class DirectPush:
     def tensors(self) -> dict[str, torch.Tensor]:
         """The HF-named weights, aliasing the live parameters where the
         adapter only renames (looked up once, on the first call)."""
-        from torchtitan_grpo.lora import has_lora, merged_hf_state
-        from torchtitan_grpo.model import hf_aliases, hf_state_dict
+        from torchtitan_grpo.lora.adapters import has_lora, merged_hf_state
+        from torchtitan_grpo.models.hf_bridge import hf_aliases, hf_state_dict
 
         if self.adapter_only:
             from torchtitan_grpo.weight_sync.adapter_push import adapter_tensors
@@ -514,11 +514,11 @@ def trainer_push(model_parts: list[nn.Module], adapter, parallel_dims, device: t
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return DirectPush(model_parts, adapter, pusher, sync, optimizers,
                           adapter_only=getattr(weight_sync, "lora_push", "merged") == "adapter")
-    from torchtitan_grpo.lora import has_lora
+    from torchtitan_grpo.lora.adapters import has_lora
 
     if any(has_lora(part) for part in model_parts):  # every rank gathers and merges, rank 0 pushes
-        from torchtitan_grpo.lora_pp import PipelineLoraPush
-        from torchtitan_grpo.lora_sharded import ShardedLoraPush
+        from torchtitan_grpo.lora.pp import PipelineLoraPush
+        from torchtitan_grpo.lora.sharded import ShardedLoraPush
 
         kind = PipelineLoraPush if parallel_dims.pp > 1 else ShardedLoraPush  # PP: stages' tensors to rank 0
         return kind(model_parts, adapter, pusher, sync,

@@ -4,9 +4,9 @@ The engine decides *what* runs (which sequences join, when finished ones
 leave, what each row samples); a :class:`KVBatch` decides *how* the model is
 run on them and where their keys and values live. Keeping that behind a small
 interface lets another cache layout (a preallocated static cache with
-CUDA-graph decode steps, ``static_batch.py``) replace the one here without
+CUDA-graph decode steps, ``server/engine/static_batch.py``) replace the one here without
 the engine changing. A batch takes the model and the device; it never imports
-``engine.py``, and the engine keeps everything that is not KV state (the
+``server/engine/engine.py``, and the engine keeps everything that is not KV state (the
 sampled tokens not yet fed, the queue, the locks).
 """
 
@@ -18,8 +18,8 @@ from typing import Any, Protocol
 
 import torch
 
-from torchtitan_grpo.inference import kv_pool, moe_routes, paged_batch, static_batch
-from torchtitan_grpo.inference.to_device import upload  # noqa: F401  (engine.py and sampling.py take it from here)
+from torchtitan_grpo.server.engine import kv_pool, moe_routes, paged_batch, static_batch
+from torchtitan_grpo.server.engine.to_device import upload  # noqa: F401  (server/engine/engine.py and server/engine/sampling.py take it from here)
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ slots x positions, so the default stays modest."""
 def make_batch(model: Any, cfg: Any, device: torch.device, pad_token_id: int) -> KVBatch:
     """The batch an engine configured by ``cfg`` (an ``EngineConfig``) runs on:
     ``kv_cache`` "static" (preallocated slots, CUDA-graph decode on a GPU),
-    "paged" (the same on a block pool sized by a memory budget, ``paged_batch.py``),
+    "paged" (the same on a block pool sized by a memory budget, ``server/engine/paged_batch.py``),
     "dynamic" (the HF forward on a growing cache) or "auto" (static on a GPU
     for the model families it supports, else dynamic)."""
     if cfg.kv_cache not in KV_CACHES:

@@ -3,7 +3,7 @@
 Protocol-free on purpose: the SGLang routes (``sglang_*.py``) and the vLLM
 routes (``vllm_*.py``) translate their JSON into :class:`SamplingParams` and
 :meth:`Engine.submit` calls, and their weight-update bodies into receives
-(``weights.py``) + :meth:`Engine.load_weights`.
+(``server/engine/weights.py``) + :meth:`Engine.load_weights`.
 
 Execution model. One worker thread owns the model and the batch: every
 forward pass runs there, never on the HTTP event loop. The batch is
@@ -11,11 +11,11 @@ continuous: sequences join at step boundaries (their prompts are prefilled
 together and joined to the running batch) and leave as soon as they finish.
 Samples of one request share one prefill. The engine decides what runs and
 keeps the books; how the KV cache is laid out and the model run on it is the
-batch's business (``batch.py``: an HF ``DynamicCache``, or on a GPU
-``static_batch.py``'s preallocated slots with CUDA-graph decode, or
-``paged_batch.py``'s block pool, which also says what to admit and what to
+batch's business (``server/engine/batch.py``: an HF ``DynamicCache``, or on a GPU
+``server/engine/static_batch.py``'s preallocated slots with CUDA-graph decode, or
+``server/engine/paged_batch.py``'s block pool, which also says what to admit and what to
 retract when blocks run out), and picking
-tokens is ``sampling.py``'s.
+tokens is ``server/engine/sampling.py``'s.
 Everyone else talks to the worker through a condition variable:
 ``submit`` queues sequences, ``pause``/``abort_all`` run small actions on the
 worker between steps, and :meth:`Engine.exclusive` waits until no forward
@@ -44,28 +44,14 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from torchtitan_grpo.inference.batch import KVBatch, make_batch, upload
-from torchtitan_grpo.inference.engine_weights import EngineWeights
-from torchtitan_grpo.inference.expert_views import expert_views
-from torchtitan_grpo.inference.paged_batch import PagedBatch
-from torchtitan_grpo.inference.static_batch import StaticBatch
-from torchtitan_grpo.inference.loading import eos_token_ids, load_model
-from torchtitan_grpo.inference.requests import (
-    DEFAULT_WEIGHT_VERSION,
-    PAUSE_MODES,
-    FinishReason,
-    RequestError,
-    SamplingParams,
-    _Request,
-    _sample_generator,
-    _Sequence,
-    check_prompt,
-    check_prompt_text,
-    decode_each,
-    decode_ids,
-    sample_result,
-)
-from torchtitan_grpo.inference.sampling import Launched, launch_sample
+from torchtitan_grpo.server.engine.batch import KVBatch, make_batch, upload
+from torchtitan_grpo.server.engine.engine_weights import EngineWeights
+from torchtitan_grpo.server.engine.expert_views import expert_views
+from torchtitan_grpo.server.engine.paged_batch import PagedBatch
+from torchtitan_grpo.server.engine.static_batch import StaticBatch
+from torchtitan_grpo.server.engine.loading import eos_token_ids, load_model
+from torchtitan_grpo.server.engine.requests import DEFAULT_WEIGHT_VERSION, PAUSE_MODES, FinishReason, RequestError, SamplingParams, _Request, _sample_generator, _Sequence, check_prompt, check_prompt_text, decode_each, decode_ids, sample_result
+from torchtitan_grpo.server.engine.sampling import Launched, launch_sample
 
 logger = logging.getLogger(__name__)
 
@@ -88,9 +74,9 @@ class EngineConfig:
     kv_cache: str = "auto"
     """"static": a preallocated cache of ``max_batch_size`` slots x
     ``max_model_len`` positions, decode steps replayed as CUDA graphs on a
-    GPU (``static_batch.py``); "paged": the same decode on a pool of blocks
+    GPU (``server/engine/static_batch.py``); "paged": the same decode on a pool of blocks
     sized by a memory budget, sequences admitted by free blocks and retracted
-    when it runs out (``paged_batch.py``); "dynamic": the HF forward on a
+    when it runs out (``server/engine/paged_batch.py``); "dynamic": the HF forward on a
     growing cache (any HF causal LM); "auto": on a GPU for Llama / Qwen2 /
     Qwen3 / Mistral static while its slots fit the KV budget, else paged
     (``batch.auto_kind``); dynamic otherwise (and on CPU)."""
@@ -118,7 +104,7 @@ class EngineConfig:
     slower than its peers (the pipelined loop's slow-replica case). 0 in
     production."""
     return_routed_experts: bool = False
-    """Capture every MoE layer's routed experts per position (``moe_routes.py``)."""
+    """Capture every MoE layer's routed experts per position (``server/engine/moe_routes.py``)."""
 
 
 class Engine(EngineWeights):
@@ -136,7 +122,7 @@ class Engine(EngineWeights):
         self.eos_token_ids: tuple[int, ...] = eos_token_ids(self.model, self.tokenizer)
         self.pad_token_id: int = int(getattr(hf, "pad_token_id", None) or 0)
         # Weights are addressed by their HF names (state_dict keys, tied aliases included).
-        self._tensors: dict[str, torch.Tensor] = {  # MoE: per-expert names too (expert_views.py)
+        self._tensors: dict[str, torch.Tensor] = {  # MoE: per-expert names too (server/engine/expert_views.py)
             **self.model.state_dict(keep_vars=True), **expert_views(self.model)}
         self._batch: KVBatch = make_batch(self.model, cfg, self.device, self.pad_token_id)
         self.static_cache = isinstance(self._batch, StaticBatch)  # PagedBatch too: graphs read the parameters

@@ -1,7 +1,7 @@
 """The engine's weights API: versions, names, checks, installs and reads.
 
-A mixin of :class:`~torchtitan_grpo.inference.engine.Engine` (moved out of
-``engine.py`` to keep that module to its scheduling): every method here runs
+A mixin of :class:`~torchtitan_grpo.server.engine.engine.Engine` (moved out of
+``server/engine/engine.py`` to keep that module to its scheduling): every method here runs
 on a caller's thread and reaches generation only through the engine's own
 ``exclusive()`` (an install waits until no forward pass can run),
 ``_param_lock`` (copy-in vs read-out) and ``_cv`` (the version's books).
@@ -13,8 +13,8 @@ from typing import Sequence
 
 import torch
 
-from torchtitan_grpo.inference.requests import RequestError
-from torchtitan_grpo.inference.weights import adoptable, check_specs, install_weights
+from torchtitan_grpo.server.engine.requests import RequestError
+from torchtitan_grpo.server.engine.weights import adoptable, check_specs, install_weights
 from torchtitan_grpo.weight_sync.buckets import TensorSpec
 
 

@@ -1,4 +1,4 @@
-"""The block pool of the paged KV cache (``paged_batch.py``): sizing and bookkeeping.
+"""The block pool of the paged KV cache (``server/engine/paged_batch.py``): sizing and bookkeeping.
 
 KV memory is one pool per layer of fixed-size blocks (``block_size``
 positions each); a sequence owns a list of blocks, its block table, and grows
@@ -17,7 +17,7 @@ of the memory free once the weights are loaded (what torch's
 ``cuda.mem_get_info`` reports, so other processes on the GPU are counted), or
 an absolute ``kv_cache_memory_gb``. What stays free holds the activations: a
 prefill bounded by ``MAX_PREFILL_TOKENS`` and a decode step's attention. On a
-GPU with triton that is ``paged_attention.py``'s kernel, which reads the
+GPU with triton that is ``server/engine/paged_attention.py``'s kernel, which reads the
 blocks where they lie and needs only its splits' small partial results; on
 the gather + SDPA path (CPU, no triton, ``TORCHTITAN_GRPO_PAGED_KERNEL=0``)
 it is a contiguous copy of the step's blocks (at most one layer's share of

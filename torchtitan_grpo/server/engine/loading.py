@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from torchtitan_grpo.inference.requests import ModelLoadError
+from torchtitan_grpo.server.engine.requests import ModelLoadError
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ position it runs, the expert ids each MoE layer's router picked; this module
 keeps them per sequence and hands a finished sample its
 ``[len(prompt) + len(output) - 1, num_moe_layers, top_k]`` array (what
 ``Sample.routed_experts`` and both engines' wire formats carry, see
-``route_codec.py``).
+``protocol/route_codec.py``).
 
 - A prefill gives a sequence one chunk covering its whole context (a
   sequence re-prefilled after ``pause(retract)`` starts over: the chunk
@@ -17,7 +17,7 @@ keeps them per sequence and hands a finished sample its
   host sync per step).
 
 How a batch captures the ids: the static batch computes them itself
-(``static_moe.py``); the dynamic batch runs HF's MoE blocks, and
+(``server/engine/static_moe.py``); the dynamic batch runs HF's MoE blocks, and
 :class:`GateHooks` reads their routers' outputs.
 """
 
@@ -30,8 +30,8 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from torchtitan_grpo.inference.route_codec import REQUEST_FIELD
-from torchtitan_grpo.inference.static_moe import is_moe
+from torchtitan_grpo.protocol.route_codec import REQUEST_FIELD
+from torchtitan_grpo.server.engine.static_moe import is_moe
 
 ROUTES_FLAG = "--enable-return-routed-experts"
 

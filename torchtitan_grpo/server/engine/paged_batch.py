@@ -1,18 +1,18 @@
 """A KV batch on a pool of fixed-size blocks, with CUDA-graph decode steps.
 
-The static batch (``static_batch.py``) gives every slot ``max_len`` positions
+The static batch (``server/engine/static_batch.py``) gives every slot ``max_len`` positions
 up front: 64 slots x 16k positions of a Qwen3-4B shape is 154 GB, so it
 cannot serve long samples. This batch keeps everything else of it (the
 model's own modules, fused projections, the graph-safe MoE MLP, routes, graph
 capture and replay; it subclasses it) and changes where keys and values live:
 
 - **Blocks.** Each layer's K and V are one pool ``[blocks, block_size,
-  kv_heads, head_dim]`` sized by a memory budget (``kv_pool.py``). A row owns
+  kv_heads, head_dim]`` sized by a memory budget (``server/engine/kv_pool.py``). A row owns
   a list of blocks (its block table, one row of the device tensor
   ``_table``) and takes one more when its next position starts a block.
 - **Decode over the rows' blocks.** A step runs rows ``[0, B)`` (rows are kept
   dense: no slots, a leaving row's table row is overwritten) over ``nb``
-  blocks each. On a GPU with triton, ``paged_attention.py``'s kernel reads
+  blocks each. On a GPU with triton, ``server/engine/paged_attention.py``'s kernel reads
   the blocks through the table where they lie; elsewhere (CPU, no triton)
   the table indexes the pool into a copy ``[B, nb * block_size, kv_heads,
   head_dim]`` that SDPA reads with a per-row length mask. Each ``(B, nb)``
@@ -35,10 +35,10 @@ from typing import Any, Sequence
 
 import torch
 
-from torchtitan_grpo.inference import kv_pool, moe_routes, paged_attention
-from torchtitan_grpo.inference.kv_pool import BLOCK_SIZE, BlockPool, blocks_for
-from torchtitan_grpo.inference.static_batch import _BATCH_BUCKETS, StaticBatch, _bucket
-from torchtitan_grpo.inference.to_device import upload
+from torchtitan_grpo.server.engine import kv_pool, moe_routes, paged_attention
+from torchtitan_grpo.server.engine.kv_pool import BLOCK_SIZE, BlockPool, blocks_for
+from torchtitan_grpo.server.engine.static_batch import _BATCH_BUCKETS, StaticBatch, _bucket
+from torchtitan_grpo.server.engine.to_device import upload
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def _len_bucket(n: int, cap: int) -> int:
 
 
 class PagedBatch(StaticBatch):
-    """The :class:`~torchtitan_grpo.inference.batch.KVBatch` of a block pool;
+    """The :class:`~torchtitan_grpo.server.engine.batch.KVBatch` of a block pool;
     decode steps are CUDA graphs on a GPU (``graphs``)."""
 
     def __init__(self, model: Any, device: torch.device, slots: int, max_len: int, num_blocks: int,
@@ -74,7 +74,7 @@ class PagedBatch(StaticBatch):
         self.max_prefill_tokens = max_prefill_tokens
         self.headroom_tokens = HEADROOM_TOKENS
         self.kernel = paged_attention.available(device)
-        """Decode attention by ``paged_attention.py``'s kernel (else gather + SDPA)."""
+        """Decode attention by ``server/engine/paged_attention.py``'s kernel (else gather + SDPA)."""
         super().__init__(model, device, slots, max_len, graphs=graphs, routes=routes)
         self._table = torch.zeros((slots, self.max_blocks), dtype=torch.long, device=device)
         self._blocks: list[list[int]] = []  # per row: its block ids, in position order

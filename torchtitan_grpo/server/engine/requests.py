@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from torchtitan_grpo.inference import moe_routes
+from torchtitan_grpo.server.engine import moe_routes
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 DEFAULT_WEIGHT_VERSION = "default"
@@ -204,7 +204,7 @@ class _Sequence:
     cached_tokens: int = 0
     # (old_version, number of output tokens it produced), one per change.
     version_events: list[tuple[str, int]] = field(default_factory=list)
-    route_chunks: list | None = None  # routed experts per run position (moe_routes.py), when captured
+    route_chunks: list | None = None  # routed experts per run position (server/engine/moe_routes.py), when captured
 
     @property
     def params(self) -> SamplingParams:
@@ -215,7 +215,7 @@ class _Sequence:
 
 
 def _sample_generator(seed: int | None, index: int) -> random.Random | None:
-    """A seeded sample's own generator: one uniform per token (``sampling.py``
+    """A seeded sample's own generator: one uniform per token (``server/engine/sampling.py``
     draws by inverse CDF), on the host, so seeded rows cost no device launches."""
     if seed is None:
         return None

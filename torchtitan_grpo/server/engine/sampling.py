@@ -3,7 +3,7 @@
 Kept apart from the engine so that they touch no engine state (no lock, no
 batch): the engine passes its device, generator and EOS ids in, gets tokens
 and logprobs back, and records them itself. What the reported logprob is
-(and why) is documented in ``engine.py``'s module docstring.
+(and why) is documented in ``server/engine/engine.py``'s module docstring.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Sequence
 
 import torch
 
-from torchtitan_grpo.inference.batch import upload
-from torchtitan_grpo.inference.requests import _GREEDY_EPS, _Sequence
+from torchtitan_grpo.server.engine.batch import upload
+from torchtitan_grpo.server.engine.requests import _GREEDY_EPS, _Sequence
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """A KV batch with a preallocated cache and CUDA-graph decode steps.
 
-The dynamic batch (``batch.py``) runs the HF model's own forward on a
+The dynamic batch (``server/engine/batch.py``) runs the HF model's own forward on a
 ``DynamicCache``: every decode step is ~30 Python-level module calls per layer
 and a few hundred kernel launches, so on a GPU a small model's step costs
 tens of milliseconds of launch overhead for well under a millisecond of HBM
@@ -24,7 +24,7 @@ traffic. This batch removes that overhead without hand-written kernels:
   update that swaps storage must call :meth:`StaticBatch.weights_changed`.
 
 Supported: the plain pre-norm decoder family (Llama, Qwen2, Qwen3, Mistral
-without sliding windows; Qwen3-MoE, whose MoE MLPs run ``static_moe.py``'s
+without sliding windows; Qwen3-MoE, whose MoE MLPs run ``server/engine/static_moe.py``'s
 graph-safe grouped experts and report their routes): ``supports(model)`` says so, else the engine keeps
 the dynamic batch. On CPU the same code runs without graphs (tests compare
 its logits with the HF forward).
@@ -39,9 +39,9 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from torchtitan_grpo.inference import moe_routes
-from torchtitan_grpo.inference.static_moe import is_moe, moe_forward
-from torchtitan_grpo.inference.to_device import upload
+from torchtitan_grpo.server.engine import moe_routes
+from torchtitan_grpo.server.engine.static_moe import is_moe, moe_forward
+from torchtitan_grpo.server.engine.to_device import upload
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def _fuse(linears: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 class StaticBatch:
-    """The :class:`~torchtitan_grpo.inference.batch.KVBatch` of a preallocated
+    """The :class:`~torchtitan_grpo.server.engine.batch.KVBatch` of a preallocated
     slot cache; decode steps are CUDA graphs on a GPU (``graphs``)."""
 
     can_merge = True
@@ -184,7 +184,7 @@ class StaticBatch:
         self._param_ptrs = self._ptrs()
 
     def _new_cache(self, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per-layer K and V caches (``paged_batch.py`` allocates blocks instead)."""
+        """Per-layer K and V caches (``server/engine/paged_batch.py`` allocates blocks instead)."""
         shape = (self.slots, self.max_len, self.n_kv, self.head_dim)
         new = lambda: [torch.zeros(shape, dtype=dtype, device=self.device) for _ in self._layers]  # noqa: E731
         return new(), new()
@@ -403,7 +403,7 @@ class StaticBatch:
                 where: Any, mask: torch.Tensor) -> torch.Tensor:
         """A decode step's attention in layer ``li``: store the new ``k``, ``v``
         (:meth:`_decode_kv`) and attend ``q`` ``[b, heads, head_dim]`` over ``width``
-        positions (``mask``: each row's). ``paged_batch.py`` overrides it with its kernel."""
+        positions (``mask``: each row's). ``server/engine/paged_batch.py`` overrides it with its kernel."""
         keys, values = self._decode_kv(li, k, v, b, width, where)
         # GQA without copying K/V per query head: the heads of one KV head
         # are its query rows (HF's repeat_kv order: head h reads kv h // group).

@@ -1,4 +1,4 @@
-"""A CUDA-graph-safe MoE MLP for the static KV batch (``static_batch.py``).
+"""A CUDA-graph-safe MoE MLP for the static KV batch (``server/engine/static_batch.py``).
 
 transformers' sparse MoE block (``Qwen3MoeSparseMoeBlock``) loops over the
 experts that were hit, with index tensors whose sizes depend on the routing:

@@ -1,5 +1,5 @@
 """Small host lists as device tensors, without a stream sync: the one helper
-the KV batches (``batch.py``, ``static_batch.py``), the engine and the
+the KV batches (``server/engine/batch.py``, ``server/engine/static_batch.py``), the engine and the
 sampler share. It lives here, below all of them, so that none of those
 modules has to import another for it."""
 

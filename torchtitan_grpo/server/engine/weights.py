@@ -5,7 +5,7 @@ How a served model takes new weights, whatever protocol carried the update:
 weight group, :class:`PendingVersion` gathers one session's updates so they
 load as one version, and :func:`install_weights` puts tensors into the
 model's parameters. The engine is reached only through :class:`WeightTarget`
-(what ``Engine`` offers), so this module never imports ``engine.py``: the
+(what ``Engine`` offers), so this module never imports ``server/engine/engine.py``: the
 engine imports it.
 """
 
@@ -18,7 +18,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from torchtitan_grpo.inference.requests import WeightUpdateError
+from torchtitan_grpo.server.engine.requests import WeightUpdateError
 from torchtitan_grpo.weight_sync.buckets import TensorSpec, misaligned_message, unpack
 
 SpecCheck = Callable[[Sequence[TensorSpec]], None]

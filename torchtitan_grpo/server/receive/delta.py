@@ -34,8 +34,8 @@ import time
 import torch
 from aiohttp import web
 
-from torchtitan_grpo.inference.expert_views import expert_views
-from torchtitan_grpo.inference.requests import WeightUpdateError
+from torchtitan_grpo.server.engine.expert_views import expert_views
+from torchtitan_grpo.server.engine.requests import WeightUpdateError
 from torchtitan_grpo.protocol.builtin import DELTA_ROUTE  # the wire format both ends share
 from torchtitan_grpo.weight_sync import delta
 

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 import torch
 from aiohttp import web
 
-from torchtitan_grpo.inference.httputil import BodyLimits, BadRequest, get_field, json_body, shielded
-from torchtitan_grpo.inference.vllm_http import VLLMError
+from torchtitan_grpo.server.httputil import BodyLimits, BadRequest, get_field, json_body, shielded
+from torchtitan_grpo.server.vllm_http import VLLMError
 from torchtitan_grpo.protocol import sglang as sglang_proto
 from torchtitan_grpo.protocol import vllm as vllm_proto
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from torchtitan_grpo.inference import vllm as proto
-from torchtitan_grpo.inference.weights import PostedReceive, SpecCheck, run_check
+from torchtitan_grpo.fleet import vllm as proto
+from torchtitan_grpo.server.engine.weights import PostedReceive, SpecCheck, run_check
 from torchtitan_grpo.weight_sync.buckets import TensorSpec, offsets, plan_packed_chunks, slots
 from torchtitan_grpo.weight_sync.group import Posted
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from torchtitan_grpo.inference.vllm_http import bad as _bad, field as _field
+from torchtitan_grpo.server.vllm_http import bad as _bad, field as _field
 from torchtitan_grpo.protocol import vllm as proto
 from torchtitan_grpo.weight_sync import vllm_ipc
 from torchtitan_grpo.weight_sync.buckets import SpecError, TensorSpec, specs_from_lists

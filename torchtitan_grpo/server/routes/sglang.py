@@ -1,5 +1,5 @@
 """SGLang 0.5.23's generation routes on the built-in server: ``/generate``
-(mounted by ``server.py``, which sends it the bodies that are SGLang's),
+(mounted by ``server/app.py``, which sends it the bodies that are SGLang's),
 ``/model_info``, ``/health``, ``/health_generate``, ``/abort_request``,
 ``/get_load`` and ``/flush_cache``, field by field as docs PROTOCOLS.md says
 (request names, defaults, reply shapes, status codes). Generation is the
@@ -29,21 +29,14 @@ from typing import Any
 
 from aiohttp import web
 
-from torchtitan_grpo.inference import moe_routes, prompt_logprobs, route_codec
-from torchtitan_grpo.inference.engine import Engine
-from torchtitan_grpo.inference.httputil import (
-    BadRequest,
-    BodyLimits,
-    get_field as _get,
-    is_int as _is_int,
-    json_body,
-    off_loop_if_large,
-    result,
-    shielded,
-)
-from torchtitan_grpo.inference.requests import RequestError, SampleResult, SamplingParams, parse_stop
-from torchtitan_grpo.inference.server_config import ServerConfig
-from torchtitan_grpo.inference.types import BUILTIN_ENGINE
+from torchtitan_grpo.server.engine import moe_routes
+from torchtitan_grpo.server.routes import prompt_logprobs
+from torchtitan_grpo.protocol import route_codec
+from torchtitan_grpo.server.engine.engine import Engine
+from torchtitan_grpo.server.httputil import BadRequest, BodyLimits, get_field as _get, is_int as _is_int, json_body, off_loop_if_large, result, shielded
+from torchtitan_grpo.server.engine.requests import RequestError, SampleResult, SamplingParams, parse_stop
+from torchtitan_grpo.server.settings import ServerConfig
+from torchtitan_grpo.fleet.types import BUILTIN_ENGINE
 
 # Every key SGLang 0.5.23's SamplingParams accepts; anything else is a 400.
 SGLANG_SAMPLING_KEYS = frozenset(
@@ -185,7 +178,7 @@ class SGLangGenerateRoutes:
         """/generate, its body read (``raw``, at most ``limits.generate``) and parsed (``body``)."""
         call = await off_loop_if_large(len(raw), self._parse_generate, body)  # it tokenises text prompts
         if call.stream:
-            from torchtitan_grpo.inference.sglang_stream import stream_generate
+            from torchtitan_grpo.server.routes.sglang_stream import stream_generate
 
             return await stream_generate(self, request, call)
         futures = [

@@ -21,8 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
-from torchtitan_grpo.inference.streaming import (LiveRequests, LiveSample, end_with_error, open_sse, send_done,
-                                                  send_event, text_delta)
+from torchtitan_grpo.server.streaming import LiveRequests, LiveSample, end_with_error, open_sse, send_done, send_event, text_delta
 
 
 async def stream_generate(routes: Any, request: web.Request, call: Any) -> web.StreamResponse:

@@ -23,35 +23,17 @@ from typing import Any, Callable
 import torch
 from aiohttp import web
 
-from torchtitan_grpo.inference.engine import Engine
-from torchtitan_grpo.inference.httputil import (
-    BadRequest,
-    BodyLimits,
-    ack_posted,
-    debug_update_delay,
-    get_field as _get,
-    json_body,
-    parse_json_async,
-    read_body,
-    result,
-    shielded,
-)
-from torchtitan_grpo.inference.requests import PAUSE_MODES, RequestError, WeightUpdateError
-from torchtitan_grpo.inference.server_config import ServerConfig
-from torchtitan_grpo.inference.weights import (
-    FlatLayout,
-    PendingVersion,
-    PostedReceive,
-    post_receive,
-    read_safetensors_dir,
-    receive_check,
-)
+from torchtitan_grpo.server.engine.engine import Engine
+from torchtitan_grpo.server.httputil import BadRequest, BodyLimits, ack_posted, debug_update_delay, get_field as _get, json_body, parse_json_async, read_body, result, shielded
+from torchtitan_grpo.server.engine.requests import PAUSE_MODES, RequestError, WeightUpdateError
+from torchtitan_grpo.server.settings import ServerConfig
+from torchtitan_grpo.server.engine.weights import FlatLayout, PendingVersion, PostedReceive, post_receive, read_safetensors_dir, receive_check
 from torchtitan_grpo.reasons import reason, typed_reason
 from torchtitan_grpo.weight_sync import ipc
 from torchtitan_grpo.weight_sync.buckets import TensorSpec, specs_from_lists
 from torchtitan_grpo.weight_sync.ipc import IpcFormatError
 
-logger = logging.getLogger("torchtitan_grpo.inference.server")
+logger = logging.getLogger("torchtitan_grpo.server")
 
 
 class _Refused(Exception):

@@ -44,39 +44,18 @@ from typing import Any
 
 from aiohttp import web
 
-from torchtitan_grpo.inference import prompt_logprobs as plp
-from torchtitan_grpo.inference import route_codec
-from torchtitan_grpo.inference import vllm as proto
-from torchtitan_grpo.inference.chat_template import ChatRenderer, ChatTemplateError
-from torchtitan_grpo.inference.engine import Engine
-from torchtitan_grpo.inference.httputil import BodyLimits, off_loop_if_large, read_json
-from torchtitan_grpo.inference.requests import RequestError, SampleResult, SamplingParams
-from torchtitan_grpo.inference.vllm_http import (
-    MAX_LOGPROBS,
-    PauseGate,
-    bad,
-    check_model,
-    field,
-    served_names,
-    vllm_api,
-)
-from torchtitan_grpo.inference.vllm_openai import (
-    check_output_room,
-    choice_routes,
-    gather_samples,
-    prompt_routes,
-    refuse_unsupported,
-    routes_wanted,
-    sampling_params,
-    stop_reason,
-    token_names,
-    stream_fields,
-    top_entries,
-    version_spans,
-    vllm_names,
-)
+from torchtitan_grpo.server.routes import prompt_logprobs as plp
+from torchtitan_grpo.protocol import route_codec
+from torchtitan_grpo.fleet import vllm as proto
+from torchtitan_grpo.models.chat_template import ChatRenderer, ChatTemplateError
+from torchtitan_grpo.server.engine.engine import Engine
+from torchtitan_grpo.server.httputil import BodyLimits, off_loop_if_large, read_json
+from torchtitan_grpo.server.engine.requests import RequestError, SampleResult, SamplingParams
+from torchtitan_grpo.server.vllm_http import MAX_LOGPROBS, PauseGate, bad, check_model, field, served_names, vllm_api
+from torchtitan_grpo.server.routes.vllm_openai import check_output_room, choice_routes, gather_samples, prompt_routes, refuse_unsupported, routes_wanted, sampling_params, token_names, stream_fields, top_entries, vllm_names
+from torchtitan_grpo.server.vllm_http import stop_reason, version_spans
 
-logger = logging.getLogger("torchtitan_grpo.inference.server")
+logger = logging.getLogger("torchtitan_grpo.server")
 
 # vLLM's ChatCompletionRequest fields this server does not implement: a value
 # other than the default is a 400 naming the field.
@@ -140,7 +119,7 @@ class ChatRoutes:
         call = await off_loop_if_large(len(raw), self._parse, body)  # it renders and tokenises
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if call.stream:
-            from torchtitan_grpo.inference.vllm_stream import stream_chat
+            from torchtitan_grpo.server.routes.vllm_stream import stream_chat
 
             return await stream_chat(self, request, body, call, rid)
         (samples,) = await gather_samples(self.engine, self.gate, [call.prompt], call.params, [rid],

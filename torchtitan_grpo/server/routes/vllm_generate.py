@@ -4,7 +4,7 @@
 ``vllm_api_server.py`` of Atropos's example trainer (vLLM's old demo API
 server with logprobs and token ids).
 
-The path is SGLang's ``/generate`` too: ``server.py`` sends a body here when
+The path is SGLang's ``/generate`` too: ``server/app.py`` sends a body here when
 it has ``prompt`` and neither of SGLang's ``text`` / ``input_ids``.
 
 Request: ``{"prompt": str | {"prompt_token_ids": [int]} | {"prompt": str},
@@ -31,18 +31,11 @@ from typing import Any
 
 from aiohttp import web
 
-from torchtitan_grpo.inference.engine import Engine
-from torchtitan_grpo.inference.httputil import BodyLimits, is_int, off_loop_if_large
-from torchtitan_grpo.inference.requests import RequestError, SamplingParams
-from torchtitan_grpo.inference.vllm_http import MAX_LOGPROBS, PauseGate, VLLMError, bad, field
-from torchtitan_grpo.inference.vllm_openai import (
-    gather_samples,
-    refuse_unsupported,
-    refused_field,
-    sampling_params,
-    top_entries,
-    vllm_names,
-)
+from torchtitan_grpo.server.engine.engine import Engine
+from torchtitan_grpo.server.httputil import BodyLimits, is_int, off_loop_if_large
+from torchtitan_grpo.server.engine.requests import RequestError, SamplingParams
+from torchtitan_grpo.server.vllm_http import MAX_LOGPROBS, PauseGate, VLLMError, bad, field
+from torchtitan_grpo.server.routes.vllm_openai import gather_samples, refuse_unsupported, refused_field, sampling_params, top_entries, vllm_names
 
 # vLLM SamplingParams fields this server implements (read by sampling_params
 # or below); "prompt" and "stream" are the route's own.
@@ -78,7 +71,7 @@ class _GenerateCall:
 
 
 class VLLMGenerateRoute:
-    """vLLM's native ``/generate`` over an :class:`Engine` (mounted by ``server.py``)."""
+    """vLLM's native ``/generate`` over an :class:`Engine` (mounted by ``server/app.py``)."""
 
     def __init__(self, engine: Engine, gate: PauseGate, limits: BodyLimits | None = None):
         self.engine = engine

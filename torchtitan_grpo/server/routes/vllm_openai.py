@@ -22,21 +22,15 @@ from typing import Any, Iterable
 
 from aiohttp import web
 
-from torchtitan_grpo.inference import moe_routes, route_codec
-from torchtitan_grpo.inference import prompt_logprobs as plp
-from torchtitan_grpo.inference import vllm as proto
-from torchtitan_grpo.inference.engine import Engine
-from torchtitan_grpo.inference.httputil import BodyLimits, is_int as _is_int, off_loop_if_large, read_json
-from torchtitan_grpo.inference.requests import RequestError, SampleResult, SamplingParams, parse_stop
-from torchtitan_grpo.inference.vllm_http import (
-    MAX_LOGPROBS,
-    PauseGate,
-    bad as _bad,
-    check_model,
-    field as _field,
-    served_names,
-    vllm_api,
-)
+from torchtitan_grpo.server.engine import moe_routes
+from torchtitan_grpo.protocol import route_codec
+from torchtitan_grpo.server.routes import prompt_logprobs as plp
+from torchtitan_grpo.fleet import vllm as proto
+from torchtitan_grpo.server.engine.engine import Engine
+from torchtitan_grpo.server.httputil import BodyLimits, is_int as _is_int, off_loop_if_large, read_json
+from torchtitan_grpo.server.engine.requests import RequestError, SampleResult, SamplingParams, parse_stop
+from torchtitan_grpo.server.vllm_http import (MAX_LOGPROBS, PauseGate, bad as _bad, check_model, field as _field, served_names,
+                                                stop_reason, version_spans, vllm_api)
 
 # Valid in vLLM but not implemented here: a value other than the default is a 400.
 _UNSUPPORTED = {
@@ -174,15 +168,6 @@ def refuse_unsupported(body: dict, unsupported: dict[str, Any]) -> None:
             raise _bad(f"'{key}' is not supported by the built-in server", key)
 
 
-def stop_reason(r: SampleResult, params: SamplingParams) -> int | str | None:
-    """vLLM's ``stop_reason``: the stop string or stop token id that ended the
-    sample; None for EOS, length or abort."""
-    f = r.finish_reason
-    if f.kind == "stop" and (isinstance(f.matched, str) or f.matched in params.stop_token_ids):
-        return f.matched
-    return None
-
-
 def token_str(engine: Engine, token_id: int, as_id: bool) -> str:
     """A token as vLLM's logprobs name it: its text, or ``"token_id:<id>"``
     with ``return_tokens_as_token_ids`` (or when it has no text)."""
@@ -224,15 +209,6 @@ async def gather_samples(engine: Engine, gate: PauseGate, prompts: list[list[int
             if f.cancelled() or not f.done():
                 engine.abort(rid, "client disconnected", wait=False)
         raise
-
-
-def version_spans(r: SampleResult) -> list[dict]:
-    """vLLM reports spans covering every output token, even when the version
-    never changed (the engine records spans only on a change)."""
-    if r.weight_versions:
-        return [{"version": s.version, "start": s.start, "end": s.end} for s in r.weight_versions]
-    n = len(r.output_ids)
-    return [{"version": r.weight_version, "start": 0, "end": n}] if n else []
 
 
 def routes_wanted(engine: Engine, body: dict, num_prompts: int) -> bool:
@@ -282,7 +258,7 @@ class OpenAIRoutes:
         call = await off_loop_if_large(len(raw), self._parse_completions, body)  # it tokenises text prompts
         rids = [f"cmpl-{uuid.uuid4().hex}" for _ in call.prompts]
         if call.stream:
-            from torchtitan_grpo.inference.vllm_stream import stream_completions
+            from torchtitan_grpo.server.routes.vllm_stream import stream_completions
 
             return await stream_completions(self, request, body, call, rids)
         results = await gather_samples(self.engine, self.gate, call.prompts, call.params, rids,

@@ -29,9 +29,8 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from torchtitan_grpo.inference.streaming import (LiveRequests, LiveSample, end_with_error, open_sse, send_done,
-                                                  send_event, text_delta)
-from torchtitan_grpo.inference.vllm_openai import stop_reason, version_spans
+from torchtitan_grpo.server.streaming import LiveRequests, LiveSample, end_with_error, open_sse, send_done, send_event, text_delta
+from torchtitan_grpo.server.vllm_http import stop_reason, version_spans
 
 
 Chunk = Callable[[int, int, LiveSample], dict]

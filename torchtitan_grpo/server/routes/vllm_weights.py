@@ -32,26 +32,18 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from torchtitan_grpo.inference import vllm as proto
-from torchtitan_grpo.inference.engine import Engine
-from torchtitan_grpo.inference.httputil import (
-    BodyLimits,
-    ack_posted,
-    debug_update_delay,
-    parse_json_async,
-    read_body,
-    read_json,
-    shielded,
-)
-from torchtitan_grpo.inference.packed_receive import receive_packed_update
-from torchtitan_grpo.inference.vllm_ipc_receive import is_ipc_update, parse_ipc_update_info, receive as receive_ipc
-from torchtitan_grpo.inference.requests import WeightUpdateError
-from torchtitan_grpo.inference.vllm_http import PauseGate, VLLMError, bad as _bad, field as _field, vllm_api
-from torchtitan_grpo.inference.weights import PendingVersion, PostedReceive, receive_check, receive_weights
+from torchtitan_grpo.fleet import vllm as proto
+from torchtitan_grpo.server.engine.engine import Engine
+from torchtitan_grpo.server.httputil import BodyLimits, ack_posted, debug_update_delay, parse_json_async, read_body, read_json, shielded
+from torchtitan_grpo.server.receive.packed import receive_packed_update
+from torchtitan_grpo.server.receive.vllm_ipc import is_ipc_update, parse_ipc_update_info, receive as receive_ipc
+from torchtitan_grpo.server.engine.requests import WeightUpdateError
+from torchtitan_grpo.server.vllm_http import PauseGate, VLLMError, bad as _bad, field as _field, vllm_api
+from torchtitan_grpo.server.engine.weights import PendingVersion, PostedReceive, receive_check, receive_weights
 from torchtitan_grpo.reasons import reason, typed_reason
 from torchtitan_grpo.weight_sync.buckets import SpecError, TensorSpec, plan_packed_chunks, specs_from_lists
 
-logger = logging.getLogger("torchtitan_grpo.inference.server")
+logger = logging.getLogger("torchtitan_grpo.server")
 
 GROUP_NAME = "vllm_weight_transfer"
 """Group name of the built-in server's transfer group (trainer must match)."""

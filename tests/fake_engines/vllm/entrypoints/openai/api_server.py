@@ -30,7 +30,7 @@ if transfer == "ipc" and os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") != 
     sys.exit("fake vLLM: the IPC engine refuses handles without VLLM_ALLOW_INSECURE_SERIALIZATION=1")
 with open(os.path.join(os.environ["FAKE_VLLM_RECORD"], f"argv.{os.getpid()}.json"), "w") as f:
     json.dump({"argv": sys.argv[1:], "child": None}, f)
-child = subprocess.Popen([sys.executable, "-m", "torchtitan_grpo.inference.server", "--model", a.model,
+child = subprocess.Popen([sys.executable, "-m", "torchtitan_grpo.server", "--model", a.model,
                           "--port", a.port, "--host", a.host, "--device", "cpu", "--dtype", "float32",
                           "--seed", a.seed])
 with open(os.path.join(os.environ["FAKE_VLLM_RECORD"], f"argv.{os.getpid()}.json"), "w") as f:
