@@ -165,9 +165,11 @@ def test_no_two_modules_import_each_other_directly_or_around_a_loop():
     assert not circles, "\n".join(" <-> ".join(c) for c in circles)
 
 
-def test_no_module_at_the_root_beyond_the_session_and_a_few_helpers():
+def test_no_module_at_the_root_beyond_the_session_and_a_few_helpers_and_none_over_600_lines():
     at_root = sorted(p.name for p in ROOT.glob("*.py"))
     assert len(at_root) <= 12, at_root
+    long = {str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py") if (n := len(p.read_text().splitlines())) > 600}
+    assert not long, long
 
 
 def _write(root: Path, files: dict[str, str]) -> Path:
