@@ -41,7 +41,7 @@ def _imported_modules(path: Path) -> set[str]:
 
 
 def test_atropos_modules_do_not_import_the_trainer():
-    """The rollout side sits below the trainer: Sample comes from train/sample.py."""
+    """The rollout side does not import the trainer: Sample comes from train/sample.py."""
     for name in ("atropos.py", "atropos_groups.py", "atropos_batch.py", "atropos_hints.py"):
         imported = _imported_modules(PKG / "rollout" / name)
         assert "torchtitan_grpo.train.trainer" not in imported and not any(
@@ -51,8 +51,8 @@ def test_atropos_modules_do_not_import_the_trainer():
 
 
 def test_the_kv_batches_do_not_import_each_other():
-    batch = _imported_modules(PKG / "inference" / "server/engine/batch.py")
-    static = _imported_modules(PKG / "inference" / "server/engine/static_batch.py")
+    batch = _imported_modules(PKG / "server/engine/batch.py")
+    static = _imported_modules(PKG / "server/engine/static_batch.py")
     batch_uses_static = any(m.startswith("torchtitan_grpo.server.engine.static_batch") for m in batch)
     static_uses_batch = any(m == "torchtitan_grpo.server.engine.batch" or m.startswith("torchtitan_grpo.server.engine.batch.")
                             for m in static)

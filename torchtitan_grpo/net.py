@@ -2,7 +2,7 @@
 
 Neither side owns them: the launcher picks ports for the servers it starts,
 the weight push picks one for a rendezvous of its own, so they live below
-both (``inference`` and ``weight_sync`` import this module, never each other
+both (``fleet`` and ``weight_sync`` import this module, never each other
 for it).
 """
 

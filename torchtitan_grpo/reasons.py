@@ -3,7 +3,7 @@
 Some exceptions carry no message: asyncio's and aiohttp's timeouts, a bare
 ``ConnectionResetError()``, a cancelled future. ``f"... failed: {e}"`` then
 logs "failed: " and nothing after it; these name the exception's type
-instead. Shared by ``inference`` and ``weight_sync`` (neither owns it).
+instead. Shared by ``fleet``, ``server`` and ``weight_sync`` (none owns it).
 """
 
 from __future__ import annotations

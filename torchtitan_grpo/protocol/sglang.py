@@ -1,6 +1,6 @@
 """SGLang 0.5.x weight-update control plane (see PROTOCOLS.md): request bodies
 the weight push sends and the built-in server reads. Generation requests and
-their parsing are the client pool's (``inference.sglang``)."""
+their parsing are the client pool's (``fleet.sglang``)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """vLLM's weight-transfer control plane (see PROTOCOLS.md): route paths,
 request bodies and strict parsing of the replies, for the weight push (the
 client) and the built-in server's vLLM routes alike. Completions and their
-parsing are the client pool's (``inference.vllm``, which re-exports these).
+parsing are the client pool's (``fleet.vllm``, which re-exports these).
 
 Two releases are spoken (:class:`Dialect`): 0.33, the default and what the
 built-in server answers, and 0.26, the newest that runs on torch 2.11. A
