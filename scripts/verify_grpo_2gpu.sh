@@ -86,9 +86,9 @@ import torch
 from transformers import AutoTokenizer
 
 import grpo_train
-from torchtitan_grpo import loss as grpo_losses
+from torchtitan_grpo.train import loss as grpo_losses
 from torchtitan_grpo import session
-from torchtitan_grpo.config.job_config import parse_config
+from torchtitan_grpo.config.parse import parse_config
 from torchtitan_grpo.train.trainer import hf_weights
 
 TOL = float(os.environ["VERIFY_TOL"])
