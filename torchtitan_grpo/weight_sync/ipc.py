@@ -75,22 +75,30 @@ def serialize(named: list[tuple[str, torch.Tensor]]) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
+def restricted_b64_loads(text: object, into: str = "") -> object:
+    """Base64 text of a pickle back to its object, unpickled with
+    :func:`restricted_loads` (nothing but torch's tensor reductions runs);
+    :class:`IpcFormatError` says what is wrong with it (``into``: what it
+    should have held, for that message)."""
+    if not isinstance(text, str):
+        raise IpcFormatError(f"must be a base64 string, got {type(text).__name__}")
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise IpcFormatError(f"is not valid base64: {e}") from None
+    try:
+        return restricted_loads(raw)
+    except IpcFormatError:
+        raise
+    except Exception as e:  # a truncated pickle, a handle or shared-memory file that no longer maps, ...
+        raise IpcFormatError(f"cannot be unpickled{into}: {type(e).__name__}: {e}") from None
+
+
 def deserialize(entry: object) -> list[tuple[str, torch.Tensor]]:
     """One ``serialized_named_tensors`` entry back to ``(name, tensor)`` pairs
     that map the sender's memory; raises :class:`IpcFormatError` saying what
     is wrong with it."""
-    if not isinstance(entry, str):
-        raise IpcFormatError(f"must be a base64 string, got {type(entry).__name__}")
-    try:
-        raw = base64.b64decode(entry, validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise IpcFormatError(f"is not valid base64: {e}") from None
-    try:
-        named = restricted_loads(raw)
-    except IpcFormatError:
-        raise
-    except Exception as e:  # a truncated pickle, a handle that no longer maps, ...
-        raise IpcFormatError(f"cannot be unpickled into tensors: {type(e).__name__}: {e}") from None
+    named = restricted_b64_loads(entry, " into tensors")
     if not isinstance(named, list) or not all(
             isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], torch.Tensor)
             for p in named):

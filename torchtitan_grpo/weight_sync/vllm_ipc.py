@@ -23,7 +23,6 @@ a body is executed.
 from __future__ import annotations
 
 import base64
-import binascii
 import io
 import pickle
 from collections.abc import Sequence
@@ -33,7 +32,7 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, rebuild_tensor, reduce_tensor
 
 from torchtitan_grpo.weight_sync import buckets as bk
-from torchtitan_grpo.weight_sync.ipc import IpcFormatError, restricted_loads
+from torchtitan_grpo.weight_sync.ipc import IpcFormatError, restricted_b64_loads
 
 CPU_KEY = "cpu"
 """The key of a shared-memory (CPU) handle; a GPU's is its uuid."""
@@ -76,18 +75,7 @@ def encode_handles(handles: dict[str, tuple]) -> str:
 def decode_handles(text: object) -> dict[str, tuple]:
     """``ipc_handles_pickled`` back to ``{key: args}`` without running anything
     but torch's tensor-reduction functions; :class:`IpcFormatError` says what is wrong."""
-    if not isinstance(text, str):
-        raise IpcFormatError(f"must be a base64 string, got {type(text).__name__}")
-    try:
-        raw = base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise IpcFormatError(f"is not valid base64: {e}") from None
-    try:
-        handles = restricted_loads(raw)
-    except IpcFormatError:
-        raise
-    except Exception as e:  # truncated, or a shared-memory file that is gone
-        raise IpcFormatError(f"cannot be unpickled: {type(e).__name__}: {e}") from None
+    handles = restricted_b64_loads(text)
     if not (isinstance(handles, dict) and handles
             and all(isinstance(k, str) and isinstance(a, tuple) for k, a in handles.items())):
         raise IpcFormatError("must hold a non-empty {key: reduction arguments} mapping")
