@@ -21,6 +21,8 @@ import json
 import sys
 from dataclasses import dataclass, field
 
+from torchtitan_grpo.protocol.builtin import API_KEY_ENV
+
 ENGINES = ("builtin", "vllm", "sglang")
 
 VLLM_TRANSFER = {"nccl": "nccl", "ipc": "ipc"}
@@ -56,13 +58,26 @@ def gpu_env(device: str) -> dict[str, str]:
                      "(inference.server_device / inference.server_devices)")
 
 
+def launch_flags(e: EngineLaunch, memory_flag: str, context_flag: str) -> list[str]:
+    """The served name, memory share and context that are set, under the engine's own flag names
+    (vLLM and SGLang both take --served-model-name)."""
+    flags = ["--served-model-name", e.served_model_name] if e.served_model_name else []
+    if e.gpu_memory_utilization > 0:
+        flags += [memory_flag, str(e.gpu_memory_utilization)]
+    if e.max_model_len > 0:
+        flags += [context_flag, str(e.max_model_len)]
+    return flags
+
+
 def builtin_command(spec, port: int) -> tuple[list[str], dict[str, str]]:
+    # The key in the environment: a command line is readable by every user of the host (ps).
+    env = {API_KEY_ENV: spec.api_key} if spec.api_key else {}
     return [
         sys.executable, "-m", "torchtitan_grpo.server",
         "--model", spec.model_dir, "--port", str(port), "--host", spec.host,
         "--device", spec.device, "--dtype", spec.dtype, "--seed", str(spec.seed),
         *spec.extra_args,
-    ], {}
+    ], env
 
 
 def vllm_command(spec, port: int) -> tuple[list[str], dict[str, str]]:
@@ -75,12 +90,7 @@ def vllm_command(spec, port: int) -> tuple[list[str], dict[str, str]]:
            # applied): what the loss's importance weights compare the trainer's
            # with. vLLM's default is the raw model's, before temperature.
            "--logprobs-mode", "processed_logprobs"]
-    if e.served_model_name:
-        cmd += ["--served-model-name", e.served_model_name]
-    if e.gpu_memory_utilization > 0:
-        cmd += ["--gpu-memory-utilization", str(e.gpu_memory_utilization)]
-    if e.max_model_len > 0:
-        cmd += ["--max-model-len", str(e.max_model_len)]
+    cmd += launch_flags(e, "--gpu-memory-utilization", "--max-model-len")
     # The RL routes (/pause, /init_weight_transfer_engine, /update_weights, ...) exist in dev mode only.
     env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1"}
     if spec.host in ("127.0.0.1", "localhost"):
@@ -104,12 +114,7 @@ def sglang_command(spec, port: int) -> tuple[list[str], dict[str, str]]:
     e: EngineLaunch = spec.launch
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", spec.model_dir, "--host", spec.host,
            "--port", str(port), "--dtype", spec.dtype, "--random-seed", str(spec.seed)]
-    if e.served_model_name:
-        cmd += ["--served-model-name", e.served_model_name]
-    if e.gpu_memory_utilization > 0:
-        cmd += ["--mem-fraction-static", str(e.gpu_memory_utilization)]
-    if e.max_model_len > 0:
-        cmd += ["--context-length", str(e.max_model_len)]
+    cmd += launch_flags(e, "--mem-fraction-static", "--context-length")
     if spec.api_key:
         # SGLang takes its key on the command line only (the launcher's log shows "***" in its place).
         cmd += ["--api-key", spec.api_key]

@@ -135,9 +135,7 @@ def _spawn(spec: ServerSpec, log_path: str, port: int | None = None) -> tuple[su
     cmd, engine_env = server_command(spec, port)
     env = dict(os.environ, OMP_NUM_THREADS=str(spec.threads), PYTHONUNBUFFERED="1")
     env.pop(API_KEY_ENV, None)  # a key of the user's shell must not lock a server the trainer calls without one
-    if spec.api_key and spec.engine == "builtin":
-        env[API_KEY_ENV] = spec.api_key  # not on the command line: ps shows that to everyone
-    env |= engine_env
+    env |= engine_env  # each engine's own way of taking its API key among them
     # torchrun's rendezvous variables must not leak into the server. Above all
     # TORCHELASTIC_USE_AGENT_STORE: with it, torch's tcp:// rendezvous makes
     # every rank a client of a store torchrun's agent would host, so a vLLM
