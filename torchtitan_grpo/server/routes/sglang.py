@@ -33,7 +33,7 @@ from torchtitan_grpo.server.engine import moe_routes
 from torchtitan_grpo.server.routes import prompt_logprobs
 from torchtitan_grpo.protocol import route_codec
 from torchtitan_grpo.server.engine.engine import Engine
-from torchtitan_grpo.server.httputil import BadRequest, BodyLimits, get_field as _get, is_int as _is_int, json_body, off_loop_if_large, result, shielded
+from torchtitan_grpo.server.httputil import BadRequest, BodyLimits, gc_paused, get_field as _get, is_int as _is_int, json_body, off_loop_if_large, result, shielded
 from torchtitan_grpo.server.engine.requests import RequestError, SampleResult, SamplingParams, parse_stop
 from torchtitan_grpo.server.settings import ServerConfig
 from torchtitan_grpo.fleet.types import BUILTIN_ENGINE
@@ -195,11 +195,12 @@ class SGLangGenerateRoutes:
                     self.engine.abort(rid, "client disconnected", wait=False)
             raise
         inputs = await self.input_logprobs(call)
-        out = [
-            self.sample_json(r, call.want_logprobs[i], call.text_in_logprobs, inputs[i], call.routes)
-            for i, samples in enumerate(results)
-            for r in samples
-        ]
+        with gc_paused():  # a container per logprob token
+            out = [
+                self.sample_json(r, call.want_logprobs[i], call.text_in_logprobs, inputs[i], call.routes)
+                for i, samples in enumerate(results)
+                for r in samples
+            ]
         return web.json_response(out[0] if call.single else out)
 
     async def input_logprobs(self, call: "_GenerateCall") -> list[dict]:

@@ -49,7 +49,7 @@ from torchtitan_grpo.protocol import route_codec
 from torchtitan_grpo.fleet import vllm as proto
 from torchtitan_grpo.models.chat_template import ChatRenderer, ChatTemplateError
 from torchtitan_grpo.server.engine.engine import Engine
-from torchtitan_grpo.server.httputil import BodyLimits, off_loop_if_large, read_json
+from torchtitan_grpo.server.httputil import BodyLimits, gc_paused, off_loop_if_large, read_json
 from torchtitan_grpo.server.engine.requests import RequestError, SampleResult, SamplingParams
 from torchtitan_grpo.server.vllm_http import MAX_LOGPROBS, PauseGate, bad, check_model, field, served_names, vllm_api
 from torchtitan_grpo.server.routes.vllm_openai import check_output_room, choice_routes, gather_samples, prompt_routes, refuse_unsupported, routes_wanted, sampling_params, token_names, stream_fields, top_entries, vllm_names
@@ -130,10 +130,12 @@ class ChatRoutes:
             prompt_lps = plp.vllm_prompt_logprobs(self.engine, pl)
         n_out = sum(len(r.output_ids) for r in samples)
         routes = {route_codec.VLLM_PROMPT_FIELD: prompt_routes(samples, len(call.prompt))} if call.routes else {}
+        with gc_paused():  # a dict and a list per logprob token
+            choices = [self._choice(i, r, call) for i, r in enumerate(samples)]
         return web.json_response({**routes,
             "id": rid, "object": "chat.completion", "created": int(time.time()),
             "model": body.get("model") or self.served_names[0],
-            "choices": [self._choice(i, r, call) for i, r in enumerate(samples)],
+            "choices": choices,
             "service_tier": None, "system_fingerprint": None,
             "usage": {"prompt_tokens": len(call.prompt), "total_tokens": len(call.prompt) + n_out,
                       "completion_tokens": n_out, "prompt_tokens_details": None},
@@ -272,27 +274,48 @@ class ChatRoutes:
     def _logprobs(self, r: SampleResult, call: _ChatCall) -> dict:
         """vLLM's ChatCompletionLogProbs: per output token its string, logprob
         and UTF-8 bytes (of its text), and the first ``top_logprobs`` entries
-        of its position's logprob dict (sampled token first)."""
+        of its position's logprob dict (sampled token first).
+
+        Each distinct id's name and bytes are worked out once per reply, and
+        with ``top_logprobs`` 0 (the default) no per-position logprob dict
+        is built: at 64 x 1,024 tokens those per-token steps cost more than the
+        JSON encoding of the whole reply."""
         k = call.top_logprobs
-        entries = [top_entries(r, step, k)[:k] for step in range(len(r.output_ids))]
-        seen = list(dict.fromkeys([*r.output_ids, *(t for e in entries for t, _ in e)]))
-        texts = dict(zip(seen, self.engine.token_texts(seen)))
-        names = token_names(self.engine, seen, call.tokens_as_ids)
-        utf8: dict[str, list[int]] = {}  # each distinct name's bytes, once
-
-        def encoded(s: str) -> list[int]:
-            if s not in utf8:
-                utf8[s] = list(s.encode("utf-8", errors="replace"))
-            return utf8[s]
-
+        tops = [top_entries(r, step, k)[:k] for step in range(len(r.output_ids))] if k else None
+        ids = list(dict.fromkeys(r.output_ids if tops is None else [*r.output_ids, *(t for e in tops for t, _ in e)]))
+        texts = self.engine.token_texts(ids)
+        names = token_names(self.engine, ids, call.tokens_as_ids, texts)
+        name_bytes = _utf8_of(names)
+        token_bytes = _text_bytes(ids, texts, names, name_bytes)
         content = []
-        for step, t in enumerate(r.output_ids):
-            text = texts[t]
-            tops = [{"token": names[tid], "logprob": lp, "bytes": encoded(names[tid])} for tid, lp in entries[step]]
+        for step, (t, lp) in enumerate(zip(r.output_ids, r.output_logprobs)):
             content.append({
                 "token": names[t],
-                "logprob": max(r.output_logprobs[step], -9999.0),
-                "bytes": None if text is None else encoded(text),
-                "top_logprobs": tops,
+                "logprob": max(lp, -9999.0),  # -inf is not JSON
+                "bytes": token_bytes[t],
+                "top_logprobs": [] if tops is None else [
+                    {"token": names[tid], "logprob": v, "bytes": name_bytes[tid]} for tid, v in tops[step]],
             })
         return {"content": content}
+
+
+def _utf8_of(names: dict[int, str]) -> dict[int, list[int]]:
+    """Each id's name as a list of UTF-8 byte values (one list per distinct
+    string: json writes a shared list as often as it is referenced)."""
+    by_text: dict[str, list[int]] = {}
+    out = {}
+    for t, name in names.items():
+        b = by_text.get(name)
+        if b is None:
+            b = by_text[name] = list(name.encode("utf-8", errors="replace"))
+        out[t] = b
+    return out
+
+
+def _text_bytes(ids: list[int], texts: list[str | None], names: dict[int, str],
+                name_bytes: dict[int, list[int]]) -> dict[int, list[int] | None]:
+    """Each id's ``bytes`` field: the UTF-8 of its text, None when it has none.
+    A token's name is its text unless it is named by id
+    (``return_tokens_as_token_ids``), so the name's bytes serve where they match."""
+    return {t: None if text is None else name_bytes[t] if names[t] == text
+            else list(text.encode("utf-8", errors="replace")) for t, text in zip(ids, texts)}

@@ -27,7 +27,7 @@ from torchtitan_grpo.protocol import route_codec
 from torchtitan_grpo.server.routes import prompt_logprobs as plp
 from torchtitan_grpo.fleet import vllm as proto
 from torchtitan_grpo.server.engine.engine import Engine
-from torchtitan_grpo.server.httputil import BodyLimits, is_int as _is_int, off_loop_if_large, read_json
+from torchtitan_grpo.server.httputil import BodyLimits, gc_paused, is_int as _is_int, off_loop_if_large, read_json
 from torchtitan_grpo.server.engine.requests import RequestError, SampleResult, SamplingParams, parse_stop
 from torchtitan_grpo.server.vllm_http import (MAX_LOGPROBS, PauseGate, bad as _bad, check_model, field as _field, served_names,
                                                 stop_reason, version_spans, vllm_api)
@@ -174,12 +174,17 @@ def token_str(engine: Engine, token_id: int, as_id: bool) -> str:
     return token_names(engine, [token_id], as_id)[token_id]
 
 
-def token_names(engine: Engine, token_ids: Iterable[int], as_id: bool) -> dict[int, str]:
+def token_names(engine: Engine, token_ids: Iterable[int], as_id: bool,
+                texts: list[str | None] | None = None) -> dict[int, str]:
     """:func:`token_str` of every distinct id in ``token_ids``, texts fetched
     in one :meth:`Engine.token_texts` call (a reply's tokens repeat: each is
-    named once)."""
+    named once). ``texts``: those ids' texts when the caller has them already
+    (``token_ids`` then distinct, in that order)."""
     ids = list(dict.fromkeys(token_ids))
-    texts = [None] * len(ids) if as_id else engine.token_texts(ids)
+    if as_id:
+        texts = [None] * len(ids)
+    elif texts is None:
+        texts = engine.token_texts(ids)
     return {t: f"{proto.TOKEN_ID_PREFIX}{t}" if text is None else text for t, text in zip(ids, texts)}
 
 
@@ -191,6 +196,15 @@ def top_entries(r: SampleResult, step: int, k: int) -> list[tuple[int, float]]:
     for top_lp, top_id in (r.top_logprobs[step] if r.top_logprobs else [])[:k]:
         out.setdefault(top_id, max(top_lp, -9999.0))
     return list(out.items())
+
+
+def _merged(entries: list[tuple[int, float]], names: dict[int, str]) -> dict[str, float]:
+    """One position's completions logprob dict: name -> logprob, the first
+    entry kept where two ids share a name."""
+    d: dict[str, float] = {}
+    for t, lp in entries:
+        d.setdefault(names[t], lp)
+    return d
 
 
 async def gather_samples(engine: Engine, gate: PauseGate, prompts: list[list[int]], params: SamplingParams,
@@ -267,11 +281,12 @@ class OpenAIRoutes:
         if call.prompt_logprobs is not None:
             prompt_lps = await plp.compute_all(self.engine, call.prompts, [call.prompt_logprobs] * len(call.prompts))
         choices: list[dict] = []
-        for i, samples in enumerate(results):  # prompt-major: index = prompt * n + sample
-            for r in samples:
-                choices.append(self._choice(len(choices), r, call))
-                if prompt_lps is not None:
-                    choices[-1]["prompt_logprobs"] = plp.vllm_prompt_logprobs(self.engine, prompt_lps[i])
+        with gc_paused():  # a container per logprob token
+            for i, samples in enumerate(results):  # prompt-major: index = prompt * n + sample
+                for r in samples:
+                    choices.append(self._choice(len(choices), r, call))
+                    if prompt_lps is not None:
+                        choices[-1]["prompt_logprobs"] = plp.vllm_prompt_logprobs(self.engine, prompt_lps[i])
         n_prompt = sum(len(p) for p in call.prompts)
         n_out = sum(len(r.output_ids) for samples in results for r in samples)
         reply = {
@@ -351,16 +366,16 @@ class OpenAIRoutes:
         """OpenAI completions logprobs: per token its string, its logprob and a
         dict of the sampled token plus the top k (at most k+1 entries); text
         offsets count from ``offset`` (a stream's text sent before)."""
-        entries = [top_entries(r, step, k) for step in range(len(r.output_ids))]
-        names = token_names(self.engine, (t for e in entries for t, _ in e), as_ids)  # the sampled ids are in there
-        tokens = [names[t] for t in r.output_ids]
         values = [max(lp, -9999.0) for lp in r.output_logprobs]  # -inf is not JSON
-        tops = []
-        for e in entries:
-            d: dict[str, float] = {}
-            for t, lp in e:
-                d.setdefault(names[t], lp)
-            tops.append(d)
+        if k == 0:  # each position's dict is the sampled token alone: no merging needed
+            names = token_names(self.engine, r.output_ids, as_ids)
+            tokens = [names[t] for t in r.output_ids]
+            tops = [{tok: v} for tok, v in zip(tokens, values)]
+        else:
+            entries = [top_entries(r, step, k) for step in range(len(r.output_ids))]
+            names = token_names(self.engine, (t for e in entries for t, _ in e), as_ids)  # sampled ids included
+            tokens = [names[t] for t in r.output_ids]
+            tops = [_merged(e, names) for e in entries]
         offsets, pos = [], offset
         for tok in tokens:
             offsets.append(pos)
