@@ -11,7 +11,11 @@
 #
 #   OUT=... BUDGET=570 GGUF=/tmp/smollm2.gguf STEPS=50 bash scripts/device_vllm_loop.sh
 #
-# RUNS="vllm-sync vllm-async builtin-sync" picks the runs (in that order).
+# RUNS="vllm-sync vllm-async builtin-sync" picks the runs (in that order). A run named
+# <engine>-<mode>:<pause> pushes with that weight_sync.pause_mode (none, abort, in_place: vLLM's
+# wait, abort, keep) for PAUSE_STEPS steps; VLLM_ARGS is appended to every vLLM run's
+# inference.engine_args (e.g. --use-fp64-gumbel; --enforce-eager for PAUSE runs' quick start-up
+# goes in PAUSE_VLLM_ARGS).
 # Logs: $OUT/<run>.log, $OUT/<run>-metrics.jsonl, $OUT/<run>-server.log (the
 # launched server's own log), $OUT/summary.md (scripts/run_summary.py).
 set -uo pipefail
@@ -21,48 +25,40 @@ BUDGET=${BUDGET:-570}
 GGUF=${GGUF:-/tmp/smollm2.gguf}
 STEPS=${STEPS:-50}
 RUNS=${RUNS:-"vllm-sync vllm-async builtin-sync"}
+VLLM_ARGS=${VLLM_ARGS:-}
+PAUSE_STEPS=${PAUSE_STEPS:-8}
+PAUSE_VLLM_ARGS=${PAUSE_VLLM_ARGS:-}
 mkdir -p "$OUT"
-source scripts/device_env.sh
-if [ ! -d /tmp/vsite ]; then
-  bash /tmp/vparts/vllm-install.sh > "$OUT/vllm-install.log" 2>&1 || { echo "vLLM install failed: $OUT/vllm-install.log"; exit 6; }
-fi
-. /tmp/vsite/env.sh
-# vLLM 0.26's IPC weight-transfer engine imports ray at module level and uses it
-# only in the trainer-side "ray" send mode; ray is not carried (vllm-parts.sh):
-# a stand-in that fails if anything actually uses it.
-if ! python3 -c "import ray" 2>/dev/null; then
-  mkdir -p /tmp/vstub/ray
-  printf '%s\n' '"""Stand-in: ray is not installed here (scripts/device_vllm_loop.sh)."""' \
-    'def __getattr__(name):' '    raise AttributeError(f"ray is not installed (stand-in module; ray.{name} was asked for)")' \
-    > /tmp/vstub/ray/__init__.py
-  export PYTHONPATH=$PYTHONPATH:/tmp/vstub
-fi
-python3 -c "import vllm; print('vllm', vllm.__version__)" | tee -a "$OUT/env.log"
-MODEL=/tmp/smollm2-135m-instruct
-if [ ! -f "$MODEL/config.json" ]; then
-  budgeted convert.log python3 -m torchtitan_grpo.models.gguf "$GGUF" "$MODEL" --dtype float32 || exit 4
-fi
-[ -f data/arith/eval.jsonl ] || budgeted data.log python3 scripts/make_arith_dataset.py --out-dir data/arith || exit 5
+source scripts/device_vllm_env.sh
 rc=0
+tags=""
 n=$(wc -w <<< "$RUNS")
 for run in $RUNS; do
   share=$(( $(left) / n )); n=$((n - 1))
-  engine=${run%-*}; mode=${run#*-}
-  args=(--weight_sync.mode "$mode" --training.steps "$STEPS" --job.dump_folder "/tmp/runs/$run"
+  name=${run%%:*}; pause=""; [ "$name" != "$run" ] && pause=${run#*:}
+  engine=${name%-*}; mode=${name#*-}
+  steps=$STEPS; eargs=$VLLM_ARGS
+  [ -n "$pause" ] && { steps=$PAUSE_STEPS; eargs="$eargs${PAUSE_VLLM_ARGS:+,$PAUSE_VLLM_ARGS}"; }
+  eargs=${eargs#,}
+  args=(--weight_sync.mode "$mode" --training.steps "$steps" --job.dump_folder "/tmp/runs/$run"
         --inference.startup_timeout_s 400)
+  [ -n "$pause" ] && args+=(--weight_sync.pause_mode "$pause")
   if [ "$engine" = vllm ]; then
     # vLLM beside the trainer on cuda:0: a share of the GPU, and the IPC push (NCCL cannot join two
     # processes on one GPU).
     args+=(--inference.backend vllm --inference.gpu_memory_utilization 0.3 --weight_sync.transport ipc)
+    [ -n "$eargs" ] && args+=("--inference.engine_args=$eargs")
   fi
+  tag=${run/:/_}
   timeout -k 10 "$share" python3 -m torch.distributed.run --standalone --nproc_per_node=1 grpo_train.py \
     --job.config_file train_configs/smollm2_arith.toml --model.hf_assets_path "$MODEL" "${args[@]}" \
-    > "$OUT/$run.log" 2>&1 || rc=1
-  cp "/tmp/runs/$run/metrics.jsonl" "$OUT/$run-metrics.jsonl" 2>/dev/null
-  tail -c 200000 "/tmp/runs/$run/servers/server_0.log" > "$OUT/$run-server.log" 2>/dev/null
-  echo "== $run: $(grep -E 'rollouts:|mean reward|stopped after|error' "$OUT/$run.log" | sed 's/^\[rank0\] //' | head -5 | tr '\n' ' ')"
-  grep -E "eval step|INFO step +(1|10|25|50) \|" "$OUT/$run.log" | sed 's/^\[rank0\] //'
+    > "$OUT/$tag.log" 2>&1 || rc=1
+  cp "/tmp/runs/$run/metrics.jsonl" "$OUT/$tag-metrics.jsonl" 2>/dev/null
+  tail -c 200000 "/tmp/runs/$run/servers/server_0.log" > "$OUT/$tag-server.log" 2>/dev/null
+  echo "== $run: $(grep -E 'rollouts:|mean reward|stopped after|error' "$OUT/$tag.log" | sed 's/^\[rank0\] //' | head -5 | tr '\n' ' ')"
+  grep -E "eval step|INFO step +(1|10|25|50) \|" "$OUT/$tag.log" | sed 's/^\[rank0\] //'
+  tags="$tags $tag"
 done
-python3 scripts/run_summary.py "$OUT" $RUNS | tee "$OUT/summary.md"
+python3 scripts/run_summary.py "$OUT" $tags | tee "$OUT/summary.md"
 echo "device_vllm_loop: exit $rc after $((SECONDS - T0)) s"
 exit $rc
