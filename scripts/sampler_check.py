@@ -148,7 +148,7 @@ def tail(url: str, model: str, prompts: list[list[int]], rows: list[dict], n: in
             "stop_token_ids": stop_ids, **_seed(seed, 1009 * k)}, api_key)
 
     bins = [0] * len(BIN_NAMES)
-    tokens = truncated = 0
+    tokens = truncated = stopped = stop_token_last = 0
     rewards: list[float] = []
     lowest: list[float] = []
     with ThreadPoolExecutor(16) as ex:
@@ -160,6 +160,10 @@ def tail(url: str, model: str, prompts: list[list[int]], rows: list[dict], n: in
                 tokens += len(lps)
                 lowest.append(min(lps) if lps else 0.0)
                 truncated += c["finish_reason"] == "length"
+                if c["finish_reason"] == "stop":
+                    # Does the reply carry the stop token? The trainer learns to stop only from it.
+                    stopped += 1
+                    stop_token_last += bool(c["token_ids"]) and c["token_ids"][-1] in stop_ids
                 text = tok.decode(c["token_ids"], skip_special_tokens=True)
                 rewards.append(math_answer(rows[k]["prompt"], text, rows[k]))
     samples = len(rewards)
@@ -167,6 +171,7 @@ def tail(url: str, model: str, prompts: list[list[int]], rows: list[dict], n: in
             "per_1k": [1000.0 * b / max(tokens, 1) for b in bins],
             "reward_mean": sum(rewards) / max(samples, 1), "truncated_frac": truncated / max(samples, 1),
             "mean_len": tokens / max(samples, 1),
+            "stopped_with_stop_token_last": stop_token_last / max(stopped, 1),
             "samples_with_a_token_below_1e-6": sum(lp < math.log(1e-6) for lp in lowest) / max(samples, 1)}
 
 
@@ -235,6 +240,7 @@ def compare(paths: list[str]) -> str:
     row("reward (math), mean", [f"{r['tail']['reward_mean']:.3f}" for r in runs])
     row("truncated share", [f"{r['tail']['truncated_frac']:.3f}" for r in runs])
     row("mean completion tokens", [f"{r['tail']['mean_len']:.1f}" for r in runs])
+    row("stopped replies ending in the stop token", [f"{r['tail']['stopped_with_stop_token_last']:.3f}" for r in runs])
     row("samples with a token p < 1e-6", [f"{r['tail']['samples_with_a_token_below_1e-6']:.3f}" for r in runs])
     for i, name in enumerate(BIN_NAMES):
         cells = []
