@@ -149,6 +149,7 @@ def tail(url: str, model: str, prompts: list[list[int]], rows: list[dict], n: in
 
     bins = [0] * len(BIN_NAMES)
     tokens = truncated = stopped = stop_token_last = 0
+    lp_sum = 0.0
     rewards: list[float] = []
     lowest: list[float] = []
     with ThreadPoolExecutor(16) as ex:
@@ -157,6 +158,7 @@ def tail(url: str, model: str, prompts: list[list[int]], rows: list[dict], n: in
                 lps = c["logprobs"]["token_logprobs"]
                 for lp in lps:
                     bins[_bin(lp)] += 1
+                lp_sum += sum(lps)
                 tokens += len(lps)
                 lowest.append(min(lps) if lps else 0.0)
                 truncated += c["finish_reason"] == "length"
@@ -171,6 +173,8 @@ def tail(url: str, model: str, prompts: list[list[int]], rows: list[dict], n: in
             "per_1k": [1000.0 * b / max(tokens, 1) for b in bins],
             "reward_mean": sum(rewards) / max(samples, 1), "truncated_frac": truncated / max(samples, 1),
             "mean_len": tokens / max(samples, 1),
+            # Minus the entropy of the visited distributions, for an exact sampler: a sharper one reads higher.
+            "mean_sampled_logprob": lp_sum / max(tokens, 1),
             "stopped_with_stop_token_last": stop_token_last / max(stopped, 1),
             "samples_with_a_token_below_1e-6": sum(lp < math.log(1e-6) for lp in lowest) / max(samples, 1)}
 
@@ -240,6 +244,7 @@ def compare(paths: list[str]) -> str:
     row("reward (math), mean", [f"{r['tail']['reward_mean']:.3f}" for r in runs])
     row("truncated share", [f"{r['tail']['truncated_frac']:.3f}" for r in runs])
     row("mean completion tokens", [f"{r['tail']['mean_len']:.1f}" for r in runs])
+    row("mean sampled log-prob", [f"{r['tail']['mean_sampled_logprob']:.4f}" for r in runs])
     row("stopped replies ending in the stop token", [f"{r['tail']['stopped_with_stop_token_last']:.3f}" for r in runs])
     row("samples with a token p < 1e-6", [f"{r['tail']['samples_with_a_token_below_1e-6']:.3f}" for r in runs])
     for i, name in enumerate(BIN_NAMES):
