@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Issue 52 (first part) on one GPU in one device call: pretrain a small
+# Qwen3-MoE from scratch on this machine's site-packages sources
+# (scripts/pretrain_moe.py, MOE_S seconds of training), then the dense Qwen3
+# of the same active size (DENSE_S seconds), then bench/moe_mismatch.py on
+# each checkpoint: the built-in server (bf16) generates from held-out code
+# prompts and the trainer (bf16 autocast) scores the tokens, router replay off
+# and on (the dense model: off). The models stay under WORK (/tmp), never in
+# the repository. From the repo root with .whl/ carried:
+#
+#   OUT=... BUDGET=540 bash scripts/device_pretrain_moe.sh
+#
+# Logs in $OUT: pretrain_moe.log, pretrain_dense.log, pretrain_stats_{moe,dense}.json,
+# mismatch_moe.log, mismatch_dense.log (+ their server logs); the tables also on stdout.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+OUT=${OUT:-$PWD/outputs/device_pretrain_moe}
+BUDGET=${BUDGET:-540}
+MOE_S=${MOE_S:-240}
+DENSE_S=${DENSE_S:-90}
+SAMPLES=${SAMPLES:-64}
+NEW_TOKENS=${NEW_TOKENS:-256}
+WORK=${WORK:-/tmp/pretrain_moe}
+mkdir -p "$OUT" "$WORK"
+source scripts/device_env.sh
+nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv | tee -a "$OUT/env.log"
+rc=0
+
+# pretrain KIND SECONDS FLAGS...: one checkpoint under $WORK/KIND, its log and stats into $OUT
+pretrain() {
+  local kind=$1 secs=$2; shift 2
+  budgeted "pretrain_$kind.log" python3 scripts/pretrain_moe.py --out "$WORK/$kind" --time-limit-s "$secs" \
+    --device cuda "$@" || rc=1
+  grep -v -i "warn" "$OUT/pretrain_$kind.log" | grep -v "^step " | tail -16
+  grep "^step " "$OUT/pretrain_$kind.log" | tail -3
+  cp "$WORK/$kind/pretrain_stats.json" "$OUT/pretrain_stats_$kind.json" 2>/dev/null
+}
+
+# mismatch KIND: bench/moe_mismatch.py on $WORK/KIND, one GPU for trainer and server
+mismatch() {
+  local kind=$1
+  [ -f "$WORK/$kind/model.safetensors" ] || { echo "mismatch_$kind: no checkpoint" | tee "$OUT/mismatch_$kind.log"; rc=1; return; }
+  budgeted "mismatch_$kind.log" python3 bench/moe_mismatch.py --model "$WORK/$kind" --device cuda:0 \
+    --server-device cuda:0 --samples "$SAMPLES" --prompt-tokens 128 --new-tokens "$NEW_TOKENS" --reps 1 \
+    --work "$WORK/bench_$kind" || rc=1
+  grep -v -i "warn" "$OUT/mismatch_$kind.log" | tail -8
+  cp "$WORK/bench_$kind/server.log" "$OUT/server_$kind.log" 2>/dev/null
+}
+
+pretrain moe "$MOE_S"
+pretrain dense "$DENSE_S" --dense
+mismatch moe
+mismatch dense
+echo "device_pretrain_moe: exit $rc after $((SECONDS - T0)) s"
+exit $rc
