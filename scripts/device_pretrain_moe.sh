@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Issue 52 (first part) on one GPU in one device call: pretrain a small
 # Qwen3-MoE from scratch on this machine's site-packages sources
-# (scripts/pretrain_moe.py, MOE_S seconds of training), then the dense Qwen3
-# of the same active size (DENSE_S seconds), then bench/moe_mismatch.py on
-# each checkpoint: the built-in server (bf16) generates from held-out code
-# prompts and the trainer (bf16 autocast) scores the tokens, router replay off
-# and on (the dense model: off). The models stay under WORK (/tmp), never in
-# the repository. From the repo root with .whl/ carried:
+# (scripts/pretrain_moe.py, MOE_S seconds of training) and run
+# bench/moe_mismatch.py on it: the built-in server (bf16) generates SAMPLES x
+# NEW_TOKENS from held-out code prompts and the trainer (bf16 autocast) scores
+# the tokens, router replay off and on; then the same for the dense Qwen3 of
+# the same active size (DENSE_S seconds of training; replay off only). The
+# models stay under WORK (/tmp), never in the repository. From the repo root
+# with .whl/ carried:
 #
 #   OUT=... BUDGET=540 bash scripts/device_pretrain_moe.sh
 #
@@ -18,6 +19,7 @@ OUT=${OUT:-$PWD/outputs/device_pretrain_moe}
 BUDGET=${BUDGET:-540}
 MOE_S=${MOE_S:-240}
 DENSE_S=${DENSE_S:-90}
+RESERVE_S=${RESERVE_S:-120}
 SAMPLES=${SAMPLES:-64}
 NEW_TOKENS=${NEW_TOKENS:-256}
 WORK=${WORK:-/tmp/pretrain_moe}
@@ -29,6 +31,7 @@ rc=0
 # pretrain KIND SECONDS FLAGS...: one checkpoint under $WORK/KIND, its log and stats into $OUT
 pretrain() {
   local kind=$1 secs=$2; shift 2
+  rm -rf "${WORK:?}/$kind"  # no stale checkpoint for the bench to find
   budgeted "pretrain_$kind.log" python3 scripts/pretrain_moe.py --out "$WORK/$kind" --time-limit-s "$secs" \
     --device cuda "$@" || rc=1
   grep -v -i "warn" "$OUT/pretrain_$kind.log" | grep -v "^step " | tail -16
@@ -41,15 +44,23 @@ mismatch() {
   local kind=$1
   [ -f "$WORK/$kind/model.safetensors" ] || { echo "mismatch_$kind: no checkpoint" | tee "$OUT/mismatch_$kind.log"; rc=1; return; }
   budgeted "mismatch_$kind.log" python3 bench/moe_mismatch.py --model "$WORK/$kind" --device cuda:0 \
-    --server-device cuda:0 --samples "$SAMPLES" --prompt-tokens 128 --new-tokens "$NEW_TOKENS" --reps 1 \
+    --server-device cuda:0 --samples "$SAMPLES" --prompt-tokens 128 --new-tokens "$NEW_TOKENS" --reps 0 \
     --work "$WORK/bench_$kind" || rc=1
   grep -v -i "warn" "$OUT/mismatch_$kind.log" | tail -8
   cp "$WORK/bench_$kind/server.log" "$OUT/server_$kind.log" 2>/dev/null
 }
 
+# the MoE and its mismatch first: the dense baseline gets what is left, at
+# most DENSE_S s of training, keeping RESERVE_S s for its overhead and bench
 pretrain moe "$MOE_S"
-pretrain dense "$DENSE_S" --dense
 mismatch moe
-mismatch dense
+secs=$(( $(left) - RESERVE_S ))
+(( secs > DENSE_S )) && secs=$DENSE_S
+if (( secs >= 20 )); then
+  pretrain dense "$secs" --dense
+  mismatch dense
+else
+  echo "dense baseline skipped: $(left) s left in BUDGET=$BUDGET" | tee "$OUT/pretrain_dense.log"; rc=1
+fi
 echo "device_pretrain_moe: exit $rc after $((SECONDS - T0)) s"
 exit $rc

@@ -199,9 +199,10 @@ def read_stream(paths: list[str], max_bytes: int) -> tuple[torch.Tensor, int]:
 
 
 def pack(stream: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """Rows ``[n, seq_len + 1]`` (inputs and shifted targets) of the stream."""
+    """Rows ``[n, seq_len + 1]`` (inputs and shifted targets) of the stream,
+    int16 (a quarter of int64's memory; batches are widened on the device)."""
     n = stream.numel() // (seq_len + 1)
-    return stream[: n * (seq_len + 1)].view(n, seq_len + 1).long()
+    return stream[: n * (seq_len + 1)].view(n, seq_len + 1)
 
 
 # --------------------------------------------------------------------------- #
@@ -317,7 +318,7 @@ def train(model, train_rows: torch.Tensor, val_rows: torch.Tensor, a: argparse.N
     while step < a.steps and not (a.time_limit_s > 0 and time.perf_counter() - t0 >= a.time_limit_s):
         if cursor + a.batch > len(order):  # next epoch, a new order
             order, cursor = order[torch.randperm(len(order), generator=torch.Generator().manual_seed(step))], 0
-        batch = train_rows[order[cursor : cursor + a.batch]].to(device, non_blocking=True)
+        batch = train_rows[order[cursor : cursor + a.batch]].to(device).long()
         cursor += a.batch
         for group in opt.param_groups:
             group["lr"] = lr_at(step, time.perf_counter() - t0, a)
@@ -422,7 +423,11 @@ def transformers_diff(model, out_dir: str, rows: torch.Tensor, device: torch.dev
     from torchtitan.models.moe.moe import GroupedExperts
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).to(device).eval()
+    try:  # HF's eager experts: its default grouped GEMM may not take fp32
+        hf = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32, experts_implementation="eager")
+    except (TypeError, ValueError):  # a transformers without the choice
+        hf = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
+    hf = hf.to(device).eval()
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
     grouped = [m.use_grouped_mm for m in experts]
     for m in experts:
@@ -523,7 +528,7 @@ def load_data(a: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor, dict]:
     val_stream, n_val = read_stream(val_paths, VAL_BYTES)
     train_rows, val_rows = pack(stream, a.seq_len), pack(val_stream, a.seq_len)
     # rows spread over everything read: many held-out files, not the first few
-    val_rows = val_rows[torch.linspace(0, len(val_rows) - 1, min(a.val_seqs, len(val_rows))).long()]
+    val_rows = val_rows[torch.linspace(0, len(val_rows) - 1, min(a.val_seqs, len(val_rows))).long()].long()
     if len(train_rows) < a.batch or len(val_rows) < 1:
         raise UsageError(f"--corpus {' '.join(roots)}: {stream.numel()} training / {val_stream.numel()} held-out "
                          f"tokens, too few for --batch {a.batch} x --seq-len {a.seq_len}")
