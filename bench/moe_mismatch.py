@@ -30,6 +30,7 @@ held-out split of ``scripts/pretrain_moe.py``). A dense model is scored with
 replay off only. Per completion token besides the above: the share of tokens
 with |dlogp| > 0.5 and > 1.0 ("extreme"), and the share whose routed expert
 set (as the trainer used it) differs from the server's in at least one layer.
+The figures also go to ``WORK/mismatch.json``.
 
     python bench/moe_mismatch.py --model /tmp/moe --device cuda:0 --server-device cuda:0
 """
@@ -377,6 +378,8 @@ def main(argv: list[str] | None = None) -> dict:
     for r in (off, on):
         if r is not None:
             r.pop("flagged")
+    with open(os.path.join(a.work, "mismatch.json"), "w") as f:
+        json.dump({"model": hf_dir, "samples": len(samples), "new_tokens": a.new_tokens, **result}, f, indent=1)
     return result
 
 
@@ -386,7 +389,8 @@ def _ratio(off: dict, on: dict, key: str) -> float:
 
 def report(off: dict, on: dict | None) -> None:
     """The table: one row per replay mode (a dense model: off only)."""
-    print(f"tokens whose input position routes differently (replay off, any layer): {off['flipped_tokens']:.4f}")
+    if on is not None:
+        print(f"tokens whose input position routes differently (replay off, any layer): {off['flipped_tokens']:.4f}")
     print("| router replay | mean abs logprob diff | max abs | k3 KL | trainer routes differing | "
           "mean abs, those tokens | mean abs, the others | share abs > 0.5 | share abs > 1.0 | "
           "tokens routed differently |")

@@ -59,7 +59,9 @@ input (the layer's normed hidden state), ``p = softmax(gate(x))`` in fp32:
 
 At the end the checkpoint (fp32 safetensors) is loaded by transformers and its
 logits are compared with ours (fp32 on both sides, the per-expert loop): the
-max abs diff is printed and the run fails above ``--max-logit-diff``.
+max abs diff is printed and the run fails above ``--max-logit-diff`` (2e-2, a
+bf16-sized tolerance: fp32 kernels differ by ~1e-5, but one near-tied route
+taken differently would move a few logits by more).
 """
 
 from __future__ import annotations
@@ -433,11 +435,14 @@ def transformers_diff(model, out_dir: str, rows: torch.Tensor, device: torch.dev
     for m in experts:
         m.use_grouped_mm = False  # the grouped GEMMs run in bf16 whatever the weights
     model.eval()
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")  # no TF32: a format check, not a precision one
     try:
         tokens = rows[:, :-1].to(device)
         ours = model(tokens).float()
         theirs = hf(tokens).logits.float()
     finally:
+        torch.set_float32_matmul_precision(precision)
         for m, g in zip(experts, grouped):
             m.use_grouped_mm = g
         model.train()
@@ -484,7 +489,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     add("--eval-every", type=int, default=100)
     add("--log-every", type=int, default=10)
     add("--noise", type=float, default=1e-3, help="relative input noise of the flip statistic")
-    add("--max-logit-diff", type=float, default=1e-2, help="fail above this transformers-vs-ours diff (fp32)")
+    add("--max-logit-diff", type=float, default=2e-2, help="fail above this transformers-vs-ours diff (fp32)")
     add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     add("--seed", type=int, default=0)
     a = p.parse_args(argv)

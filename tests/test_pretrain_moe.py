@@ -141,3 +141,6 @@ def test_mismatch_bench_on_a_dense_model(corpus, tmp_path):
         assert json.load(f)["intermediate_size"] == 2 * 32  # top_k x expert width: the MoE's active MLP
     rows, out = _bench(str(tmp_path / "dense"), corpus, str(tmp_path / "work"))
     assert set(rows) == {"off"} and float(rows["off"][0]) < 1e-4, out
+    with open(tmp_path / "work" / "mismatch.json") as f:
+        saved = json.load(f)
+    assert saved["on"] is None and saved["off"]["extreme_1"] == 0
