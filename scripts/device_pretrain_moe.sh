@@ -34,7 +34,7 @@ pretrain() {
   rm -rf "${WORK:?}/$kind"  # no stale checkpoint for the bench to find
   budgeted "pretrain_$kind.log" python3 scripts/pretrain_moe.py --out "$WORK/$kind" --time-limit-s "$secs" \
     --device cuda "$@" || rc=1
-  grep -v -i "warn" "$OUT/pretrain_$kind.log" | grep -v "^step " | tail -16
+  grep -v -i "warn" "$OUT/pretrain_$kind.log" | grep -v "^step " | tail -20
   grep "^step " "$OUT/pretrain_$kind.log" | tail -3
   cp "$WORK/$kind/pretrain_stats.json" "$OUT/pretrain_stats_$kind.json" 2>/dev/null
 }

@@ -553,8 +553,8 @@ def _print_routing(before: dict, after: dict) -> None:
     print("| layer | " + " | ".join(keys) + " |")
     print("|---:|" + "---:|" * len(keys))
     for b, f in zip(before["layers"], after["layers"]):
-        print(f"| {b['layer']} | " + " | ".join(f"{b[k]:.3f} -> {f[k]:.3f}" for k in keys) + " |")
-    print("| mean | " + " | ".join(f"{before['mean'][k]:.3f} -> {after['mean'][k]:.3f}" for k in keys) + " |")
+        print(f"| {b['layer']} | " + " | ".join(f"{b[k]:.4f} -> {f[k]:.4f}" for k in keys) + " |")
+    print("| mean | " + " | ".join(f"{before['mean'][k]:.4f} -> {after['mean'][k]:.4f}" for k in keys) + " |")
 
 
 def main(argv: list[str] | None = None) -> dict:
