@@ -42,7 +42,9 @@ pretrain() {
 # mismatch KIND: bench/moe_mismatch.py on $WORK/KIND, one GPU for trainer and server
 mismatch() {
   local kind=$1
-  [ -f "$WORK/$kind/model.safetensors" ] || { echo "mismatch_$kind: no checkpoint" | tee "$OUT/mismatch_$kind.log"; rc=1; return; }
+  if [ ! -f "$WORK/$kind/model.safetensors" ]; then
+    echo "mismatch_$kind: no checkpoint" | tee "$OUT/mismatch_$kind.log"; rc=1; return
+  fi
   budgeted "mismatch_$kind.log" python3 bench/moe_mismatch.py --model "$WORK/$kind" --device cuda:0 \
     --server-device cuda:0 --samples "$SAMPLES" --prompt-tokens 128 --new-tokens "$NEW_TOKENS" --reps 0 \
     --work "$WORK/bench_$kind" || rc=1
