@@ -183,10 +183,11 @@ def busy_time(events: list[DeviceEvent], lo: float, hi: float) -> float:
 
 def step_window(trace: dict, events: list[DeviceEvent], steps_hint: int = 0) -> tuple[float, float, int]:
     """(start, end, steps) of the steady window: from the first to the last
-    ``profile:step`` range start (ours), else between the first and last
+    ``profile:step`` range start but the first (ours: the profiler's start
+    is in it), else between the first and last
     log-softmax kernel (one per step while logprobs are on: vLLM), else the
     span of every event as ``steps_hint`` steps."""
-    starts = sorted(s for ss, _ in ranges(trace, steps=True).values() for s in ss)
+    starts = sorted(s for ss, _ in ranges(trace, steps=True).values() for s in ss)[1:]  # the first holds the start
     if len(starts) < 2:
         starts = sorted(e.ts for e in events if re.search(r"log_?softmax", e.name, re.I))
     if len(starts) < 2 and steps_hint and events:
@@ -296,7 +297,7 @@ class StepProfiler:
                 self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + (
                     [torch.profiler.ProfilerActivity.CUDA] if self.cuda else []))
                 self._prof.__enter__()
-            elif self.count == self.warm + self.steps + 2 and self._prof is not None:
+            elif self.count == self.warm + self.steps + 3 and self._prof is not None:
                 if self.cuda:
                     torch.cuda.synchronize()
                 self._prof.__exit__(None, None, None)
@@ -328,7 +329,7 @@ def profile_ours(model_dir: str, args: argparse.Namespace, seqs: int, vocab: int
     from torchtitan_grpo.server.engine.engine import Engine, EngineConfig
     from torchtitan_grpo.server.engine.requests import SamplingParams
 
-    new, gpu = args.warm_steps + args.steps + 8, args.device != "cpu"
+    new, gpu = args.warm_steps + args.steps + 8, args.device != "cpu"  # decode steps: new - 1
     # As bench/engine_vs_vllm.py's server runs it: bf16 on a GPU (static cache, decode graphs), float32 on a CPU.
     eng = Engine(EngineConfig(model_dir, device=args.device, dtype="bfloat16" if gpu else "float32",
                               max_batch_size=seqs, max_model_len=args.prompt_len + new + 8))
@@ -366,7 +367,7 @@ def profile_vllm(model_dir: str, args: argparse.Namespace, seqs: int, vocab: int
 
     from bench.engine_vs_vllm import Server, free_port, healthy, request_body, run_requests, stop, tail, vllm_shell
 
-    trace_dir = os.path.join(out, f"vllm-trace-{args.shape}-{seqs}")
+    trace_dir = os.path.abspath(os.path.join(out, f"vllm-trace-{args.shape}-{seqs}"))
     os.makedirs(trace_dir, exist_ok=True)
     config = {"profiler": "torch", "torch_profiler_dir": trace_dir, "torch_profiler_with_stack": False,
               "torch_profiler_use_gzip": False, "torch_profiler_dump_cuda_time_total": False,

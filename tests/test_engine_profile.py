@@ -22,11 +22,11 @@ def _x(name: str, cat: str, ts: float, dur: float, tid: int = 1, **args) -> dict
 
 
 def _gpu_trace() -> dict:
-    """Three decode steps of 100 µs each: a graph replay (a GEMM and an attention
+    """Four decode steps of 100 µs each (the first, holding the profiler's start, left out): a graph replay (a GEMM and an attention
     kernel) in the forward, then two sampling launches (log-softmax, exponential)
     and a device-to-host copy; the GPU is busy 60 µs of every 100."""
     events, corr = [], 0
-    for k in range(3):
+    for k in range(4):
         t = 1000.0 + 100.0 * k
         events += [_x("profile:step", "user_annotation", t, 90), _x("profile:forward", "user_annotation", t + 1, 20),
                    _x("profile:sample", "user_annotation", t + 30, 20)]
@@ -63,7 +63,7 @@ def test_names_alone_classify_a_trace_without_the_bench_ranges() -> None:
     trace = _gpu_trace()
     trace["traceEvents"] = [e for e in trace["traceEvents"] if not e["name"].startswith(ep.REGION)]
     s = ep.summarize(trace)
-    assert s["steps"] == 2
+    assert s["steps"] == 3  # no range holds the profiler's start: every step counts
     assert s["by_category_us"]["sampling"] == pytest.approx(10)  # the exponential kernel, by its name
     assert s["by_category_us"]["logprobs"] == pytest.approx(10)
 
