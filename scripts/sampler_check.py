@@ -26,7 +26,8 @@ Two measures, both at temperature 1 without truncation:
    the smallest nonzero draw is about 6e-8, so a near-zero draw hands the step
    to a token far below its share) shows as an excess of rare tokens, and in
    the rewards and the truncated share of the completions, which are scored
-   with the run's reward (``math``: the arithmetic recipe's).
+   with ``--reward`` (default ``math``, the arithmetic recipe's reward, by the
+   name grpo_train's ``rollout.reward_fn`` takes).
 
 Between calls, only the server changes; ``--compare`` prints each call's rates
 and, for each bin, a z-score of the difference from the first call (a
@@ -137,9 +138,8 @@ def first_token(url: str, model: str, prompt_ids: list[int], draws: int, per_req
 
 
 def tail(url: str, model: str, prompts: list[list[int]], rows: list[dict], n: int, max_tokens: int,
-         stop_ids: list[int], api_key: str | None, seed: int | None, tok) -> dict:
+         stop_ids: list[int], api_key: str | None, seed: int | None, tok, reward) -> dict:
     """Sampled-token log-prob bins, rewards and lengths over ``prompts`` x ``n``."""
-    from torchtitan_grpo.rollout.rewards import math_answer
 
     def one(k: int) -> dict:
         return _post(url, "/v1/completions", {
@@ -167,7 +167,7 @@ def tail(url: str, model: str, prompts: list[list[int]], rows: list[dict], n: in
                     stopped += 1
                     stop_token_last += bool(c["token_ids"]) and c["token_ids"][-1] in stop_ids
                 text = tok.decode(c["token_ids"], skip_special_tokens=True)
-                rewards.append(math_answer(rows[k]["prompt"], text, rows[k]))
+                rewards.append(float(reward(rows[k]["prompt"], text, rows[k])))
     samples = len(rewards)
     return {"samples": samples, "tokens": tokens, "bins": bins,
             "per_1k": [1000.0 * b / max(tokens, 1) for b in bins],
@@ -182,6 +182,7 @@ def tail(url: str, model: str, prompts: list[list[int]], rows: list[dict], n: in
 def check(args: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
 
+    from torchtitan_grpo.rollout.rewards import load_reward_fn
     from torchtitan_grpo.rollout.tasks import load_prompts
 
     tok = AutoTokenizer.from_pretrained(args.model_dir)
@@ -199,9 +200,10 @@ def check(args: argparse.Namespace) -> dict:
     model = args.model or _served_name(args.url, args.api_key)
     stop = [tok.eos_token_id] if tok.eos_token_id is not None else []
     seed = None if args.no_seed else args.seed
-    out = {"label": args.label, "url": args.url, "seeded": seed is not None,
+    out = {"label": args.label, "url": args.url, "seeded": seed is not None, "reward": args.reward,
            "first_token": first_token(args.url, model, prompts[0], args.draws, args.per_request, args.api_key, seed),
-           "tail": tail(args.url, model, prompts, rows, args.n, args.max_tokens, stop, args.api_key, seed, tok)}
+           "tail": tail(args.url, model, prompts, rows, args.n, args.max_tokens, stop, args.api_key, seed, tok,
+                       load_reward_fn(args.reward))}
     return out
 
 
@@ -241,7 +243,7 @@ def compare(paths: list[str]) -> str:
                                             f"{r['first_token']['dof']}, {r['first_token']['p_value']:.3f}"
                                             for r in runs])
     row("samples / tokens", [f"{r['tail']['samples']} / {r['tail']['tokens']}" for r in runs])
-    row("reward (math), mean", [f"{r['tail']['reward_mean']:.3f}" for r in runs])
+    row(f"reward ({runs[0].get('reward', 'math')}), mean", [f"{r['tail']['reward_mean']:.3f}" for r in runs])
     row("truncated share", [f"{r['tail']['truncated_frac']:.3f}" for r in runs])
     row("mean completion tokens", [f"{r['tail']['mean_len']:.1f}" for r in runs])
     row("mean sampled log-prob", [f"{r['tail']['mean_sampled_logprob']:.4f}" for r in runs])
@@ -277,6 +279,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--draws", type=int, default=4096, help="first-token draws")
     ap.add_argument("--per-request", type=int, default=64, help="first-token draws per request (n)")
+    ap.add_argument("--reward", default="math", help="reward function, as rollout.reward_fn names it")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--no-seed", action="store_true", help="requests without a seed (the engine's own stream)")
     ap.add_argument("--also-unseeded", metavar="JSON",

@@ -13,3 +13,8 @@ def varies_with_text(prompt: str, completion: str, row: dict) -> float:
     text), so a group of distinct samples has non-zero advantages and a step
     changes the weights even for an untrained model."""
     return (sum(map(ord, completion)) % 7) / 6.0
+
+
+def completion_length(prompt: str, completion: str, row: dict) -> float:
+    """The completion's length in characters: a reward a test can recompute from the replies."""
+    return float(len(completion))

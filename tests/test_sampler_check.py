@@ -62,6 +62,20 @@ def test_a_call_against_the_built_in_server(generating_server, tiny_model_dir, t
     assert "| reward (math), mean |" in table and "(z +0.0)" in table
 
 
+def test_replies_are_scored_with_the_named_reward(generating_server, tiny_model_dir, tmp_path):
+    # The recipe's reward is rollout.reward_fn's: the check must score with the function it names, not
+    # a look-alike (a stricter answer check once read 0 where the recipe's reward read 0.04).
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    out = tmp_path / "len.json"
+    sc.main(["--url", generating_server, "--model-dir", tiny_model_dir, "--prompts", str(prompts), "--n", "4",
+             "--max-tokens", "8", "--draws", "32", "--per-request", "32", "--out", str(out),
+             "--reward", "tests.reward_fixtures:completion_length"])
+    got = json.loads(out.read_text())
+    assert got["reward"] == "tests.reward_fixtures:completion_length"
+    assert got["tail"]["reward_mean"] > 0  # the tiny model's replies are a few characters long
+
+
 def test_missing_flags_name_the_flag(capsys):
     with pytest.raises(SystemExit):
         sc.main(["--url", "http://127.0.0.1:1"])
