@@ -51,6 +51,23 @@ def test_vllm_command_line_and_environment():
     assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in env and "CUDA_VISIBLE_DEVICES" not in env
     argv, _ = server_command(_spec("vllm", transfer=""), 8001)  # weight_sync.mode off: no transfer engine
     assert "--weight-transfer-config" not in argv
+    assert "--use-fp64-gumbel" not in argv
+
+
+def test_a_launched_vllm_samples_with_fp64_noise_unless_told_not_to(monkeypatch, tiny_model_dir):
+    from torchtitan_grpo.session import engine_launch
+
+    monkeypatch.syspath_prepend(FAKES)  # vLLM importable, as the start-up checks ask
+
+    def argv_of(*overrides: str) -> list[str]:
+        cfg = parse_config(_args("--model.hf_assets_path", tiny_model_dir, *overrides))
+        spec = ServerSpec(tiny_model_dir, device="cuda:0", engine="vllm", launch=engine_launch(cfg, tiny_model_dir))
+        return server_command(spec, 8001)[0]
+
+    assert argv_of().count("--use-fp64-gumbel") == 1  # the default: runs 128 and 130-132 (docs/GPU_RUNS.md)
+    assert "--use-fp64-gumbel" not in argv_of("--inference.vllm_fp64_sampler", "false")
+    # Given in engine_args as well: passed once.
+    assert argv_of("--inference.engine_args=--use-fp64-gumbel").count("--use-fp64-gumbel") == 1
 
 
 def test_sglang_command_line_and_a_cpu_device_refused():

@@ -297,7 +297,8 @@ def engine_launch(cfg, hf_dir: str) -> EngineLaunch:
     return EngineLaunch(gpu_memory_utilization=i.gpu_memory_utilization,
                         max_model_len=i.max_model_len or cfg.training.seq_len,
                         served_model_name=served_model_name(cfg, hf_dir),
-                        weight_transfer=w.transport if pushing else "", args=tuple(i.engine_args))
+                        weight_transfer=w.transport if pushing else "", fp64_sampler=i.vllm_fp64_sampler,
+                        args=tuple(i.engine_args))
 
 
 @contextlib.contextmanager

@@ -146,6 +146,14 @@ class Inference:
     the share of its GPU it takes. 0 = the engine's default (vLLM: 0.9), which
     leaves no room for a trainer on the same GPU: set it then (e.g. 0.3)."""
 
+    vllm_fp64_sampler: bool = True
+    """A started vLLM draws its samples with fp64 noise (its --use-fp64-gumbel).
+    With vLLM 0.26's default fp32 draws, the SmolLM2 recipe's completions grew
+    longer right after the first weight push and it learned a fifth as fast
+    (held-out pass@1 0.150 and 0.265 at step 25, against 0.740 with fp64 draws,
+    serial and pipelined, and 0.735 on the built-in server; docs/GPU_RUNS.md,
+    runs 128 and 130-132). Servers reached by urls: start them with the flag."""
+
     engine_args: list[str] = field(default_factory=list)
     """Appended to a started vLLM's or SGLang's command line as they are
     (e.g. ["--enforce-eager"]; on the command line: --inference.engine_args

@@ -44,6 +44,8 @@ class EngineLaunch:
     """The name requests must give as ``model`` (vLLM refuses any other)."""
     weight_transfer: str = ""
     """vLLM: "nccl" or "ipc" (its weight-transfer engine); "" = none (no push)."""
+    fp64_sampler: bool = False
+    """vLLM: --use-fp64-gumbel (``inference.vllm_fp64_sampler``)."""
     args: tuple[str, ...] = field(default_factory=tuple)
     """Appended as they are (``inference.engine_args``)."""
 
@@ -105,6 +107,11 @@ def vllm_command(spec, port: int) -> tuple[list[str], dict[str, str]]:
         # port can then make the server unpickle: the server is bound to
         # inference.host (127.0.0.1 by default) and shares the trainer's host.
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    if e.fp64_sampler and "--use-fp64-gumbel" not in e.args:
+        # fp64 noise in its exponential race: with 0.26's fp32 draws the recipe's
+        # completions ran long after the first push and it learned 5 x slower
+        # (inference.vllm_fp64_sampler's docstring has the runs).
+        cmd.append("--use-fp64-gumbel")
     if spec.api_key:
         env["VLLM_API_KEY"] = spec.api_key  # vLLM reads it there: no key on the command line (ps)
     return cmd + [*e.args, *spec.extra_args], env | gpu_env(spec.device)

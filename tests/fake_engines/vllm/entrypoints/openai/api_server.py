@@ -17,6 +17,7 @@ for flag in ("--model", "--host", "--port", "--dtype", "--seed", "--served-model
              "--gpu-memory-utilization", "--max-model-len", "--weight-transfer-config", "--logprobs-mode"):
     p.add_argument(flag)
 p.add_argument("--enforce-eager", action="store_true")
+p.add_argument("--use-fp64-gumbel", action="store_true")
 a = p.parse_args()
 if os.environ.get("FAKE_VLLM_FAIL"):  # a start that fails as 0.26's did without ray: the cause, then the wrapper
     print("(EngineCore pid=1) ERROR Traceback (most recent call last):", flush=True)
