@@ -33,6 +33,7 @@ class ScriptedPool:
         self.held = set(held)
         self.fail = fail
         self.calls: list[str] = []
+        self.seeds: list[int | None] = []
         self.in_flight = 0
         self.max_in_flight = 0
         self.lock = threading.Lock()
@@ -42,6 +43,7 @@ class ScriptedPool:
         text = "".join(chr(i) for i in ids)
         with self.lock:
             self.calls.append(text)
+            self.seeds.append(params.seed)
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
@@ -73,7 +75,7 @@ def rows(n: int) -> list[dict]:
     return [{"prompt": f"p{i:03d}"} for i in range(n)]
 
 
-def make(pool, depth: int, pps: int = 2, data=None, state=None, seed: int = 0):
+def make(pool, depth: int, pps: int = 2, data=None, state=None, seed: int = 0, seeded_requests: bool = True):
     loop = LoopThread()
     source = PromptIterator(data or rows(40), pps, seed=0)
     ledger = PromptLedger(source)
@@ -81,7 +83,7 @@ def make(pool, depth: int, pps: int = 2, data=None, state=None, seed: int = 0):
         ledger.load_state_dict(state)
     scorer = GroupScorer(CharTokenizer(), reward, group_size=G)
     prod = RolloutProducer(loop, pool, ledger, scorer, prompts_per_step=pps, depth=depth,
-                           sampling=SamplingParams(max_new_tokens=1), seed=seed)
+                           sampling=SamplingParams(max_new_tokens=1), seed=seed, seeded_requests=seeded_requests)
     return loop, prod
 
 
@@ -176,6 +178,25 @@ def test_depth_zero_is_the_serial_loop():
     finally:
         prod.close()
         loop.close()
+
+
+@pytest.mark.parametrize("seeded", [True, False])
+def test_requests_carry_a_distinct_seed_per_prompt_unless_told_not_to(seeded):
+    pool = ScriptedPool()
+    loop, prod = make(pool, depth=0, pps=4, seeded_requests=seeded)
+    try:
+        prod.start(0)
+        prod.next_batch()
+        prod.published(1)
+        prod.next_batch()
+    finally:
+        prod.close()
+        loop.close()
+    assert len(pool.seeds) == 8
+    if seeded:  # every prompt of the run its own seed, the same in a rerun
+        assert all(isinstance(x, int) for x in pool.seeds) and len(set(pool.seeds)) == 8
+    else:  # rollout.seeded_requests = false: the engine's own stream
+        assert pool.seeds == [None] * 8
 
 
 def test_failed_group_stops_the_run_with_its_error():

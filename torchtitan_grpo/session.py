@@ -198,7 +198,8 @@ def producer_spec(cfg, hf_dir: str, tok, resume: Resumed | None) -> ProducerSpec
         resume_prompts=resume.prompts if resume is not None else None,
         max_sequence_tokens=max_sequence_tokens(cfg),
         overlong_buffer_tokens=g.overlong_buffer_tokens, overlong_penalty_factor=g.overlong_penalty_factor,
-        dynamic_sampling=g.dynamic_sampling, dynamic_sampling_max_filtered=g.dynamic_sampling_max_filtered)
+        dynamic_sampling=g.dynamic_sampling, dynamic_sampling_max_filtered=g.dynamic_sampling_max_filtered,
+        seeded_requests=r.seeded_requests)
 
 
 def max_sequence_tokens(cfg) -> int:

@@ -74,6 +74,12 @@ class Rollout:
     top_k: int = -1
     """Top-k sampling (-1 = off)."""
 
+    seeded_requests: bool = True
+    """Each generation request carries a seed derived from grpo.seed, the step
+    and the prompt, so a run's samples repeat. Off: the engine's own random
+    stream (vLLM then draws every row's noise in one call instead of one
+    seeded generator per request, its slower path)."""
+
     pipeline_depth: int = -1
     """How many steps ahead of the trainer the inference fleet may generate.
     0: the serial loop (a step's groups start once the previous step's

@@ -72,7 +72,7 @@ class RolloutProducer:
 
     def __init__(self, loop: LoopThread, pool: InferencePool, ledger: PromptLedger, scorer: GroupScorer, *,
                  prompts_per_step: int, depth: int, sampling: SamplingParams, seed: int = 0,
-                 max_sequence_tokens: int = 0, dynamic_sampling: bool = False,
+                 seeded_requests: bool = True, max_sequence_tokens: int = 0, dynamic_sampling: bool = False,
                  dynamic_sampling_max_filtered: int = 0,
                  on_group: Callable[[ScoredGroup], None] | None = None,
                  on_error: Callable[[BaseException], None] | None = None):
@@ -89,6 +89,7 @@ class RolloutProducer:
         self.depth = depth
         self.sampling = sampling
         self.seed = seed
+        self.seeded_requests = seeded_requests
         self.max_sequence_tokens = max_sequence_tokens
         self.on_group, self.on_error = on_group, on_error
         # prompts too long for max_sequence_tokens: since the last take, one after another; the first one logged
@@ -219,9 +220,8 @@ class RolloutProducer:
             if budget is None:
                 self._skip_long_prompt(index, len(ids))
                 return
-            params = SamplingParams(**{**self.sampling.__dict__,
-                                       "seed": (self.seed * 1_000_003 + (step + 1) * 9973 + k) % (2**31),
-                                       "max_new_tokens": budget})
+            seed = (self.seed * 1_000_003 + (step + 1) * 9973 + k) % (2**31) if self.seeded_requests else None
+            params = SamplingParams(**{**self.sampling.__dict__, "seed": seed, "max_new_tokens": budget})
             completions = await self.pool.generate(ids, self.scorer.group_size, params)
             label_unversioned(completions, version)
             # the group's own budget is the overlong penalty's L_max
@@ -353,6 +353,8 @@ class ProducerSpec:
     """``grpo.dynamic_sampling``."""
     dynamic_sampling_max_filtered: int = 0
     """``grpo.dynamic_sampling_max_filtered`` (0: its default)."""
+    seeded_requests: bool = True
+    """``rollout.seeded_requests``."""
 
 
 def build_producer(spec: ProducerSpec, loop: LoopThread, pool: InferencePool, tokenizer=None,
@@ -380,7 +382,8 @@ def build_producer(spec: ProducerSpec, loop: LoopThread, pool: InferencePool, to
                          overlong_buffer_tokens=spec.overlong_buffer_tokens,
                          overlong_penalty_factor=spec.overlong_penalty_factor)
     return RolloutProducer(loop, pool, ledger, scorer, prompts_per_step=spec.prompts_per_step, depth=spec.depth,
-                           sampling=spec.sampling, seed=spec.seed, max_sequence_tokens=spec.max_sequence_tokens,
+                           sampling=spec.sampling, seed=spec.seed, seeded_requests=spec.seeded_requests,
+                           max_sequence_tokens=spec.max_sequence_tokens,
                            dynamic_sampling=spec.dynamic_sampling,
                            dynamic_sampling_max_filtered=spec.dynamic_sampling_max_filtered, **hooks)
 
