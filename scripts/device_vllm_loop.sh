@@ -15,7 +15,9 @@
 # <engine>-<mode>:<pause> pushes with that weight_sync.pause_mode (none, abort, in_place: vLLM's
 # wait, abort, keep) for PAUSE_STEPS steps; VLLM_ARGS is appended to every vLLM run's
 # inference.engine_args (e.g. --use-fp64-gumbel; --enforce-eager for PAUSE runs' quick start-up
-# goes in PAUSE_VLLM_ARGS).
+# goes in PAUSE_VLLM_ARGS). LOOP_ARGS: more grpo_train flags for every run, e.g. the fp32-noise
+# runs that isolate runs 128/131's slow learning: LOOP_ARGS="--inference.vllm_fp64_sampler false
+# --rollout.seeded_requests false" (a launched vLLM gets --use-fp64-gumbel unless told not to).
 # Logs: $OUT/<run>.log, $OUT/<run>-metrics.jsonl, $OUT/<run>-server.log (the
 # launched server's own log), $OUT/summary.md (scripts/run_summary.py).
 set -uo pipefail
@@ -28,6 +30,7 @@ RUNS=${RUNS:-"vllm-sync vllm-async builtin-sync"}
 VLLM_ARGS=${VLLM_ARGS:-}
 PAUSE_STEPS=${PAUSE_STEPS:-8}
 PAUSE_VLLM_ARGS=${PAUSE_VLLM_ARGS:-}
+read -r -a loop_args <<< "${LOOP_ARGS:-}"
 mkdir -p "$OUT"
 source scripts/device_vllm_env.sh
 rc=0
@@ -51,7 +54,7 @@ for run in $RUNS; do
   fi
   tag=${run/:/_}
   timeout -k 10 "$share" python3 -m torch.distributed.run --standalone --nproc_per_node=1 grpo_train.py \
-    --job.config_file train_configs/smollm2_arith.toml --model.hf_assets_path "$MODEL" "${args[@]}" \
+    --job.config_file train_configs/smollm2_arith.toml --model.hf_assets_path "$MODEL" "${args[@]}" "${loop_args[@]}" \
     > "$OUT/$tag.log" 2>&1 || rc=1
   cp "/tmp/runs/$run/metrics.jsonl" "$OUT/$tag-metrics.jsonl" 2>/dev/null
   tail -c 200000 "/tmp/runs/$run/servers/server_0.log" > "$OUT/$tag-server.log" 2>/dev/null
