@@ -23,6 +23,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from fractions import Fraction
 
+from torchtitan_grpo.rollout.code_task import code_complete
 from torchtitan_grpo.rollout.math_reward import math_reward
 from torchtitan_grpo.rollout.tasks import digits_reward
 
@@ -370,6 +371,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "math_answer": math_answer,
     "format_reward": format_reward,
     "digits": digits_reward,
+    "code_complete": code_complete,
 }
 """Rewards that :func:`load_reward_fn` accepts by bare name."""
 
