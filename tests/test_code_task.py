@@ -55,9 +55,13 @@ def test_a_syntax_error_scores_zero():
 
 @pytest.mark.parametrize("body", ["    pass\n", "    ...\n", '    """More words."""\n',
                                   "    raise NotImplementedError\n", "    raise NotImplementedError('todo')\n",
-                                  "    pass\n    ...\n", ""])
-def test_a_body_that_does_nothing_scores_zero(body):
+                                  "    pass\n    ...\n", "", "    return None\n", "    x = 0\n    return x\n"])
+def test_a_body_that_does_nothing_or_ignores_its_arguments_scores_zero(body):
     assert _score(body + "\ndef sub(a, b):") == 0.0
+
+
+def test_a_function_without_arguments_needs_no_argument_read():
+    assert _score("    return 42\n", head='def answer():\n    """The answer."""\n') == 1.0
 
 
 def test_a_completion_that_runs_past_the_function_is_cut_at_the_dedent():

@@ -133,6 +133,17 @@ def undefined_names(fn: ast.FunctionDef | ast.AsyncFunctionDef, known: set[str])
     return used - bound
 
 
+def reads_an_argument(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """The body reads one of the function's arguments (``self`` and ``cls``
+    count), or the function has none: ``return None`` or ``return 0`` under
+    ``def area(self):`` does not get the reward a body that works on its
+    input gets."""
+    args = {a.arg for a in ast.walk(fn.args) if isinstance(a, ast.arg)}
+    if not args:
+        return True
+    return any(isinstance(node, ast.Name) and node.id in args for stmt in fn.body for node in ast.walk(stmt))
+
+
 def code_complete(prompt: str, completion: str, row: dict) -> float:
     """1.0 iff the completion finishes the function of ``row["head"]`` with
     code that parses and does something; else 0.0. Nothing of the completion
@@ -145,7 +156,8 @@ def code_complete(prompt: str, completion: str, row: dict) -> float:
 
     * parse with ``ast`` as one function definition;
     * have a non-trivial body: at least one statement besides the docstring,
-      ``pass``, ``...`` and ``raise NotImplementedError``;
+      ``pass``, ``...`` and ``raise NotImplementedError``, and a body that
+      reads one of the arguments when there are any (:func:`reads_an_argument`);
     * read only names that are defined: bound in the function (its arguments
       included), builtins, the module's top-level names (``row["names"]``,
       space-separated, optional) or identifiers that appear in the prompt
@@ -160,7 +172,7 @@ def code_complete(prompt: str, completion: str, row: dict) -> float:
     if body is None:
         return 0.0
     fn = _parse_function(head, body)
-    if fn is None or all(_trivial(stmt) for stmt in fn.body):
+    if fn is None or all(_trivial(stmt) for stmt in fn.body) or not reads_an_argument(fn):
         return 0.0
     known = set(str(row.get("names") or "").split()) | set(_IDENTIFIER.findall(prompt))
     return 0.0 if undefined_names(fn, known) else 1.0
@@ -274,4 +286,5 @@ def function_rows(source: str, path: str, *, context_bytes: int = 256, max_promp
     return rows
 
 
-__all__ = ["IMPLICIT_NAMES", "code_complete", "function_rows", "function_text", "module_names", "undefined_names"]
+__all__ = ["IMPLICIT_NAMES", "code_complete", "function_rows", "function_text", "module_names", "reads_an_argument",
+           "undefined_names"]
