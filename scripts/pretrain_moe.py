@@ -10,20 +10,17 @@ be downloaded on the GPU machines; this makes one there, from nothing but the
 ``.py`` files under site-packages (``--corpus`` overrides the roots).
 
 Data. Every ``*.py`` file (<= 1 MB) under the roots, deduplicated by real path.
-A file is held out for validation when the SHA-1 of its path *relative to its
-root* falls in the lowest ``--val-frac`` of the hash range (at least one file
-is held out): the same split on every machine with the same packages, and the
-one ``bench/moe_mismatch.py --prompts-from`` takes its prompts from
-(:func:`split_files`). Training files are read in hash order up to
+A file is held out when the SHA-1 of its path *relative to its root* falls in
+the lowest ``--val-frac`` of the hash range (at least one): the same split on
+every machine with the same packages (:func:`split_files`; also
+``bench/moe_mismatch.py --prompts-from``'s). Training files are read in hash order up to
 ``--max-bytes``; each file's bytes, then an end-of-text token, are concatenated
 and cut into rows of ``--seq-len + 1`` tokens, visited in a seeded order.
 
 Tokenizer. Byte level: id 0 ``<|pad|>``, 1 ``<|endoftext|>``, byte ``b`` is id
-``b + 2`` (258 ids; the vocabulary is padded to 272). Code needs newlines, tabs
-and non-ASCII bytes, which the demo's printable-ASCII character tokenizer
-(:mod:`torchtitan_grpo.models.demo_assets`) lacks; its special tokens and
-tokenizer_config are kept. Written as an HF ``tokenizer.json`` (GPT-2's byte to
-unicode alphabet, no merges), so AutoTokenizer, TorchTitan and the built-in
+``b + 2`` (vocabulary padded to 272): code needs the newlines, tabs and
+non-ASCII bytes the demo's character tokenizer lacks. An HF ``tokenizer.json``
+(GPT-2's byte alphabet, no merges): AutoTokenizer, TorchTitan and the built-in
 server all load it.
 
 Model and training. The checkpoint directory is first written by
