@@ -54,11 +54,10 @@ input (the layer's normed hidden state), ``p = softmax(gate(x))`` in fp32:
 * ``topk_margin``: median over tokens of ``p_(k) - p_(k+1)``, the probability
   gap at the top-k boundary.
 
-At the end the checkpoint (fp32 safetensors) is loaded by transformers and its
-logits are compared with ours (fp32 on both sides, the per-expert loop): the
-max abs diff is printed and the run fails above ``--max-logit-diff`` (2e-2, a
-bf16-sized tolerance: fp32 kernels differ by ~1e-5, but one near-tied route
-taken differently would move a few logits by more).
+At the end transformers loads the checkpoint (fp32 safetensors) and its logits
+are compared with ours (fp32 both sides): the run fails above
+``--max-logit-diff`` (2e-2: fp32 kernels differ by ~1e-5, but one near-tied
+route taken differently moves a few logits by more).
 """
 
 from __future__ import annotations
