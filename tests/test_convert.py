@@ -135,6 +135,29 @@ def test_config_and_tokenizer_files(tied):
     assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names  # tied: stored once
 
 
+def test_the_files_special_tokens_win_over_what_transformers_reads(tmp_path, monkeypatch):
+    # transformers 5.17 (the GPU machines') read SmolLM2's eos as <|im_start|>, id 1, where the file
+    # says 2: every rollout's stop token and the padding were then wrong there (runs 130-131).
+    import transformers
+
+    from torchtitan_grpo.models.gguf import convert_gguf
+
+    original = transformers.AutoTokenizer.from_pretrained
+
+    def misread(*args, **kwargs):
+        tok = original(*args, **kwargs)
+        tok.eos_token = tok.pad_token = "<|im_start|>"
+        return tok
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", misread)
+    src = tmp_path / "m.gguf"
+    _write_gguf(src, _hf_model(tied=True))
+    out = convert_gguf(str(src), str(tmp_path / "hf"), dtype="float32")
+    monkeypatch.undo()
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 2)
+
+
 def test_transformers_loads_it_with_the_source_weights(tied):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

