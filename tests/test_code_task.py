@@ -60,6 +60,21 @@ def test_a_body_that_does_nothing_or_ignores_its_arguments_scores_zero(body):
     assert _score(body + "\ndef sub(a, b):") == 0.0
 
 
+@pytest.mark.parametrize("body", ["    return a\n", "    return b\n", '    """Done."""\n    return a\n'])
+def test_a_body_that_hands_back_an_argument_scores_zero(body):
+    assert _score(body + "\ndef sub(a, b):") == 0.0
+    method = METHOD.split("    def size")[1]
+    assert _score("        return self\n", head="    def size" + method, prompt=METHOD) == 0.0
+
+
+def test_a_body_far_smaller_than_the_reference_scores_zero():
+    reference = ("    total = 0\n    for x in (a, b):\n        if x is not None:\n            total += x\n"
+                 "    return total\n")
+    assert _score(reference, answer=reference) == 1.0
+    assert _score("    return a + b\n", answer=reference) == 0.0  # 7 ast nodes against the reference's 28
+    assert _score("    return a + b\n", answer="    return b + a\n") == 1.0
+
+
 def test_a_function_without_arguments_needs_no_argument_read():
     assert _score("    return 42\n", head='def answer():\n    """The answer."""\n') == 1.0
 

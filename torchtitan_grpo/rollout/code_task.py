@@ -144,6 +144,26 @@ def reads_an_argument(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
     return any(isinstance(node, ast.Name) and node.id in args for stmt in fn.body for node in ast.walk(stmt))
 
 
+def _nodes(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """How much the body says: its ``ast`` nodes, the docstring and other do-nothing statements left out."""
+    return sum(1 for stmt in fn.body if not _trivial(stmt) for _ in ast.walk(stmt))
+
+
+def hands_back_an_argument(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """The body only returns one of its arguments as it came (``return self``,
+    ``return a``): it reads an argument and parses, and does nothing."""
+    args = {a.arg for a in ast.walk(fn.args) if isinstance(a, ast.arg)}
+    work = [stmt for stmt in fn.body if not _trivial(stmt)]
+    return (len(work) == 1 and isinstance(work[0], ast.Return) and isinstance(work[0].value, ast.Name)
+            and work[0].value.id in args)
+
+
+MIN_SHARE_OF_REFERENCE = 1 / 3
+"""A body must have at least this share of the reference body's ``ast`` nodes
+(when the row has its reference, ``row["answer"]``): a one-liner does not
+finish a function whose own body is twenty lines."""
+
+
 def code_complete(prompt: str, completion: str, row: dict) -> float:
     """1.0 iff the completion finishes the function of ``row["head"]`` with
     code that parses and does something; else 0.0. Nothing of the completion
@@ -157,7 +177,10 @@ def code_complete(prompt: str, completion: str, row: dict) -> float:
     * parse with ``ast`` as one function definition;
     * have a non-trivial body: at least one statement besides the docstring,
       ``pass``, ``...`` and ``raise NotImplementedError``, and a body that
-      reads one of the arguments when there are any (:func:`reads_an_argument`);
+      reads one of the arguments when there are any (:func:`reads_an_argument`)
+      and does more than return one as it came (:func:`hands_back_an_argument`);
+    * be at least :data:`MIN_SHARE_OF_REFERENCE` of the reference body's size
+      in ``ast`` nodes, when the row carries it (``row["answer"]``);
     * read only names that are defined: bound in the function (its arguments
       included), builtins, the module's top-level names (``row["names"]``,
       space-separated, optional) or identifiers that appear in the prompt
@@ -172,7 +195,11 @@ def code_complete(prompt: str, completion: str, row: dict) -> float:
     if body is None:
         return 0.0
     fn = _parse_function(head, body)
-    if fn is None or all(_trivial(stmt) for stmt in fn.body) or not reads_an_argument(fn):
+    if (fn is None or all(_trivial(stmt) for stmt in fn.body) or not reads_an_argument(fn)
+            or hands_back_an_argument(fn)):
+        return 0.0
+    reference = _parse_function(head, row["answer"]) if isinstance(row.get("answer"), str) else None
+    if reference is not None and _nodes(fn) < MIN_SHARE_OF_REFERENCE * _nodes(reference):
         return 0.0
     known = set(str(row.get("names") or "").split()) | set(_IDENTIFIER.findall(prompt))
     return 0.0 if undefined_names(fn, known) else 1.0
