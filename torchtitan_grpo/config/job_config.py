@@ -158,7 +158,9 @@ class Inference:
     longer right after the first weight push and it learned a fifth as fast
     (held-out pass@1 0.150 and 0.265 at step 25, against 0.740 with fp64 draws,
     serial and pipelined, and 0.735 on the built-in server; docs/GPU_RUNS.md,
-    runs 128 and 130-132). Servers reached by urls: start them with the flag."""
+    runs 128 and 130-132). Its cost there: none seen (step 1.78 s either way on
+    an H200); GPUs with slow fp64 pay more per decode step. Servers reached by
+    urls: start them with the flag."""
 
     engine_args: list[str] = field(default_factory=list)
     """Appended to a started vLLM's or SGLang's command line as they are
