@@ -155,7 +155,7 @@ class Inference:
     vllm_fp64_sampler: bool = True
     """A started vLLM draws its samples with fp64 noise (its --use-fp64-gumbel).
     With vLLM 0.26's default fp32 draws, the SmolLM2 recipe's completions grew
-    longer right after the first weight push and it learned a fifth as fast
+    longer right after the first weight push and it learned far slower
     (held-out pass@1 0.150 and 0.265 at step 25, against 0.740 with fp64 draws,
     serial and pipelined, and 0.735 on the built-in server; docs/GPU_RUNS.md,
     runs 128 and 130-132). Its cost there: none seen (step 1.78 s either way on

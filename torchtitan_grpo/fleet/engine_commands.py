@@ -109,7 +109,7 @@ def vllm_command(spec, port: int) -> tuple[list[str], dict[str, str]]:
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if e.fp64_sampler and "--use-fp64-gumbel" not in e.args:
         # fp64 noise in its exponential race: with 0.26's fp32 draws the recipe's
-        # completions ran long after the first push and it learned 5 x slower
+        # completions ran long after the first push and it learned far slower
         # (inference.vllm_fp64_sampler's docstring has the runs).
         cmd.append("--use-fp64-gumbel")
     if spec.api_key:
