@@ -208,13 +208,8 @@ def grpo_loss(
         w = is_weights.detach().to(logprobs.dtype)
         token_loss = token_loss * (w.unsqueeze(-1) if w.dim() == 1 else w)
 
-    kl = None
-    if ref_logprobs is not None and kl_coef != 0.0:
-        delta = torch.where(mask > 0, ref_logprobs.detach() - logprobs, 0.0)
-        kl = -delta if kl_estimator == "k1" else torch.exp(delta) - delta - 1.0
-        total_token_loss = token_loss + kl_coef * kl
-    else:
-        total_token_loss = token_loss
+    kl = _kl_tokens(logprobs, ref_logprobs, mask, kl_coef, kl_estimator)
+    total_token_loss = token_loss if kl is None else token_loss + kl_coef * kl
 
     loss = _aggregate(
         total_token_loss, mask, loss_agg, max_completion_len, num_sequences, num_tokens
@@ -232,13 +227,7 @@ def grpo_loss(
                 token_loss.detach(), mask, loss_agg, max_completion_len,
                 num_sequences, num_tokens,
             ),
-            "clip_fraction": clipped.sum() / n,
-            "clip_low_fraction": low.sum() / n,
-            "clip_high_fraction": high.sum() / n,
-            "ratio_mean": (ratio * mask).sum() / n,
-            "ratio_max": torch.where(mask > 0, ratio, 0.0).max()
-            if mask.numel()
-            else n.new_zeros(()),
+            **_ratio_metrics(ratio, mask, clipped, low, high, n),
         }
         if kl is not None:
             metrics["kl"] = (kl * mask).sum() / n
