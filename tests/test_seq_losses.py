@@ -206,16 +206,21 @@ def _lists(*xs):
     return [x.tolist() for x in xs]
 
 
+def _weights(kind: str, w: torch.Tensor) -> tuple[torch.Tensor | None, list | None]:
+    """The IS weights a test passes (``kind``: none, token, sequence) and the same as lists for the reference."""
+    if kind == "token":
+        return w, w.tolist()
+    if kind == "sequence":
+        return w[:, 0].clone(), w[:, 0].tolist()
+    return None, None
+
+
 @pytest.mark.parametrize("weights", ["none", "token", "sequence"])
 @pytest.mark.parametrize("kl", [None, "k1", "k3"])
 def test_gspo_matches_the_formula(weights, kl):
     lp, old, ref, adv, mask, w = _random_batch(1, spread=0.02)
     lo, hi = 0.01, 0.015
-    is_w, w_ref = None, None
-    if weights == "token":
-        is_w, w_ref = w, w.tolist()
-    elif weights == "sequence":
-        is_w, w_ref = w[:, 0].clone(), w[:, 0].tolist()
+    is_w, w_ref = _weights(weights, w)
     kw = dict(ref=ref.tolist(), kl_coef=0.05, est=kl) if kl else {}
     exp_loss, exp_grad, flags = gspo_reference(*_lists(lp, old, adv, mask), lo, hi, w=w_ref, **kw)
     clipped = [f for f in flags if f is not None]
@@ -242,11 +247,7 @@ def test_gspo_matches_the_formula(weights, kl):
 def test_cispo_matches_the_formula(weights, kl):
     lp, old, ref, adv, mask, w = _random_batch(2, spread=0.3)
     lo, hi = 0.2, 0.28
-    is_w, w_ref = None, None
-    if weights == "token":
-        is_w, w_ref = w, w.tolist()
-    elif weights == "sequence":
-        is_w, w_ref = w[:, 0].clone(), w[:, 0].tolist()
+    is_w, w_ref = _weights(weights, w)
     kw = dict(ref=ref.tolist(), kl_coef=0.05, est=kl) if kl else {}
     exp_loss, exp_grad, flags = cispo_reference(*_lists(lp, old, adv, mask), lo, hi, w=w_ref, **kw)
     assert any(flags.values()) and not all(flags.values())
