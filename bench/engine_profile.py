@@ -365,7 +365,9 @@ def profile_vllm(model_dir: str, args: argparse.Namespace, seqs: int, vocab: int
     import subprocess
     import urllib.request
 
-    from bench.engine_vs_vllm import Server, free_port, healthy, request_body, run_requests, stop, tail, vllm_shell
+    from bench.engine_vs_vllm import Server, healthy, request_body, run_requests, stop, vllm_shell
+    from torchtitan_grpo.fleet.launcher import log_tail
+    from torchtitan_grpo.net import free_port
 
     trace_dir = os.path.abspath(os.path.join(out, f"vllm-trace-{args.shape}-{seqs}"))
     os.makedirs(trace_dir, exist_ok=True)
@@ -386,7 +388,7 @@ def profile_vllm(model_dir: str, args: argparse.Namespace, seqs: int, vocab: int
         deadline = time.monotonic() + args.start_timeout_s
         while not healthy(srv.url):
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM did not come up; its log ends:\n{tail(log)}")
+                raise RuntimeError(f"vLLM did not come up; its log ends:\n{log_tail(log, 25)}")
             time.sleep(2)
         bodies = [request_body("completions", p, new, args.top_logprobs, model_dir)
                   for p in make_prompts(seqs, args.prompt_len, vocab)]

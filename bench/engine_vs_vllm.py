@@ -52,7 +52,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -65,6 +64,8 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.paged_speed import N_PER_PROMPT, make_prompts, shape as paged_shape  # noqa: E402
+from torchtitan_grpo.fleet.launcher import log_tail  # noqa: E402
+from torchtitan_grpo.net import free_port  # noqa: E402
 from torchtitan_grpo.server.httputil import gc_paused  # noqa: E402
 
 SHAPES = {"0.6b": "qwen3-0.6b", "4b": "qwen3-4b", "tiny": "tiny"}
@@ -173,26 +174,12 @@ async def run_requests(url: str, route: str, bodies: list[dict]) -> tuple[float,
 # ---- servers ------------------------------------------------------------------ #
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/health", timeout=2) as r:
             return r.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
-
-
-def tail(path: str, lines: int = 25) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
-    except OSError:
-        return "(no log)"
 
 
 @dataclass
@@ -247,7 +234,7 @@ def start_vllm(model_dir: str, args: argparse.Namespace, max_len: int, log_dir: 
         if proc.poll() is not None or time.monotonic() > deadline:
             stop(srv)
             why = f"exited ({proc.returncode})" if proc.returncode is not None else "not healthy in time"
-            raise RuntimeError(f"vLLM {why}; its log ends:\n{tail(log)}")
+            raise RuntimeError(f"vLLM {why}; its log ends:\n{log_tail(log, 25)}")
         time.sleep(2)
     return srv
 
@@ -423,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
                 if srv is not None:
                     stop(srv)
                 for name in sorted(os.listdir(log_dir)):  # each server's log tail, one file for all
-                    servers_log.write(f"==== {engine} {shape_name} {name}\n{tail(os.path.join(log_dir, name), 40)}\n")
+                    servers_log.write(f"==== {engine} {shape_name} {name}\n{log_tail(os.path.join(log_dir, name), 40)}\n")
                 servers_log.flush()
                 save(args.out, header, rows)
     print("\n" + header + "\n\n" + table(rows), flush=True)
