@@ -54,19 +54,27 @@ BIN_NAMES = ("< -20", "-20..-16", "-16..-12", "-12..-8", "-8..-4", ">= -4")
 TOP = 20
 
 
-def _post(url: str, path: str, body: dict, api_key: str | None, timeout: float = 600.0) -> dict:
-    req = urllib.request.Request(url.rstrip("/") + path, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json",
-                                          **({"Authorization": f"Bearer {api_key}"} if api_key else {})})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
+def _call(url: str, path: str, api_key: str | None, body: dict | None = None, timeout: float = 600.0) -> dict:
+    """GET ``path`` (``body`` None) or POST ``body`` as JSON; the reply's JSON."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    data = None
+    if body is not None:
+        data, headers["Content-Type"] = json.dumps(body).encode(), "application/json"
+    with urllib.request.urlopen(urllib.request.Request(url.rstrip("/") + path, data=data, headers=headers),
+                                timeout=timeout) as r:
         return json.loads(r.read())
 
 
 def _served_name(url: str, api_key: str | None) -> str:
-    req = urllib.request.Request(url.rstrip("/") + "/v1/models",
-                                 headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return json.loads(r.read())["data"][0]["id"]
+    return _call(url, "/v1/models", api_key, timeout=60)["data"][0]["id"]
+
+
+def _sample(url: str, model: str, prompt_ids: list[int], api_key: str | None, seed: dict, **fields) -> dict:
+    """One /v1/completions request at temperature 1 with no truncation, its tokens as ids (``fields``:
+    max_tokens, n, logprobs and the rest)."""
+    return _call(url, "/v1/completions", api_key, {
+        "model": model, "prompt": prompt_ids, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
+        "return_token_ids": True, "return_tokens_as_token_ids": True, **seed, **fields})
 
 
 def _seed(seed: int | None, offset: int) -> dict:
@@ -117,10 +125,8 @@ def first_token(url: str, model: str, prompt_ids: list[int], draws: int, per_req
     calls = -(-draws // per_request)
 
     def one(i: int) -> dict:
-        return _post(url, "/v1/completions", {
-            "model": model, "prompt": prompt_ids, "max_tokens": 1, "n": per_request, "temperature": 1.0,
-            "top_p": 1.0, "top_k": 0, "logprobs": TOP, "return_token_ids": True,
-            "return_tokens_as_token_ids": True, **_seed(seed, 7919 * i)}, api_key)
+        return _sample(url, model, prompt_ids, api_key, _seed(seed, 7919 * i), max_tokens=1, n=per_request,
+                       logprobs=TOP)
 
     with ThreadPoolExecutor(8) as ex:
         for body in ex.map(one, range(calls)):
@@ -142,10 +148,8 @@ def tail(url: str, model: str, prompts: list[list[int]], rows: list[dict], n: in
     """Sampled-token log-prob bins, rewards and lengths over ``prompts`` x ``n``."""
 
     def one(k: int) -> dict:
-        return _post(url, "/v1/completions", {
-            "model": model, "prompt": prompts[k], "max_tokens": max_tokens, "n": n, "temperature": 1.0,
-            "top_p": 1.0, "top_k": 0, "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
-            "stop_token_ids": stop_ids, **_seed(seed, 1009 * k)}, api_key)
+        return _sample(url, model, prompts[k], api_key, _seed(seed, 1009 * k), max_tokens=max_tokens, n=n,
+                       logprobs=0, stop_token_ids=stop_ids)
 
     bins = [0] * len(BIN_NAMES)
     tokens = truncated = stopped = stop_token_last = 0
