@@ -133,12 +133,16 @@ def undefined_names(fn: ast.FunctionDef | ast.AsyncFunctionDef, known: set[str])
     return used - bound
 
 
+def _arg_names(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+    return {a.arg for a in ast.walk(fn.args) if isinstance(a, ast.arg)}
+
+
 def reads_an_argument(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
     """The body reads one of the function's arguments (``self`` and ``cls``
     count), or the function has none: ``return None`` or ``return 0`` under
     ``def area(self):`` does not get the reward a body that works on its
     input gets."""
-    args = {a.arg for a in ast.walk(fn.args) if isinstance(a, ast.arg)}
+    args = _arg_names(fn)
     if not args:
         return True
     return any(isinstance(node, ast.Name) and node.id in args for stmt in fn.body for node in ast.walk(stmt))
@@ -152,7 +156,7 @@ def _nodes(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
 def hands_back_an_argument(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
     """The body only returns one of its arguments as it came (``return self``,
     ``return a``): it reads an argument and parses, and does nothing."""
-    args = {a.arg for a in ast.walk(fn.args) if isinstance(a, ast.arg)}
+    args = _arg_names(fn)
     work = [stmt for stmt in fn.body if not _trivial(stmt)]
     return (len(work) == 1 and isinstance(work[0], ast.Return) and isinstance(work[0].value, ast.Name)
             and work[0].value.id in args)
