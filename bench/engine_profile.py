@@ -332,8 +332,8 @@ def profile_ours(model_dir: str, args: argparse.Namespace, seqs: int, vocab: int
     new, gpu = args.warm_steps + args.steps + 8, args.device != "cpu"  # decode steps: new - 1
     # As bench/engine_vs_vllm.py's server runs it: bf16 on a GPU (static cache, decode graphs), float32 on a CPU.
     eng = Engine(EngineConfig(model_dir, device=args.device, dtype="bfloat16" if gpu else "float32",
-                              max_batch_size=seqs, max_model_len=args.prompt_len + new + 8))
-    trace_path = os.path.join(out, f"trace-ours-{args.shape}-{seqs}.json")
+                              max_batch_size=seqs, max_model_len=args.prompt_len + new + 8, kv_cache=args.kv_cache))
+    trace_path = os.path.join(out, f"trace-ours-{args.shape}-{seqs}-{args.kv_cache}.json")
     hook = StepProfiler(eng, args.warm_steps, args.steps, gpu, trace_path)
     params = SamplingParams(max_new_tokens=new, temperature=1.0, ignore_eos=True, n=N_PER_PROMPT)
     futures = [eng.submit(p, params, top_logprobs_num=args.top_logprobs)
@@ -467,6 +467,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--warm-steps", type=int, default=512)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--top-logprobs", type=int, default=0)
+    ap.add_argument("--kv-cache", default="auto", choices=("auto", "static", "paged"),
+                    help="our engine's KV cache (EngineConfig.kv_cache)")
     ap.add_argument("--hbm-tbps", type=float, default=4.8)
     ap.add_argument("--reply-lengths", default="128,1024", help="reply benchmark lengths ('' for none)")
     ap.add_argument("--reply-seqs", type=int, default=64)

@@ -73,8 +73,6 @@ class PagedBatch(StaticBatch):
         self.max_blocks = blocks_for(max_len, block_size)
         self.max_prefill_tokens = max_prefill_tokens
         self.headroom_tokens = HEADROOM_TOKENS
-        self.kernel = paged_attention.available(device)
-        """Decode attention by ``server/engine/paged_attention.py``'s kernel (else gather + SDPA)."""
         super().__init__(model, device, slots, max_len, graphs=graphs, routes=routes)
         self._table = torch.zeros((slots, self.max_blocks), dtype=torch.long, device=device)
         self._blocks: list[list[int]] = []  # per row: its block ids, in position order
@@ -250,34 +248,11 @@ class PagedBatch(StaticBatch):
         slot = table.gather(1, torch.div(pos, bs, rounding_mode="floor")[:, None])[:, 0] * bs + pos % bs
         return (slot, table, pos), nb * bs
 
-    def _decode_kv(self, li: int, k: torch.Tensor, v: torch.Tensor, b: int, width: int,
-                   where: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the new position into its block; the rows' blocks gathered in table order."""
-        slot, table, _ = where
+    def _cached_kv(self, li: int, b: int, width: int, where: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' blocks gathered in table order (SDPA's path, without the kernel)."""
+        table = where[1]
         n_kv, hd = self.n_kv, self.head_dim
-        self.k[li].view(-1, n_kv, hd)[slot] = k
-        self.v[li].view(-1, n_kv, hd)[slot] = v
         return self.k[li][table].view(b, width, n_kv, hd), self.v[li][table].view(b, width, n_kv, hd)
-
-    def _attend(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: int, width: int,
-                where: Any, mask: torch.Tensor) -> torch.Tensor:
-        if not self.kernel:
-            return super()._attend(li, q, k, v, b, width, where, mask)
-        slot, table, pos = where
-        self.k[li].view(-1, self.n_kv, self.head_dim)[slot] = k
-        self.v[li].view(-1, self.n_kv, self.head_dim)[slot] = v
-        return paged_attention.paged_decode(q, self.k[li], self.v[li], table, pos, self.scaling, width)
-
-    def _capture(self, b: int, nb: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        if self.kernel:
-            # Compile (JIT) the kernel variant of this shape outside the
-            # capture: the warm-up step runs once per row count, not per nb.
-            q = torch.zeros((b, self.n_heads + self.n_kv, self.head_dim), dtype=self.k[0].dtype,
-                            device=self.device)[:, : self.n_heads]
-            table = self._table[:b, :nb]
-            paged_attention.paged_decode(q, self.k[0], self.v[0], table, torch.zeros_like(self._pos[:b]),
-                                         self.scaling, nb * self.block_size)
-        return super()._capture(b, nb)
 
     def shapes(self) -> list[tuple[int, int]]:
         """Every (rows, blocks) pair a decode step can run, largest first (no

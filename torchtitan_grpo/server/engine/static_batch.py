@@ -39,7 +39,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from torchtitan_grpo.server.engine import moe_routes
+from torchtitan_grpo.server.engine import decode_rope, moe_routes, paged_attention
 from torchtitan_grpo.server.engine.static_moe import is_moe, moe_forward
 from torchtitan_grpo.server.engine.to_device import upload
 
@@ -92,8 +92,11 @@ def _norm(module: Any, x: torch.Tensor) -> torch.Tensor:
     # mean, add, rsqrt, mul, mul): per layer that is most of a decode step's
     # launches. Same math (fp32 statistics); the weight multiply is in fp32
     # before the cast instead of after it, a bf16 rounding difference.
-    eps = getattr(module, "variance_epsilon", None) or getattr(module, "eps", 1e-6)
-    return F.rms_norm(x, (x.shape[-1],), module.weight, eps)
+    return F.rms_norm(x, (x.shape[-1],), module.weight, _eps(module))
+
+
+def _eps(module: Any) -> float:
+    return getattr(module, "variance_epsilon", None) or getattr(module, "eps", 1e-6)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -137,6 +140,11 @@ class StaticBatch:
         self.slots = slots
         self.max_len = max_len
         self.graphs = graphs and device.type == "cuda"
+        self.kernel = paged_attention.available(device)
+        """Decode attention by ``server/engine/paged_attention.py``'s kernel (else SDPA over the
+        cache's slices): a slot cache is a pool of ``slots`` blocks of ``max_len`` positions."""
+        self.fused_rope = decode_rope.available(device)
+        """The decode step's q/k norm, rotary and cache write by ``server/engine/decode_rope.py``'s kernel."""
         inner = model.model
         self._inner = inner
         self._layers = list(inner.layers)
@@ -158,6 +166,10 @@ class StaticBatch:
         self._pos = torch.zeros(slots, dtype=torch.long, device=device)
         self._len = [0] * slots  # host mirror of each slot's cached length
         self._free = list(range(slots))  # lowest slot first keeps the live prefix short
+        # Slot i as the kernel's block table sees it (one block of max_len positions), and the flat
+        # index of its position 0 in the cache's [-1, kv_heads, head_dim] view.
+        self._slot_table = torch.arange(slots, device=device)[:, None]
+        self._slot_base = self._slot_table[:, 0] * max_len
         self._slot_of: list[int] = []  # per row
         self.rows: list[Any] = []
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -381,13 +393,18 @@ class StaticBatch:
         (logits into ``out`` if given)."""
         ids, pos = self._tokens[:b], self._pos[:b]
         where, width = self._decode_where(b, n, pos)
-        cos, sin = self._cos[pos], self._sin[pos]
-        mask = (torch.arange(width, device=self.device)[None] <= pos[:, None])[:, None, None, :]
+        cos, sin = (None, None) if self.fused_rope else (self._cos[pos], self._sin[pos])
+        mask = None if self.kernel else (torch.arange(width, device=self.device)[None] <= pos[:, None])[:, None, None, :]
         h = self._inner.embed_tokens(ids)
         self._sink = [] if self._route_buf is not None else None
         for li, layer in enumerate(self._layers):
-            q, k, v = self._attn_qkv(li, _norm(layer.input_layernorm, h), cos, sin)
-            o = self._attend(li, q, k, v, b, width, where, mask)
+            x = _norm(layer.input_layernorm, h)
+            if self.fused_rope:
+                q = self._rope_store(li, x, where)
+            else:
+                q, k, v = self._attn_qkv(li, x, cos, sin)
+                self._store_kv(li, k, v, where)
+            o = self._attend(li, q, b, width, where, mask)
             h = self._mlp(li, h, o.reshape(b, -1))
         if self._sink is not None:  # inside the graph: a copy into the fixed buffer
             self._route_buf[:b].copy_(torch.stack(self._sink, dim=1))
@@ -399,12 +416,33 @@ class StaticBatch:
             return logits if out is None else out.copy_(logits)
         return torch.mm(h, head.weight.t(), out=out)
 
-    def _attend(self, li: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: int, width: int,
-                where: Any, mask: torch.Tensor) -> torch.Tensor:
-        """A decode step's attention in layer ``li``: store the new ``k``, ``v``
-        (:meth:`_decode_kv`) and attend ``q`` ``[b, heads, head_dim]`` over ``width``
-        positions (``mask``: each row's). ``server/engine/paged_batch.py`` overrides it with its kernel."""
-        keys, values = self._decode_kv(li, k, v, b, width, where)
+    def _rope_store(self, li: int, x: torch.Tensor, where: Any) -> torch.Tensor:
+        """Layer ``li``'s fused QKV projection of ``x``, then ``server/engine/decode_rope.py``'s
+        kernel: q and k normed and rotated, k and v written into the cache; returns q."""
+        a = self._layers[li].self_attn
+        wqkv, bqkv = self._fused[li][:2]
+        dst, _, pos = where
+        qn, kn = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+        return decode_rope.rope_store(F.linear(x, wqkv, bqkv), self.n_heads, self.n_kv, self.head_dim, self._cos,
+                                      self._sin, pos, self.k[li], self.v[li], dst,
+                                      None if qn is None else qn.weight, None if kn is None else kn.weight,
+                                      0.0 if qn is None else _eps(qn))
+
+    def _store_kv(self, li: int, k: torch.Tensor, v: torch.Tensor, where: Any) -> None:
+        """Write a decode step's K and V ``[b, kv_heads, head_dim]`` of layer ``li``: row ``r`` at
+        flat index ``dst[r]`` of the cache's ``[-1, kv_heads, head_dim]`` view."""
+        dst = where[0]
+        self.k[li].view(-1, self.n_kv, self.head_dim)[dst] = k
+        self.v[li].view(-1, self.n_kv, self.head_dim)[dst] = v
+
+    def _attend(self, li: int, q: torch.Tensor, b: int, width: int, where: Any,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        """A decode step's attention in layer ``li``, the step's K/V already in the cache: ``q``
+        ``[b, heads, head_dim]`` over each row's positions ``0..pos`` (``width``: the step's span)."""
+        _, table, pos = where
+        if self.kernel:
+            return paged_attention.paged_decode(q, self.k[li], self.v[li], table, pos, self.scaling, width)
+        keys, values = self._cached_kv(li, b, width, where)
         # GQA without copying K/V per query head: the heads of one KV head
         # are its query rows (HF's repeat_kv order: head h reads kv h // group).
         return F.scaled_dot_product_attention(
@@ -414,17 +452,13 @@ class StaticBatch:
         )
 
     def _decode_where(self, b: int, n: int, pos: torch.Tensor) -> tuple[Any, int]:
-        """``(where the step's K/V go, positions it attends over)`` for a step of
-        ``b`` rows over ``n`` cache positions: row ``i`` is slot ``i``, at ``pos[i]``."""
-        return (torch.arange(b, device=self.device), pos), n
+        """``((flat cache index of each row's new position, block table, pos), positions
+        the step attends over)`` for a step of ``b`` rows over ``n`` cache positions:
+        row ``i`` is slot ``i``, at ``pos[i]``."""
+        return (self._slot_base[:b] + pos, self._slot_table[:b], pos), n
 
-    def _decode_kv(self, li: int, k: torch.Tensor, v: torch.Tensor, b: int, width: int,
-                   where: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the step's K/V of layer ``li`` and return the rows' keys and values
-        ``[b, width, kv_heads, head_dim]`` to attend over."""
-        rows, pos = where
-        self.k[li][rows, pos] = k
-        self.v[li][rows, pos] = v
+    def _cached_kv(self, li: int, b: int, width: int, where: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' keys and values of layer ``li``, ``[b, width, kv_heads, head_dim]`` (SDPA's path)."""
         return self.k[li][:b, :width], self.v[li][:b, :width]
 
     def shapes(self) -> list[tuple[int, int]]:
@@ -471,6 +505,14 @@ class StaticBatch:
         return out
 
     def _capture(self, b: int, n: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        if self.kernel:
+            # Compile (JIT) the attention kernel's variant of this shape (one split or
+            # several) outside the capture: the warm-up step below runs once per row count.
+            pos = torch.zeros_like(self._pos[:b])
+            (_, table, _), width = self._decode_where(b, n, pos)
+            q = torch.zeros((b, self.n_heads + self.n_kv, self.head_dim), dtype=self.k[0].dtype,
+                            device=self.device)[:, : self.n_heads]
+            paged_attention.paged_decode(q, self.k[0], self.v[0], table, pos, self.scaling, width)
         # Warm up on a side stream (lazy inits, cuBLAS workspaces) once per
         # slot count, then capture. The step writes the cache at the slots'
         # current positions: harmless, the replay that follows writes the
