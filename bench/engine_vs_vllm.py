@@ -10,6 +10,11 @@ tokens (``ignore_eos``), temperature 1, logprobs on (the sampled token's;
   completions  /v1/completions (``logprobs: K``), both engines
   chat         /v1/chat/completions (``logprobs: true, top_logprobs: K``), both
 
+Engines: ``ours`` (this tree's server), ``vllm``, and ``before``: our server
+run from another source tree (``--before-src DIR``, e.g. ``git archive`` of
+the baseline commit), so a change's before and after come from one call on
+one machine (``x before``; ``--before-routes`` to run it on fewer routes).
+
 The model is a random-weight Qwen3 of the release's shape (``0.6b``, ``4b``;
 ``tiny`` for CPU tests), written here in bf16 as HF safetensors with a
 word-level tokenizer that covers the whole vocabulary (token ``i`` is the
@@ -70,7 +75,9 @@ from torchtitan_grpo.server.httputil import gc_paused  # noqa: E402
 
 SHAPES = {"0.6b": "qwen3-0.6b", "4b": "qwen3-4b", "tiny": "tiny"}
 ROUTES = {"generate": "/generate", "completions": "/v1/completions", "chat": "/v1/chat/completions"}
-ENGINE_ROUTES = {"ours": ("generate", "completions", "chat"), "vllm": ("completions", "chat")}
+ENGINE_ROUTES = {"ours": ("generate", "completions", "chat"), "before": ("generate", "completions", "chat"),
+                 "vllm": ("completions", "chat")}
+"""``before``: the built-in server from another source tree (``--before-src``): a change's baseline in the same call."""
 DEFAULT_VLLM_ENV = "/tmp/vsite/env.sh"
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 """Renders a conversation as its messages' text, nothing added: the chat prompt is the route's prompt ids."""
@@ -190,14 +197,38 @@ class Server:
     log: str
 
 
-def start_ours(model_dir: str, args: argparse.Namespace, max_len: int, log_dir: str) -> Server:
-    from torchtitan_grpo.fleet.launcher import ServerSpec, start_servers
+def _spec(model_dir: str, args: argparse.Namespace, max_len: int) -> Any:
+    from torchtitan_grpo.fleet.launcher import ServerSpec
 
     gpu = args.device != "cpu"
-    spec = ServerSpec(model_dir, device=args.device, dtype="bfloat16" if gpu else "float32", extra_args=(
+    return ServerSpec(model_dir, device=args.device, dtype="bfloat16" if gpu else "float32", extra_args=(
         "--max-batch-size", str(max(args.seqs)), "--max-model-len", str(max_len)))
-    (srv,) = start_servers([spec], log_dir, timeout_s=args.start_timeout_s, attempts=1)
+
+
+def start_ours(model_dir: str, args: argparse.Namespace, max_len: int, log_dir: str) -> Server:
+    from torchtitan_grpo.fleet.launcher import start_servers
+
+    (srv,) = start_servers([_spec(model_dir, args, max_len)], log_dir, timeout_s=args.start_timeout_s, attempts=1)
     return Server("ours", srv.url, srv.proc, srv.log_path)
+
+
+def start_before(model_dir: str, args: argparse.Namespace, max_len: int, log_dir: str) -> Server:
+    """Our server as ``--before-src`` has it: the same command, run in that tree (``-m`` puts the
+    working directory first on the path) with that tree first on PYTHONPATH."""
+    from torchtitan_grpo.fleet.engine_commands import server_command
+
+    src = os.path.abspath(args.before_src)
+    port = free_port()
+    cmd, env = server_command(_spec(model_dir, args, max_len), port)
+    env = dict(os.environ, **env, PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([src] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                                   if p and os.path.abspath(p) != os.getcwd()]))
+    log = os.path.join(log_dir, "before.log")
+    with open(log, "ab") as f:
+        f.write(f"=== (in {src}) {' '.join(cmd)}\n".encode())
+        f.flush()
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=src, start_new_session=True)
+    return _wait_healthy(Server("before", f"http://127.0.0.1:{port}", proc, log), args.start_timeout_s)
 
 
 def vllm_shell(env_file: str | None, command: str) -> list[str]:
@@ -228,13 +259,16 @@ def start_vllm(model_dir: str, args: argparse.Namespace, max_len: int, log_dir: 
         # A session of its own: stopping it stops its engine-core child too (killpg).
         proc = subprocess.Popen(vllm_shell(args.vllm_env, cmd), stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-    srv = Server("vllm", f"http://127.0.0.1:{port}", proc, log)
-    deadline = time.monotonic() + args.start_timeout_s
+    return _wait_healthy(Server("vllm", f"http://127.0.0.1:{port}", proc, log), args.start_timeout_s)
+
+
+def _wait_healthy(srv: Server, timeout_s: float) -> Server:
+    deadline = time.monotonic() + timeout_s
     while not healthy(srv.url):
-        if proc.poll() is not None or time.monotonic() > deadline:
+        if srv.proc.poll() is not None or time.monotonic() > deadline:
             stop(srv)
-            why = f"exited ({proc.returncode})" if proc.returncode is not None else "not healthy in time"
-            raise RuntimeError(f"vLLM {why}; its log ends:\n{log_tail(log, 25)}")
+            why = f"exited ({srv.proc.returncode})" if srv.proc.returncode is not None else "not healthy in time"
+            raise RuntimeError(f"{srv.engine} {why}; its log ends:\n{log_tail(srv.log, 25)}")
         time.sleep(2)
     return srv
 
@@ -258,16 +292,23 @@ def stop(srv: Server) -> None:
 # ---- table -------------------------------------------------------------------- #
 
 COLUMNS = ("engine", "route", "shape", "new", "seqs", "tok/s", "roofline tok/s", "% roofline", "x vLLM",
-           "seconds", "tokens", "status")
+           "x before", "seconds", "tokens", "status")
 
 
 def compare(rows: list[dict]) -> None:
-    """``x vLLM``: a row's tok/s over vLLM's on the same route (/generate against vLLM's /v1/completions)."""
-    ref = {(r["route"], r["shape"], r["new"], r["seqs"]): r["tok/s"] for r in rows
-           if r["engine"] == "vllm" and r.get("tok/s")}
+    """``x vLLM``: a row's tok/s over vLLM's on the same route (/generate against vLLM's /v1/completions);
+    ``x before``: our row's over the ``before`` engine's on the same route."""
+    def ref(engine: str) -> dict:
+        return {(r["route"], r["shape"], r["new"], r["seqs"]): r["tok/s"] for r in rows
+                if r["engine"] == engine and r.get("tok/s")}
+
+    vllm, before = ref("vllm"), ref("before")
     for r in rows:
-        base = ref.get(("completions" if r["route"] == "generate" else r["route"], r["shape"], r["new"], r["seqs"]))
+        key = (r["route"], r.get("shape"), r.get("new"), r.get("seqs"))
+        base = vllm.get(("completions" if r["route"] == "generate" else r["route"], *key[1:]))
         r["x vLLM"] = round(r["tok/s"] / base, 2) if base and r.get("tok/s") else None
+        old = before.get(key) if r["engine"] == "ours" else None
+        r["x before"] = round(r["tok/s"] / old, 2) if old and r.get("tok/s") else None
 
 
 def cell(v: Any) -> str:
@@ -324,11 +365,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--vllm-memory", type=float, default=0.85, help="vLLM's --gpu-memory-utilization")
     ap.add_argument("--vllm-env", default=DEFAULT_VLLM_ENV if os.path.exists(DEFAULT_VLLM_ENV) else None,
                     help="shell file sourced before vLLM starts (default /tmp/vsite/env.sh when present)")
+    ap.add_argument("--before-src", default=None,
+                    help="a source tree of this repo (a baseline commit's): engine 'before' runs our server from it")
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--start-timeout-s", type=float, default=400)
     ap.add_argument("--budget-s", type=float, default=0, help="skip what would start after this many seconds (0: none)")
     ap.add_argument("--out", default="outputs/engine_vs_vllm")
+    ap.add_argument("--before-routes", type=names(ENGINE_ROUTES["before"]), default=None,
+                    help="the before engine's routes (default: --routes)")
     args = ap.parse_args(argv)
+    if "before" in args.engines and not (args.before_src and os.path.isdir(
+            os.path.join(args.before_src, "torchtitan_grpo"))):
+        ap.error(f"--engines before needs --before-src DIR holding a torchtitan_grpo/ package (got {args.before_src!r})")
     if any(s % N_PER_PROMPT for s in args.seqs):
         ap.error(f"--seqs must be multiples of {N_PER_PROMPT} (requests of n={N_PER_PROMPT})")
     return args
@@ -363,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         weight_bytes, vocab = write_model(model_dir, shape_name, args.device)
         prompts = make_prompts(max(args.seqs), args.prompt_len, vocab)
         for engine in args.engines:
-            routes = [r for r in args.routes if r in ENGINE_ROUTES[engine]]
+            wanted = args.before_routes if engine == "before" and args.before_routes else args.routes
+            routes = [r for r in wanted if r in ENGINE_ROUTES[engine]]
             if not routes:
                 continue
             base = {"engine": engine, "shape": shape_name}
@@ -375,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
             srv = None
             t0 = time.monotonic()
             try:
-                start = start_vllm if engine == "vllm" else start_ours
+                start = {"vllm": start_vllm, "before": start_before, "ours": start_ours}[engine]
                 srv = start(model_dir, args, max_len, log_dir)
                 print(f"# {engine} {shape_name}: up in {time.monotonic() - t0:.0f} s", flush=True)
                 for route in routes:

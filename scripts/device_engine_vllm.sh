@@ -19,6 +19,11 @@
 # /start_profile): a second vLLM start, ~150 s more a shape, so it fits the
 # 0.6b call only with TABLE=0 or a shorter table. TABLE=0: the profile alone.
 #
+# A baseline in the same call: carry a tree of the baseline commit (e.g.
+# `mkdir -p .before && git archive REV torchtitan_grpo | tar -x -C .before`, carry
+# ".before") and pass ENGINES=before,ours,vllm ARGS="--before-src .before
+# --before-routes generate,chat".
+#
 # One shape per call: the whole table (both shapes) does not fit 10 minutes
 # (vLLM starts in ~100 s per model). SHAPES=0.6b takes ~6 min, SHAPES=4b ~8.
 # Results: $OUT/engine_vs_vllm.{md,json} (rewritten after every row, so a

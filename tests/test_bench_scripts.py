@@ -343,6 +343,34 @@ def test_engine_vs_vllm_cpu_ours_only(tmp_path):
     assert table.count("| ours |") == 12 and "roofline = seqs x 4.8 TB/s / weight bytes" in table
 
 
+def test_engine_vs_vllm_runs_a_baseline_tree_beside_ours(tmp_path):
+    """``--engines ours,before``: the before engine is our server started from
+    ``--before-src`` (here a copy of the package whose server announces itself),
+    its rows beside ours with ``x before``; a tree without the package is refused."""
+    import shutil
+
+    src = tmp_path / "before"
+    shutil.copytree("torchtitan_grpo", src / "torchtitan_grpo", ignore=shutil.ignore_patterns("__pycache__"))
+    main = src / "torchtitan_grpo" / "server" / "__main__.py"
+    main.write_text('print("SERVER FROM THE BEFORE TREE", flush=True)\n' + main.read_text())
+    out = tmp_path / "out"
+    r, log = _run([sys.executable, "bench/engine_vs_vllm.py", "--device", "cpu", "--engines", "ours,before",
+                   "--before-src", str(src), "--shapes", "tiny", "--lengths", "4", "--seqs", "8", "--prompt-len", "8",
+                   "--warmup-tokens", "2", "--routes", "generate,chat", "--before-routes", "generate",
+                   "--out", str(out)])
+    assert r.returncode == 0, log[-4000:]
+    rows = json.loads((out / "engine_vs_vllm.json").read_text())["rows"]
+    assert [(x["engine"], x["route"]) for x in rows] == [("ours", "generate"), ("ours", "chat"), ("before", "generate")]
+    assert all(x["status"] == "ok" for x in rows), rows
+    assert rows[0]["x before"] == pytest.approx(rows[0]["tok/s"] / rows[2]["tok/s"], rel=0.01)
+    assert rows[1]["x before"] is None and rows[2]["x before"] is None
+    servers = (out / "servers.log").read_text()
+    assert servers.count("SERVER FROM THE BEFORE TREE") == 1 and f"(in {src})" in servers, servers[-3000:]
+    r, log = _run([sys.executable, "bench/engine_vs_vllm.py", "--device", "cpu", "--engines", "before",
+                   "--before-src", str(tmp_path), "--out", str(out)])
+    assert r.returncode == 2 and "--before-src" in r.stderr, log[-2000:]
+
+
 def test_engine_vs_vllm_says_when_vllm_is_missing(tmp_path):
     if subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True).returncode == 0:
         pytest.skip("vLLM is importable here")
