@@ -137,19 +137,71 @@ def launch_sample(
         if proc is logits and all(k == vocab for k in top_k) and all(p.top_p >= 1.0 and p.min_p <= 0 for p in params):
             # Nothing edits or truncates the distribution: it is exp(logp),
             # which saves the second softmax's passes over [rows, vocab].
-            cdf = logp.exp().cumsum_(dim=-1)
+            probs = logp.exp()
         else:
             x = _truncate(proc.float() / temps, top_k, [p.top_p for p in params], [p.min_p for p in params])
-            cdf = torch.softmax(x, dim=-1).cumsum_(dim=-1)
-        u = upload([(s.generator or rng).random() for s in seqs], device, cdf.dtype)
-        # The first token whose cumulative mass exceeds u (scaled by the total,
-        # which rounding keeps a hair off 1): token i wins with probability p_i;
-        # a token of zero mass never does.
-        drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1).clamp_(max=vocab - 1)
+            probs = torch.softmax(x, dim=-1)
+        u = upload([(s.generator or rng).random() for s in seqs], device, probs.dtype)
+        drawn = _inverse_cdf(probs, u)
         tokens = drawn if not any(greedy) else torch.where(
             upload(greedy, device), proc.argmax(dim=-1), drawn)
     chosen = logp.gather(1, tokens[:, None]).squeeze(1)
     return Launched(tokens, chosen, top_rows(logp, seqs, device))
+
+
+_CDF_BLOCK = 512
+"""Tokens per block of :func:`_inverse_cdf`. CUDA's cumsum walks a row in
+serial chunks of at most 1,024 elements, one row per thread block at a large
+vocabulary (~150 chunks for 152k tokens: the slowest sampling kernel of a
+decode step). Two scans, one over the ``vocab / block`` block masses and one
+over a block, cost least when both are short: a power of two near
+sqrt(vocab) (~390 for 152k) puts each at a few chunks; the block masses are
+one plain reduction over the probabilities, as fast at any block size."""
+
+_U_MAX = 1.0 - 2.0**-23
+"""x * _U_MAX < x for every positive normal fp32 x (x * 2**-23 is at least
+an ulp of x): a uniform clamped to it lands strictly below the total mass, a
+residual clamped to a block's total * _U_MAX strictly below that total."""
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor, block: int = _CDF_BLOCK) -> torch.Tensor:
+    """Per row of ``probs`` ([rows, vocab], non-negative, any positive total),
+    the first token whose cumulative mass exceeds ``u * total`` (``u``: [rows]
+    in [0, 1)): token i wins with probability p_i, a token of zero mass never
+    does, and a row's token depends on that row's values only.
+
+    Two levels instead of one cumsum over the vocabulary (see
+    :data:`_CDF_BLOCK`): the mass of each block of ``block`` tokens, the
+    block where the cumulative mass passes the target, then the token inside
+    that block. In exact arithmetic that is the one-level draw; in fp32 the
+    two can differ only where the target is within rounding of a boundary."""
+    n, vocab = probs.shape
+    block = min(block, vocab)
+    whole = vocab - vocab % block
+    # cum[:, j]: the mass of the blocks before block j (an exclusive scan, so
+    # a block's start is read, not recomputed with its own rounding); the
+    # last, partial block (vocab not a multiple of block) is summed apart.
+    parts = [probs.new_zeros(n, 1), probs[:, :whole].view(n, -1, block).sum(-1)]
+    if whole < vocab:
+        parts.append(probs[:, whole:].sum(-1, keepdim=True))
+    cum = torch.cat(parts, dim=1).cumsum_(dim=-1)
+    target = u.clamp(max=_U_MAX)[:, None] * cum[:, -1:]
+    # cum[b] <= target < cum[b + 1]. Never below 0 (target >= 0 = cum[:, 0]);
+    # past the last block only in a NaN row, whose columns the clamps below
+    # keep in range (an index past the vocabulary would be a device-side
+    # assert, the engine's end, not one bad token).
+    b = torch.searchsorted(cum, target, right=True) - 1
+    # Columns past the vocabulary (a partial last block) re-read its last
+    # token: they lie past the block's real mass, so only a rounding overshoot
+    # reaches them, and the final clamp maps that back to the last token.
+    cols = torch.arange(block, device=probs.device).add(b, alpha=block).clamp_(max=vocab - 1)
+    within = probs.gather(1, cols).cumsum_(dim=-1)
+    # The target past the block's start, kept below the block's own total
+    # (its scan and the block-mass reduction round differently): the token
+    # found then has mass (within[t] > rest >= within[t - 1]).
+    rest = torch.minimum(target - cum.gather(1, b), within[:, -1:] * _U_MAX)
+    t = torch.searchsorted(within, rest, right=True)
+    return t.add_(b, alpha=block).squeeze(1).clamp_(max=vocab - 1)
 
 
 def process_logits(
