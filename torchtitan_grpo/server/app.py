@@ -295,9 +295,15 @@ async def serve(engine: Engine, cfg: ServerConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    # A failed device ends the engine's worker: exit (main's code 4) so a supervisor restarts us
+    # rather than serve health checks from a process that can no longer compute.
+    engine.on_fatal = lambda _e: loop.call_soon_threadsafe(stop.set)
     logger.info("ready: model %s on http://%s:%d (device %s)", cfg.model, cfg.host, port, engine.device)
     print(f"ready http://{cfg.host}:{port}", flush=True)
     await stop.wait()
+    if engine.worker_error is not None:
+        print(f"error: the device failed ({str(engine.worker_error).splitlines()[0][:200]}); exiting so that a "
+              "supervisor restarts the server", file=sys.stderr, flush=True)
     logger.info("shutting down")
     engine.shutdown()
     routes.close()
@@ -328,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot listen on {cfg.host}:{cfg.port}: {e}", file=sys.stderr, flush=True)
         engine.shutdown()
         code = 3
+    if engine.worker_error is not None:
+        code = 4
     # A thread may still sit in a collective (a trainer that vanished mid-push)
     # or in a rendezvous; waiting for it would hang shutdown until its timeout.
     logging.shutdown()

@@ -60,6 +60,13 @@ logger = logging.getLogger(__name__)
 # --------------------------------------------------------------------------- #
 
 
+def device_broken(e: BaseException) -> bool:
+    """Whether ``e`` says the device itself failed (a CUDA error, a device-side assert): the
+    context is then unusable and every later step would fail too, unlike a bad request's error."""
+    accel = getattr(torch, "AcceleratorError", None)
+    return (accel is not None and isinstance(e, accel)) or "CUDA error" in str(e)
+
+
 @dataclass
 class EngineConfig:
     """Built-in engine settings (the server CLI maps 1:1 onto these)."""
@@ -156,6 +163,10 @@ class Engine(EngineWeights):
         self._stopping = False
         self._worker: threading.Thread | None = None
         self.worker_error: BaseException | None = None
+        """Set when the device failed under the worker (:func:`device_broken`): the worker has ended."""
+        self.on_fatal: Callable[[BaseException], None] | None = None
+        """Called from the worker when it ends on a device failure (the server exits on it, so a
+        supervisor restarts it: a CUDA context after a device-side assert computes nothing more)."""
         self._debug_sleep: Callable[[float], None] = time.sleep
         """How ``debug_decode_delay_s`` waits (a test swaps it to count steps)."""
 
@@ -193,6 +204,8 @@ class Engine(EngineWeights):
         with self._cv:
             if self._stopping:
                 raise RequestError("the engine is shutting down")
+            if self.worker_error is not None:
+                raise RequestError(f"the device failed, the server is exiting: {self.worker_error}")
             for s in req.seqs:
                 if params.max_new_tokens == 0:
                     self._finish(s, FinishReason("length", length=0))
@@ -432,11 +445,20 @@ class Engine(EngineWeights):
                     self._decode_step()
             except Exception as e:
                 logger.exception("generation step failed; failing the affected requests")
+                fatal = device_broken(e)
                 with self._cv:
                     for s in set(self._rows) | set(admit):
                         if s.finish is None:
                             self._finish(s, FinishReason("abort", message=f"internal error: {e}"))
-                    self._clear_batch()
+                    if fatal:
+                        self.worker_error = e
+                        self._abort_everything(f"the device failed: {e}")
+                    else:
+                        self._clear_batch()
+                if fatal:  # (the finally below still runs)
+                    if self.on_fatal is not None:
+                        self.on_fatal(e)
+                    return
             finally:
                 with self._cv:
                     self._stepping = False

@@ -39,7 +39,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from torchtitan_grpo.server.engine import decode_rope, moe_routes, paged_attention
+from torchtitan_grpo.server.engine import decode_rope, fused_ops, moe_routes, paged_attention
 from torchtitan_grpo.server.engine.static_moe import is_moe, moe_forward
 from torchtitan_grpo.server.engine.to_device import upload
 
@@ -145,6 +145,9 @@ class StaticBatch:
         cache's slices): a slot cache is a pool of ``slots`` blocks of ``max_len`` positions."""
         self.fused_rope = decode_rope.available(device)
         """The decode step's q/k norm, rotary and cache write by ``server/engine/decode_rope.py``'s kernel."""
+        self.fused_ops = fused_ops.available(device)
+        """Residual add + norm and SwiGLU by ``server/engine/fused_ops.py``'s kernels."""
+        self._silu = getattr(model.config, "hidden_act", "silu") == "silu"
         inner = model.model
         self._inner = inner
         self._layers = list(inner.layers)
@@ -224,13 +227,20 @@ class StaticBatch:
         self.rows, self._slot_of = [], []
         self._free = list(range(self.slots))
         self._len = [0] * self.slots
+        self._pos.zero_()
 
     def keep(self, idx: list[int]) -> None:
         kept = set(idx)
-        for i, slot in enumerate(self._slot_of):
-            if i not in kept:
-                self._len[slot] = 0
-                self._free.append(slot)
+        freed = [slot for i, slot in enumerate(self._slot_of) if i not in kept]
+        for slot in freed:
+            self._len[slot] = 0
+            self._free.append(slot)
+        if freed:
+            # A free slot inside a step's bucket is computed too (its row unread): at position 0, its
+            # own. Left where its row ended, a row that filled the cache (and the step run ahead of
+            # its end) would sit at max_len: past the rotary table and, for the fused cache write,
+            # at position 0 of the next slot (run 135's device-side assert).
+            self._pos[upload(freed, self.device)] = 0
         self._free.sort()
         self.rows = [self.rows[i] for i in idx]
         self._slot_of = [self._slot_of[i] for i in idx]
@@ -313,17 +323,29 @@ class StaticBatch:
         qk = _rotate(qk, cos.unsqueeze(-2), sin.unsqueeze(-2))
         return qk[..., : self.n_heads, :], qk[..., self.n_heads :, :], v
 
-    def _mlp(self, li: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+    def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, norm: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(h + delta, norm(h + delta))``: the residual stream and the next block's input (``delta``
+        None: ``h`` as it is), one kernel with the fused ops."""
+        if delta is None:
+            return h, _norm(norm, h)
+        return fused_ops.add_rms_norm(h, delta, norm.weight, _eps(norm), self.fused_ops)
+
+    def _mlp(self, li: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer ``li``'s MLP (or MoE block) of its normed input ``x``: what it adds to the residual."""
         layer = self._layers[li]
-        wgu, bgu = self._fused[li][2:]
-        h = h + layer.self_attn.o_proj(attn_out)
         if self._moe[li]:
-            out, idx = moe_forward(layer.mlp, _norm(layer.post_attention_layernorm, h))
+            out, idx = moe_forward(layer.mlp, x)
             if self._sink is not None:
                 self._sink.append(idx)
-            return h + out
-        gate, up = F.linear(_norm(layer.post_attention_layernorm, h), wgu, bgu).chunk(2, dim=-1)
-        return h + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+            return out
+        wgu, bgu = self._fused[li][2:]
+        gate_up = F.linear(x, wgu, bgu)
+        if self._silu:
+            inner = fused_ops.silu_mul(gate_up, self.fused_ops)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            inner = layer.mlp.act_fn(gate) * up
+        return layer.mlp.down_proj(inner)
 
     def _contexts(self, seqs: list[Any]) -> tuple[list[list[int]], list[int]]:
         """``(contexts, row_of)``: one context per distinct prompt (samples of one
@@ -375,17 +397,20 @@ class StaticBatch:
             ids[i, : len(c)] = torch.tensor(c)
         ids = ids.to(self.device)
         cos, sin = self._cos[:width][None], self._sin[:width][None]
-        h = self._inner.embed_tokens(ids)
+        h, delta = self._inner.embed_tokens(ids), None
         for li, layer in enumerate(self._layers):
-            q, k, v = self._attn_qkv(li, _norm(layer.input_layernorm, h), cos, sin)
+            h, x = self._add_norm(h, delta, layer.input_layernorm)
+            q, k, v = self._attn_qkv(li, x, cos, sin)
             self._store_prefill_kv(li, k, v, where)
             o = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                 is_causal=True, scale=self.scaling, enable_gqa=self.n_kv != self.n_heads,
             )
-            h = self._mlp(li, h, o.transpose(1, 2).reshape(n, width, -1))
-        last = torch.tensor([len(c) - 1 for c in ctxs], device=self.device)
-        h = _norm(self._inner.norm, h[torch.arange(n, device=self.device), last])
+            h, x = self._add_norm(h, layer.self_attn.o_proj(o.transpose(1, 2).reshape(n, width, -1)),
+                                  layer.post_attention_layernorm)
+            delta = self._mlp(li, x)
+        rows = torch.arange(n, device=self.device), torch.tensor([len(c) - 1 for c in ctxs], device=self.device)
+        h = _norm(self._inner.norm, h[rows] + delta[rows])  # the last positions only
         return self.model.lm_head(h)
 
     def _step(self, b: int, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -395,21 +420,22 @@ class StaticBatch:
         where, width = self._decode_where(b, n, pos)
         cos, sin = (None, None) if self.fused_rope else (self._cos[pos], self._sin[pos])
         mask = None if self.kernel else (torch.arange(width, device=self.device)[None] <= pos[:, None])[:, None, None, :]
-        h = self._inner.embed_tokens(ids)
+        h, delta = self._inner.embed_tokens(ids), None
         self._sink = [] if self._route_buf is not None else None
         for li, layer in enumerate(self._layers):
-            x = _norm(layer.input_layernorm, h)
+            h, x = self._add_norm(h, delta, layer.input_layernorm)
             if self.fused_rope:
                 q = self._rope_store(li, x, where)
             else:
                 q, k, v = self._attn_qkv(li, x, cos, sin)
                 self._store_kv(li, k, v, where)
             o = self._attend(li, q, b, width, where, mask)
-            h = self._mlp(li, h, o.reshape(b, -1))
+            h, x = self._add_norm(h, layer.self_attn.o_proj(o.reshape(b, -1)), layer.post_attention_layernorm)
+            delta = self._mlp(li, x)
         if self._sink is not None:  # inside the graph: a copy into the fixed buffer
             self._route_buf[:b].copy_(torch.stack(self._sink, dim=1))
             self._sink = None
-        h = _norm(self._inner.norm, h)
+        h = self._add_norm(h, delta, self._inner.norm)[1]
         head = self.model.lm_head
         if out is None or head.bias is not None:
             logits = head(h)
