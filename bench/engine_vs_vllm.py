@@ -69,6 +69,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.paged_speed import N_PER_PROMPT, make_prompts, shape as paged_shape  # noqa: E402
+from torchtitan_grpo import jsonfast  # noqa: E402
 from torchtitan_grpo.fleet.launcher import log_tail  # noqa: E402
 from torchtitan_grpo.net import free_port  # noqa: E402
 from torchtitan_grpo.server.httputil import gc_paused  # noqa: E402
@@ -163,14 +164,15 @@ async def run_requests(url: str, route: str, bodies: list[dict]) -> tuple[float,
                                      connector=aiohttp.TCPConnector(limit=0)) as s:
         async def one(body: dict) -> tuple[int, int]:
             async with s.post(url + ROUTES[route], json=body) as r:
-                text = await r.text()
+                raw = await r.read()
                 if r.status != 200:
-                    raise RuntimeError(f"{ROUTES[route]} answered {r.status}: {text[:200]}")
+                    raise RuntimeError(f"{ROUTES[route]} answered {r.status}: {raw[:200]!r}")
             # Parsed with the cyclic collector paused: a chat reply at 1,024 tokens makes a dict per
             # token, and the collector's passes over them cost this client 3 x the parse (313 vs 91 ms
             # on CPU for 7.7 MB), which would be counted against whichever server sent the reply.
+            # jsonfast (orjson where installed) as the trainer's pool parses replies.
             with gc_paused():
-                return count(route, json.loads(text))
+                return count(route, jsonfast.loads(raw))
 
         t0 = time.perf_counter()
         got = await asyncio.gather(*(one(b) for b in bodies))

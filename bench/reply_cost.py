@@ -6,8 +6,10 @@ For ``--seqs`` samples (requests of n=8, as ``bench/engine_vs_vllm.py`` sends
 them) of each length, logprobs on (top 0), random token ids over a
 vocabulary of ``--vocab`` (a random-weight model samples near uniformly, so
 most ids are new to the engine's token-text cache): each route's builder as
-its handler calls it (``httputil.gc_paused`` around it), then ``json.dumps``
-of each reply (what aiohttp's ``json_response`` runs). "cold": the token-text
+its handler calls it (``httputil.gc_paused`` around it), then the encoding of
+each reply by ``jsonfast.dumps`` (``httputil.json_reply``: orjson where
+installed) and, as the baseline in the same run, by ``json.dumps`` (what
+aiohttp's ``json_response``, the routes' encoder before, runs). "cold": the token-text
 cache empty; "warm": best of 3 after. The tokenizer is
 ``bench/engine_vs_vllm.py``'s word-level one (token ``i`` is ``w<i>``).
 
@@ -27,6 +29,7 @@ from typing import Any, Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torchtitan_grpo  # noqa: E402,F401  (before torchtitan)
+from torchtitan_grpo import jsonfast  # noqa: E402
 
 from bench.paged_speed import N_PER_PROMPT  # noqa: E402
 
@@ -122,11 +125,13 @@ def reply_rows(model_dir: str, vocab: int, seqs: int, lengths: list[int], repeat
             replies = [build(rs) for rs in requests]
             cold = time.perf_counter() - t0
             warm = min(_timed(lambda: [build(rs) for rs in requests]) for _ in range(repeats))
-            dumps = min(_timed(lambda: [json.dumps(r) for r in replies]) for _ in range(repeats))
-            size = sum(len(json.dumps(r)) for r in replies)
+            dumps = min(_timed(lambda: [jsonfast.dumps(r) for r in replies]) for _ in range(repeats))
+            std = min(_timed(lambda: [json.dumps(r) for r in replies]) for _ in range(repeats))
+            size = sum(len(jsonfast.dumps(r)) for r in replies)
             rows.append({"route": route, "seqs": seqs, "new": new, "build_cold_ms": cold * 1e3,
-                         "build_warm_ms": warm * 1e3, "dumps_ms": dumps * 1e3, "reply_mb": size / 1e6,
-                         "us_per_token": (warm + dumps) / (seqs * new) * 1e6})
+                         "build_warm_ms": warm * 1e3, "dumps_ms": dumps * 1e3, "json_dumps_ms": std * 1e3,
+                         "reply_mb": size / 1e6, "us_per_token": (warm + dumps) / (seqs * new) * 1e6,
+                         "us_per_token_json": (warm + std) / (seqs * new) * 1e6})
     return rows
 
 
@@ -138,7 +143,8 @@ def _timed(fn: Callable[[], Any]) -> float:
 
 
 def reply_table(rows: list[dict]) -> str:
-    cols = ("route", "seqs", "new", "build_cold_ms", "build_warm_ms", "dumps_ms", "reply_mb", "us_per_token")
+    cols = ("route", "seqs", "new", "build_cold_ms", "build_warm_ms", "dumps_ms", "json_dumps_ms", "reply_mb",
+            "us_per_token", "us_per_token_json")
     lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
     lines += ["| " + " | ".join(_fmt(r[c]) for c in cols) + " |" for r in rows]
     return "\n".join(lines)
@@ -161,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     write_tokenizer(tok_dir, args.vocab)
     rows = reply_rows(tok_dir, args.vocab, args.seqs, [int(x) for x in args.lengths.split(",") if x],
                       gc_pause=not args.no_gc_pause)
+    print(f"encoder: {'orjson ' + jsonfast.orjson.__version__ if jsonfast.orjson else 'json (orjson not installed)'}")
     print(reply_table(rows))
     return 0
 

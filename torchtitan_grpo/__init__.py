@@ -5,7 +5,7 @@ Packages by concern, lowest first: ``config`` and ``protocol``; ``models``;
 ``server`` (the two sides of inference); ``rollout``. At the root:
 ``session`` (rank 0's inference side wired together for ``grpo_train.py``,
 the top: nothing imports it) and shared helpers any package may use
-(``aio``, ``net``, ``reasons``, ``metrics``, ``stopping``, ``_titan``).
+(``aio``, ``net``, ``jsonfast``, ``reasons``, ``metrics``, ``stopping``, ``_titan``).
 
 May import: config, models, distributed, lora, train, weight_sync, protocol, fleet, rollout.
 """

@@ -73,6 +73,7 @@ from typing import Any, Callable
 
 import aiohttp
 
+from torchtitan_grpo import jsonfast
 from torchtitan_grpo.fleet import sglang
 from torchtitan_grpo.fleet.replicas import CATCHING_UP, DOWN, HEALTHY, REMOVED, SLOW, STATE_CODES, Replica, ReplicaSet, read_replica_file
 from torchtitan_grpo.fleet.types import Completion, MalformedResponse, SamplingParams
@@ -435,9 +436,12 @@ class InferencePool:
         if status != 200:
             raise _ReplicaFailure("http", f"HTTP {status}: {raw[:300].decode(errors='replace')}")
         try:
-            data = json.loads(raw)
+            data = jsonfast.loads(raw)
         except ValueError:
-            raise _ReplicaFailure("malformed", f"reply is not JSON: {raw[:100]!r}") from None
+            try:  # NaN / Infinity: not JSON, but what Python's encoder writes; orjson refuses them
+                data = json.loads(raw)
+            except ValueError:
+                raise _ReplicaFailure("malformed", f"reply is not JSON: {raw[:100]!r}") from None
         try:
             out = self.backend.parse(data, n, r.url)
         except MalformedResponse as e:

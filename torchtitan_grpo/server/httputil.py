@@ -8,8 +8,9 @@
 * Fields (:func:`get_field`): a field of the wrong JSON type is a
   :class:`BadRequest` naming it (the app turns it into SGLang's 400 shape;
   the vLLM routes have their own, ``vllm_http.field``).
-* Replies (:func:`gc_paused`): a large reply is built with the cyclic
-  garbage collector held off.
+* Replies (:func:`gc_paused`, :func:`json_reply`): a large reply is built
+  with the cyclic garbage collector held off and encoded by ``jsonfast``
+  (orjson where installed).
 * The API key (:func:`authorized`, :data:`OPEN_PATHS`), handlers that must
   run to completion (:func:`shielded`), and the weight-update knobs both
   protocols share (:func:`ack_posted`, :func:`debug_update_delay`).
@@ -28,6 +29,14 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Iterator
 
 from aiohttp import web
+
+from torchtitan_grpo import jsonfast
+
+
+def json_reply(data: Any, status: int = 200) -> web.Response:
+    """``web.json_response`` with :mod:`torchtitan_grpo.jsonfast`'s encoder: a generation reply with
+    log-probs is one object per token, and the standard encoder took longer than building it."""
+    return web.Response(body=jsonfast.dumps(data), status=status, content_type="application/json")
 
 
 def is_int(v: Any) -> bool:

@@ -14,13 +14,13 @@ line per chunk, ``data: [DONE]`` at the end.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from aiohttp import web
 
+from torchtitan_grpo import jsonfast
 from torchtitan_grpo.server.engine.requests import SampleResult, SamplingParams, decode_ids
 
 logger = logging.getLogger("torchtitan_grpo.server")
@@ -156,7 +156,7 @@ async def open_sse(request: web.Request) -> web.StreamResponse:
 
 
 async def send_event(resp: web.StreamResponse, payload: dict) -> None:
-    await resp.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
+    await resp.write(b"data: " + jsonfast.dumps(payload) + b"\n\n")
 
 
 async def send_done(resp: web.StreamResponse) -> None:

@@ -33,7 +33,7 @@ from torchtitan_grpo.server.engine import moe_routes
 from torchtitan_grpo.server.routes import prompt_logprobs
 from torchtitan_grpo.protocol import route_codec
 from torchtitan_grpo.server.engine.engine import Engine
-from torchtitan_grpo.server.httputil import BadRequest, BodyLimits, gc_paused, get_field as _get, is_int as _is_int, json_body, off_loop_if_large, result, shielded
+from torchtitan_grpo.server.httputil import BadRequest, BodyLimits, gc_paused, get_field as _get, is_int as _is_int, json_body, json_reply, off_loop_if_large, result, shielded
 from torchtitan_grpo.server.engine.requests import RequestError, SampleResult, SamplingParams, parse_stop
 from torchtitan_grpo.server.settings import ServerConfig
 from torchtitan_grpo.fleet.types import BUILTIN_ENGINE
@@ -201,7 +201,7 @@ class SGLangGenerateRoutes:
                 for i, samples in enumerate(results)
                 for r in samples
             ]
-        return web.json_response(out[0] if call.single else out)
+        return json_reply(out[0] if call.single else out)
 
     async def input_logprobs(self, call: "_GenerateCall") -> list[dict]:
         """Per prompt, the ``meta_info`` fields of its prompt logprobs ({} when

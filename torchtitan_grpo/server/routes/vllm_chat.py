@@ -49,7 +49,7 @@ from torchtitan_grpo.protocol import route_codec
 from torchtitan_grpo.fleet import vllm as proto
 from torchtitan_grpo.models.chat_template import ChatRenderer, ChatTemplateError
 from torchtitan_grpo.server.engine.engine import Engine
-from torchtitan_grpo.server.httputil import BodyLimits, gc_paused, off_loop_if_large, read_json
+from torchtitan_grpo.server.httputil import BodyLimits, gc_paused, json_reply, off_loop_if_large, read_json
 from torchtitan_grpo.server.engine.requests import RequestError, SampleResult, SamplingParams
 from torchtitan_grpo.server.vllm_http import MAX_LOGPROBS, PauseGate, bad, check_model, field, served_names, vllm_api
 from torchtitan_grpo.server.routes.vllm_openai import check_output_room, choice_routes, gather_samples, prompt_routes, refuse_unsupported, routes_wanted, sampling_params, token_names, stream_fields, top_entries, vllm_names
@@ -132,7 +132,7 @@ class ChatRoutes:
         routes = {route_codec.VLLM_PROMPT_FIELD: prompt_routes(samples, len(call.prompt))} if call.routes else {}
         with gc_paused():  # a dict and a list per logprob token
             choices = [self._choice(i, r, call) for i, r in enumerate(samples)]
-        return web.json_response({**routes,
+        return json_reply({**routes,
             "id": rid, "object": "chat.completion", "created": int(time.time()),
             "model": body.get("model") or self.served_names[0],
             "choices": choices,

@@ -32,7 +32,7 @@ from typing import Any
 from aiohttp import web
 
 from torchtitan_grpo.server.engine.engine import Engine
-from torchtitan_grpo.server.httputil import BodyLimits, is_int, off_loop_if_large
+from torchtitan_grpo.server.httputil import BodyLimits, is_int, json_reply, off_loop_if_large
 from torchtitan_grpo.server.engine.requests import RequestError, SamplingParams
 from torchtitan_grpo.server.vllm_http import MAX_LOGPROBS, PauseGate, VLLMError, bad, field
 from torchtitan_grpo.server.routes.vllm_openai import gather_samples, refuse_unsupported, refused_field, sampling_params, top_entries, vllm_names
@@ -103,7 +103,7 @@ class VLLMGenerateRoute:
                                 for step in range(len(r.output_ids))] for r in samples]
             out["prompt_token_ids"] = call.prompt
             out["token_ids"] = [r.output_ids for r in samples]
-        return web.json_response(out)
+        return json_reply(out)
 
     def _parse(self, body: dict) -> _GenerateCall:
         unknown = sorted(set(body) - SAMPLING_FIELDS - set(_UNSUPPORTED) - {"prompt"})

@@ -27,7 +27,7 @@ from torchtitan_grpo.protocol import route_codec
 from torchtitan_grpo.server.routes import prompt_logprobs as plp
 from torchtitan_grpo.fleet import vllm as proto
 from torchtitan_grpo.server.engine.engine import Engine
-from torchtitan_grpo.server.httputil import BodyLimits, gc_paused, is_int as _is_int, off_loop_if_large, read_json
+from torchtitan_grpo.server.httputil import BodyLimits, gc_paused, is_int as _is_int, json_reply, off_loop_if_large, read_json
 from torchtitan_grpo.server.engine.requests import RequestError, SampleResult, SamplingParams, parse_stop
 from torchtitan_grpo.server.vllm_http import (MAX_LOGPROBS, PauseGate, bad as _bad, check_model, field as _field, served_names,
                                                 stop_reason, version_spans, vllm_api)
@@ -296,7 +296,7 @@ class OpenAIRoutes:
         }
         if call.routes:
             reply[route_codec.VLLM_PROMPT_FIELD] = prompt_routes(results[0], len(call.prompts[0]))
-        return web.json_response(reply)
+        return json_reply(reply)
 
     def _parse_completions(self, body: dict) -> _CompletionCall:
         """Check a whole body (every prompt) before anything is queued; every
