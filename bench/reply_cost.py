@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torchtitan_grpo  # noqa: E402,F401  (before torchtitan)
 from torchtitan_grpo import jsonfast  # noqa: E402
+from torchtitan_grpo.server.routes import vllm_chat  # noqa: E402
 
 from bench.paged_speed import N_PER_PROMPT  # noqa: E402
 
@@ -113,7 +114,9 @@ def reply_builders(engine: Any, model_dir: str, new: int, gc_pause: bool = True)
 
 def reply_rows(model_dir: str, vocab: int, seqs: int, lengths: list[int], repeats: int = 3,
                gc_pause: bool = True) -> list[dict]:
-    """Host ms to build and encode every route's replies for ``seqs`` samples (requests of n=8), per length."""
+    """Host ms to build and encode every route's replies for ``seqs`` samples (requests of n=8), per
+    length: as the routes do now (``jsonfast``: orjson, the chat content written as one fragment), and,
+    the baseline of the same run, with the standard library (one object per token, ``json.dumps``)."""
     engine = TextEngine(model_dir)
     rows = []
     for new in lengths:
@@ -121,18 +124,33 @@ def reply_rows(model_dir: str, vocab: int, seqs: int, lengths: list[int], repeat
         requests = [results[i:i + N_PER_PROMPT] for i in range(0, seqs, N_PER_PROMPT)]
         for route, build in reply_builders(engine, model_dir, new, gc_pause).items():
             engine._token_texts = {}
+            vllm_chat.clear_caches()
             t0 = time.perf_counter()
             replies = [build(rs) for rs in requests]
             cold = time.perf_counter() - t0
             warm = min(_timed(lambda: [build(rs) for rs in requests]) for _ in range(repeats))
             dumps = min(_timed(lambda: [jsonfast.dumps(r) for r in replies]) for _ in range(repeats))
-            std = min(_timed(lambda: [json.dumps(r) for r in replies]) for _ in range(repeats))
             size = sum(len(jsonfast.dumps(r)) for r in replies)
+            with _standard_library():
+                std_replies = [build(rs) for rs in requests]
+                std_build = min(_timed(lambda: [build(rs) for rs in requests]) for _ in range(repeats))
+                std = min(_timed(lambda: [json.dumps(r) for r in std_replies]) for _ in range(repeats))
             rows.append({"route": route, "seqs": seqs, "new": new, "build_cold_ms": cold * 1e3,
-                         "build_warm_ms": warm * 1e3, "dumps_ms": dumps * 1e3, "json_dumps_ms": std * 1e3,
-                         "reply_mb": size / 1e6, "us_per_token": (warm + dumps) / (seqs * new) * 1e6,
-                         "us_per_token_json": (warm + std) / (seqs * new) * 1e6})
+                         "build_warm_ms": warm * 1e3, "dumps_ms": dumps * 1e3, "reply_mb": size / 1e6,
+                         "us_per_token": (warm + dumps) / (seqs * new) * 1e6, "json_build_ms": std_build * 1e3,
+                         "json_dumps_ms": std * 1e3, "us_per_token_json": (std_build + std) / (seqs * new) * 1e6})
     return rows
+
+
+class _standard_library:
+    """The routes without orjson: ``jsonfast`` falls back to ``json`` (no fragments)."""
+
+    def __enter__(self) -> None:
+        self.saved = jsonfast.orjson, jsonfast.Fragment
+        jsonfast.orjson = jsonfast.Fragment = None
+
+    def __exit__(self, *exc: object) -> None:
+        jsonfast.orjson, jsonfast.Fragment = self.saved
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -143,8 +161,8 @@ def _timed(fn: Callable[[], Any]) -> float:
 
 
 def reply_table(rows: list[dict]) -> str:
-    cols = ("route", "seqs", "new", "build_cold_ms", "build_warm_ms", "dumps_ms", "json_dumps_ms", "reply_mb",
-            "us_per_token", "us_per_token_json")
+    cols = ("route", "seqs", "new", "build_cold_ms", "build_warm_ms", "dumps_ms", "reply_mb", "us_per_token",
+            "json_build_ms", "json_dumps_ms", "us_per_token_json")
     lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
     lines += ["| " + " | ".join(_fmt(r[c]) for c in cols) + " |" for r in rows]
     return "\n".join(lines)

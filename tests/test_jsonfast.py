@@ -33,3 +33,34 @@ def test_a_non_finite_float_is_written_as_null_not_nan():
     if jsonfast.orjson is None:
         pytest.skip("orjson is not installed here")
     assert json.loads(jsonfast.dumps({"logprob": float("-inf")})) == {"logprob": None}
+
+
+def test_the_chat_routes_content_text_parses_to_the_objects_it_replaces(tmp_path, monkeypatch):
+    """Chat log-probs without top entries are written as one JSON fragment (no object per token):
+    parsed, the reply equals the one built an object per token, with a non-ASCII token, a token
+    without text, a -inf log-prob, an empty completion, and the server-wide caches warm or not."""
+    if jsonfast.Fragment is None:
+        pytest.skip("orjson >= 3.9 is not installed here")
+    from bench.engine_vs_vllm import write_tokenizer
+    from bench.reply_cost import TextEngine, reply_builders, synthetic_results
+    from torchtitan_grpo.server.routes import vllm_chat
+
+    write_tokenizer(str(tmp_path), 300)
+    engine = TextEngine(str(tmp_path))
+    plain_texts = engine.token_texts
+    odd = {5: "é✓ \"q\"\n", 6: None}
+    monkeypatch.setattr(engine, "token_texts", lambda ids: [odd.get(t, x) for t, x in zip(ids, plain_texts(ids))])
+    samples = synthetic_results(8, 12, 300)
+    samples[0].output_ids[:4] = [5, 6, 5, 7]
+    samples[0].output_logprobs[1] = float("-inf")
+    samples[1].output_ids, samples[1].output_logprobs = [], []
+    build = reply_builders(engine, str(tmp_path), 12)["chat"]
+    vllm_chat.clear_caches()
+    cold = json.loads(jsonfast.dumps(build(samples)))
+    warm = json.loads(jsonfast.dumps(build(samples)))
+    monkeypatch.setattr(jsonfast, "Fragment", None)
+    objects = json.loads(json.dumps(build(samples)))
+    assert cold == warm == objects
+    content = objects["choices"][0]["logprobs"]["content"]
+    assert content[1]["logprob"] == -9999.0 and content[1]["bytes"] is None
+    assert content[0]["bytes"] == list("é✓ \"q\"\n".encode()) and objects["choices"][1]["logprobs"]["content"] == []

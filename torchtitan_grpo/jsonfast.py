@@ -28,6 +28,10 @@ try:
 except ImportError:  # the standard library's encoder then
     orjson = None
 
+Fragment = getattr(orjson, "Fragment", None)
+"""JSON text placed as is into what :func:`dumps` writes (orjson >= 3.9); None without it. A route
+may build a large array's text itself where that beats one object per element."""
+
 _OPTIONS = orjson.OPT_NON_STR_KEYS if orjson is not None else 0
 """Integer keys (token ids in SGLang's top-logprob maps) written as strings, as ``json`` writes them."""
 
