@@ -73,6 +73,12 @@ run() {
     --job.config_file "$CONFIG" --model.hf_assets_path "$WORK/moe" --training.steps "$STEPS" \
     --rollout.dataset_path "$WORK/code/train.jsonl" --eval.dataset_path "$WORK/code/eval.jsonl" \
     --job.dump_folder "/tmp/runs/$name" "${args[@]}" $ARGS > "$OUT/runs/$name.log" 2>&1 || rc=1
+  # torchrun's worker runs in a session of its own, so killing torchrun at the time limit left it
+  # going (run 135: 46 s beside the next run). Whatever of this run is left gets 20 s, then SIGKILL.
+  local pat="--job.dump_folder /tmp/runs/$name( |\$)" i
+  pkill -TERM -f -- "$pat" 2>/dev/null
+  for i in $(seq 20); do pgrep -f -- "$pat" > /dev/null || break; sleep 1; done
+  pkill -KILL -f -- "$pat" 2>/dev/null
   cp "/tmp/runs/$name/metrics.jsonl" "$OUT/$name-metrics.jsonl" 2>/dev/null
   tail -c 100000 "/tmp/runs/$name/servers/server_0.log" > "$OUT/runs/$name-server.log" 2>/dev/null
   echo "== $name: $(grep -E 'rollouts:|mean reward|stopped|Error' "$OUT/runs/$name.log" | sed 's/^\[rank0\] //' \
