@@ -178,13 +178,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seqs", type=int, default=64, help=f"samples (multiple of {N_PER_PROMPT})")
     ap.add_argument("--vocab", type=int, default=151_936, help="vocabulary (Qwen3's by default)")
     ap.add_argument("--no-gc-pause", action="store_true", help="build with the collector on (the handlers before)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed repeats of each warm figure (the best is kept)")
     args = ap.parse_args(argv)
     from bench.engine_vs_vllm import write_tokenizer
 
     tok_dir = tempfile.mkdtemp(prefix="reply_cost_")
     write_tokenizer(tok_dir, args.vocab)
     rows = reply_rows(tok_dir, args.vocab, args.seqs, [int(x) for x in args.lengths.split(",") if x],
-                      gc_pause=not args.no_gc_pause)
+                      repeats=args.repeats, gc_pause=not args.no_gc_pause)
     print(f"encoder: {'orjson ' + jsonfast.orjson.__version__ if jsonfast.orjson else 'json (orjson not installed)'}")
     print(reply_table(rows))
     return 0
