@@ -15,10 +15,15 @@ traffic. This batch removes that overhead without hand-written kernels:
   nobody reads), and attends over the first ``L`` cache positions, ``L`` the
   smallest bucket over the longest live row. So each ``(B, L)`` pair has fixed
   shapes and is captured once as a CUDA graph and replayed.
-- **The model's own modules.** The step calls the HF model's embedding, norms,
-  projections, MLPs and LM head; only attention is written here (rotary on
-  per-row positions, a cache write at per-row positions, SDPA with a per-row
-  length mask), because the HF attention assumes one cache position per batch.
+- **The model's own weights.** The step reads the HF model's embedding, norms,
+  projections, MLPs and LM head; attention is written here (rotary on per-row
+  positions, a cache write at per-row positions), because the HF attention
+  assumes one cache position per batch. On a GPU with triton the decode step's
+  attention is ``paged_attention.py``'s kernel (a slot cache is a pool of one
+  block of ``max_len`` per slot: each row reads its own length), its q/k norm,
+  rotary and cache write ``decode_rope.py``'s, and the residual adds, norms and
+  SwiGLU ``fused_ops.py``'s; elsewhere SDPA with a per-row length mask and the
+  torch ops.
   Weights are read from the model's parameters, so a weight update that
   copies into the parameters' storage is seen by every captured graph; an
   update that swaps storage must call :meth:`StaticBatch.weights_changed`.
