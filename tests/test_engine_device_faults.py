@@ -91,3 +91,60 @@ def test_device_broken_knows_the_accelerator_error():
         except TypeError:  # a constructor this torch does not expose: nothing to check
             return
         assert device_broken(err)
+
+
+_FAILING_SERVER = """
+import sys
+from torchtitan_grpo.server.engine import batch
+real = batch.DynamicBatch.decode
+calls = []
+def decode(self, last):
+    calls.append(1)
+    if len(calls) == 2:
+        raise RuntimeError("CUDA error: device-side assert triggered")
+    return real(self, last)
+batch.DynamicBatch.decode = decode
+from torchtitan_grpo.server.app import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_the_server_exits_with_code_4_and_one_line_when_its_device_fails(tiny_model_dir, tmp_path):
+    """The built-in server as a process, its second decode step failing as a CUDA device-side assert
+    does: the request in flight is aborted, and the process exits by itself (code 4, one ``error:``
+    line naming the failure) for a supervisor to restart, rather than answering /health on."""
+    import json
+    import select
+    import subprocess
+    import sys
+    import urllib.request
+
+    from tests.server_procs import REPO, server_env
+
+    log = tmp_path / "server.log"
+    proc = subprocess.Popen([sys.executable, "-c", _FAILING_SERVER, "--model", tiny_model_dir, "--port", "0",
+                             "--num-threads", "1"], stdout=subprocess.PIPE, stderr=open(log, "wb"),
+                            env=server_env(), cwd=REPO)
+    try:
+        url = None
+        while url is None and proc.poll() is None:  # hang guard: the wait below
+            if select.select([proc.stdout], [], [], 120)[0]:
+                line = proc.stdout.readline().decode()
+                url = line.split()[1] if line.startswith("ready http://") else None
+            else:
+                break
+        assert url, log.read_text()[-3000:]
+        body = json.dumps({"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}})
+        req = urllib.request.Request(url + "/generate", data=body.encode(), headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                reply = json.loads(r.read())
+            assert reply["meta_info"]["finish_reason"]["type"] == "abort", reply
+        except OSError:
+            pass  # the process may close the connection as it exits: the exit below is what counts
+        assert proc.wait(timeout=120) == 4, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    errors = [ln for ln in log.read_text().splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "the device failed (CUDA error: device-side assert triggered)" in errors[0], errors
