@@ -146,6 +146,8 @@ def vllm_cases(model: str) -> list[Case]:
         Case("chat, greedy", CHAT, {**m, "messages": msgs, "max_tokens": 8, "temperature": 0}),
         Case("chat, logprobs, top 2", CHAT, {**m, "messages": msgs, "max_tokens": 6, "logprobs": True,
                                              "top_logprobs": 2}),
+        # Log-probs without top entries: the content array the route writes as one JSON fragment.
+        Case("chat, logprobs, no top, n=2", CHAT, {**m, "messages": msgs, "max_tokens": 6, "logprobs": True, "n": 2}),
         Case("chat, n=2, max_completion_tokens, seed", CHAT,
              {**m, "messages": msgs, "max_completion_tokens": 6, "n": 2, "seed": 5}),
         Case("chat, stop strings", CHAT, {**m, "messages": msgs, "max_tokens": 12, "stop": ["4"]}),
