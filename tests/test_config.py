@@ -297,26 +297,69 @@ BAD_CONFIGS = [  # (arguments, what the one error line must say)
 ]
 
 
+# A process that imports grpo_train.py's modules once (torch, TorchTitan:
+# ~6 CPU-s a process, all of this test's cost), then forks one child per bad
+# config; each child runs the script as ``__main__`` with that config's
+# arguments, its stdout and stderr to files, and exits as the script does.
+_FORK_EACH = r"""
+import json, os, runpy, sys, traceback
+script, jobs = sys.argv[1], json.loads(sys.argv[2])
+runpy.run_path(script, run_name="grpo_train_imports")  # the imports only: its __main__ block is not run
+pids = []
+for args, out, err in jobs:
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            for fd, path in ((1, out), (2, err)):
+                os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+            sys.argv = [script, *args]
+            try:
+                runpy.run_path(script, run_name="__main__")
+                code = 0
+            except SystemExit as e:  # as the interpreter exits on it
+                if e.code is None or isinstance(e.code, int):
+                    code = e.code or 0
+                else:
+                    print(e.code, file=sys.stderr)
+            except BaseException:
+                traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    pids.append(pid)
+print(json.dumps([os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]), flush=True)
+"""
+
+
 def test_a_bad_config_is_one_naming_line_and_starts_nothing(tmp_path):
-    """Each bad config (one grpo_train.py process each, all at once: each
-    spends its time importing, not failing) exits 2 with one naming line, no
-    traceback, no server started and no model written; a misspelled key
-    too, with the nearest valid key, and the same line in torchrun's error file."""
-    procs = []
+    """Each bad config (grpo_train.py run as ``__main__``, one forked process
+    each from one that imported its modules once: each would spend its time
+    importing, not failing) exits 2 with one naming line, no traceback, no
+    server started and no model written; a misspelled key too (a process of
+    its own, from the command line), with the nearest valid key, and the same
+    line in torchrun's error file."""
+    jobs, dumps = [], []
     for k, (args, naming) in enumerate(BAD_CONFIGS):
         dump = tmp_path / f"run{k}"
-        cmd = [sys.executable, os.path.join(ROOT, "grpo_train.py"), "--job.config_file", DEMO,
-               "--job.dump_folder", str(dump), *args]
-        procs.append((args, naming, dump, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                                           text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))))
+        dumps.append(dump)
+        jobs.append((["--job.config_file", DEMO, "--job.dump_folder", str(dump), *args],
+                     str(tmp_path / f"run{k}.out"), str(tmp_path / f"run{k}.err")))
+    forked = subprocess.Popen([sys.executable, "-c", _FORK_EACH, os.path.join(ROOT, "grpo_train.py"), json.dumps(jobs)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                              env=dict(os.environ, PYTHONPATH=ROOT))
     error_file = tmp_path / "error.json"  # where torchrun reads a failed worker's message ("Root Cause")
     unknown = subprocess.Popen([sys.executable, os.path.join(ROOT, "grpo_train.py"), "--job.config_file", DEMO,
                                 "--grpo.gruop_size", "3"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, cwd=ROOT, env=dict(os.environ, TORCHELASTIC_ERROR_FILE=str(error_file)))
     try:
-        for args, naming, dump, p in procs:
-            stdout, stderr = p.communicate(timeout=300)  # a hang guard (5 imports of torch at once on 2 cores)
-            assert p.returncode == 2, (args, stdout + stderr)
+        codes, forked_err = forked.communicate(timeout=300)  # a hang guard (2 imports of torch at once on 2 cores)
+        assert forked.returncode == 0, forked_err
+        codes = json.loads(codes)
+        for (args, naming), dump, (_, out, err), code in zip(BAD_CONFIGS, dumps, jobs, codes, strict=True):
+            stdout, stderr = open(out).read(), open(err).read()
+            assert code == 2, (args, stdout + stderr)
             errors = [line for line in stderr.splitlines() if line.startswith("grpo_train.py: error: ")]
             assert len(errors) == 1 and naming in errors[0], (args, stderr)
             assert "Traceback" not in stdout + stderr, args
@@ -327,7 +370,7 @@ def test_a_bad_config_is_one_naming_line_and_starts_nothing(tmp_path):
         assert unknown.returncode == 2 and out == f"grpo_train.py: error: {line}\n", out
         assert json.loads(error_file.read_text())["message"]["message"] == line
     finally:
-        for p in [q[-1] for q in procs] + [unknown]:
+        for p in (forked, unknown):
             if p.poll() is None:
                 p.kill()
 
