@@ -91,9 +91,9 @@ def _reset(url: str) -> None:
 
 @pytest.fixture(scope="module")
 def _shared_servers(tmp_path_factory, tiny_model_dir):
-    """Two built-in servers for the tests that push to a single replica and
-    never stop it: ``srv`` without an update delay and ``slow_update_srv``
-    with 0.5 s per update; two starts instead of twenty-one."""
+    """Two built-in servers for the tests that push to one or both of them and
+    never stop them: ``srv`` without an update delay and ``slow_update_srv``
+    with 0.5 s per update; two starts instead of twenty-three."""
     started = {}
     try:
         for name, delay in (("srv", 0.0), ("slow", 0.5)):
@@ -342,11 +342,11 @@ def test_push_in_bfloat16_casts_inside_the_snapshot(srv, tiny_model_dir, loop):
         pusher.close()
 
 
-def test_disk_transport_writes_each_version_once(tmp_path, tiny_model_dir, loop):
+def test_disk_transport_writes_each_version_once(srv, slow_update_srv, tmp_path, tiny_model_dir, loop):
     """transport "disk": a version is written once as safetensors into the
     shared folder and loaded by every replica with /update_weights_from_disk;
     only the newest two versions are kept on disk."""
-    a, b = _servers(tmp_path, tiny_model_dir, [0.0, 0.0])
+    a, b = srv, slow_update_srv
     folder = tmp_path / "pushed"
     pusher = Pusher(loop, [a.url, b.url], PushConfig(mode="sync", backend="disk", disk_folder=str(folder)),
                     torch.device("cpu"))
@@ -362,8 +362,6 @@ def test_disk_transport_writes_each_version_once(tmp_path, tiny_model_dir, loop)
         assert load_file(str(folder / "v3" / "model.safetensors")).keys() == set(names)
     finally:
         pusher.close()
-        for s in (a, b):
-            stop_process(s.proc)
 
 
 def _record_requests(monkeypatch, events: list, lock) -> None:
