@@ -104,6 +104,8 @@ out, runs = sys.argv[1], sys.argv[2:]
 cols = [("reward/mean", "reward", ".3f"), ("trainer_vs_rollout_k3", "k3", ".2e"),
         ("trainer_vs_rollout_logprob_mean_abs_diff", "mean abs dlogp", ".2e"),
         ("trainer_vs_rollout_logprob_max_abs_diff", "max abs dlogp", ".2e"),
+        ("trainer_vs_rollout_extreme_frac_0.5", "share > 0.5", ".2e"),
+        ("trainer_vs_rollout_extreme_frac_1.0", "share > 1.0", ".2e"),
         ("offpolicy/is_weight_mean", "IS mean", ".4f"), ("offpolicy/is_weight_max", "IS max", ".3f"),
         ("offpolicy/is_capped_frac", "IS capped", ".4f"), ("clip_fraction", "clip", ".4f"),
         ("moe/replayed_tokens", "replayed", ".0f")]

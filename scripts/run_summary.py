@@ -25,6 +25,11 @@ def _median(rows: list[dict], key: str) -> float | None:
     return statistics.median(vals) if vals else None
 
 
+def _mean(rows: list[dict], key: str) -> float | None:
+    vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+    return sum(vals) / len(vals) if vals else None
+
+
 def summary(rows: list[dict]) -> dict[str, str]:
     steps = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval/pass@1" in r]
@@ -52,6 +57,9 @@ def summary(rows: list[dict]) -> dict[str, str]:
         "truncated share (median of steps)": fmt(_median(steps, "rollout/truncated_frac")),
         "groups aborted by a push and resent (last count)": fmt(steps[-1].get("pool/aborts") if steps else None, ".0f"),
         "k3 KL trainer vs rollout (median of steps)": fmt(_median(steps, "trainer_vs_rollout_k3"), ".2e"),
+        "tokens with abs dlogp > 0.5 / > 1.0 (mean of steps)": (
+            f"{fmt(_mean(steps, 'trainer_vs_rollout_extreme_frac_0.5'), '.2e')} / "
+            f"{fmt(_mean(steps, 'trainer_vs_rollout_extreme_frac_1.0'), '.2e')}"),
         "importance weight mean / max (median of steps)": (
             f"{fmt(_median(steps, 'offpolicy/is_weight_mean'), '.4f')} / {fmt(_median(steps, 'offpolicy/is_weight_max'), '.3f')}"),
         "importance weights capped, clip fraction (median of steps)": (

@@ -260,13 +260,16 @@ def _logprob_loss(logprobs: torch.Tensor, entropy: torch.Tensor | float, mask: t
         units = float(m["clip_units"]) if "clip_units" in m else ntok
         record = {"loss": float(loss), "clip_fraction": float(m["clip_fraction"]) * units, "clip_units": units,
                   "tokens": ntok,
-                  "lp_diff_max": 0.0, "lp_diff_sum": 0.0, "k3_sum": 0.0, "entropy": 0.0, "mask": mask,
+                  "lp_diff_max": 0.0, "lp_diff_sum": 0.0, "k3_sum": 0.0, "extreme_05": 0.0, "extreme_10": 0.0,
+                  "entropy": 0.0, "mask": mask,
                   "is_metrics": is_m, "loss_metrics": m}
         if ntok:
             diff = (logprobs - old) * mask  # log(pi_train / pi_rollout) on the rollout's tokens
             record["lp_diff_max"] = float(diff.abs().max())
             record["lp_diff_sum"] = float(diff.abs().sum())
             record["k3_sum"] = float(((diff.exp() - 1 - diff) * mask).sum())  # k3 estimate of KL(rollout || train)
+            # "extreme" tokens (the router-replay paper's): probability ratio beyond e^0.5 / e^1 either way
+            record["extreme_05"], record["extreme_10"] = float((diff.abs() > 0.5).sum()), float((diff.abs() > 1.0).sum())
             record["entropy"] = float(entropy) * ntok
     return loss, record
 
@@ -311,8 +314,8 @@ def _reference_logprobs(reference: torch.nn.Module, tokens: torch.Tensor, temper
 
 def _add_record(sums: dict[str, float], off_stats: offpolicy.OffPolicyStats, record: dict) -> None:
     """Add one micro-batch's record to the step's sums."""
-    for key in ("loss", "clip_fraction", "entropy", "tokens", "lp_diff_sum", "k3_sum"):
-        sums[key] += record[key]
+    for key in ("loss", "clip_fraction", "entropy", "tokens", "lp_diff_sum", "k3_sum", "extreme_05", "extreme_10"):
+        sums[key] = sums.get(key, 0.0) + record[key]  # callers' older sums lack the extreme counts
     sums["clip_units"] = sums.get("clip_units", 0.0) + record["clip_units"]  # callers' older sums lack it
     sums["lp_diff_max"] = max(sums["lp_diff_max"], record["lp_diff_max"])
     off_stats.add(record["mask"], record["is_metrics"], record["loss_metrics"])
@@ -347,8 +350,9 @@ def train_step(policy: Policy, local: list[Sample], grpo_cfg, temperature: float
     policy.lr_schedulers.step()
     policy.optimizers.zero_grad()
 
-    stats = torch.tensor([sums[k] for k in ("loss", "clip_fraction", "clip_units", "entropy", "tokens", "lp_diff_sum",
-                                            "k3_sum")], dtype=torch.float64)
+    stats = torch.tensor([sums.get(k, 0.0) for k in ("loss", "clip_fraction", "clip_units", "entropy", "tokens",
+                                                     "lp_diff_sum", "k3_sum", "extreme_05", "extreme_10")],
+                         dtype=torch.float64)
     lp_max = torch.tensor([sums["lp_diff_max"]], dtype=torch.float64)
     if d.world_size > 1:
         stats, lp_max = stats.to(d.device), lp_max.to(d.device)
@@ -359,7 +363,7 @@ def train_step(policy: Policy, local: list[Sample], grpo_cfg, temperature: float
             dist.all_reduce(stats, group=dp_group)
         dist.all_reduce(lp_max, op=dist.ReduceOp.MAX)
     off_metrics = off_stats.reduce(d.world_size, parallel.data_parallel_group(policy.parallel_dims), d.device)
-    loss_sum, clip_sum, clip_units, ent_sum, ntok, diff_sum, k3_sum = stats.tolist()
+    loss_sum, clip_sum, clip_units, ent_sum, ntok, diff_sum, k3_sum, ext05, ext10 = stats.tolist()
     return {
         "loss": loss_sum,  # local losses are already globally normalised: their sum is the batch loss
         "clip_fraction": clip_sum / max(clip_units, 1.0),  # of tokens; of completions with grpo.loss_agg = "gspo"
@@ -369,6 +373,8 @@ def train_step(policy: Policy, local: list[Sample], grpo_cfg, temperature: float
         "trainer_vs_rollout_logprob_max_abs_diff": float(lp_max.item()),
         "trainer_vs_rollout_logprob_mean_abs_diff": diff_sum / max(ntok, 1.0),
         "trainer_vs_rollout_k3": k3_sum / max(ntok, 1.0),
+        "trainer_vs_rollout_extreme_frac_0.5": ext05 / max(ntok, 1.0),
+        "trainer_vs_rollout_extreme_frac_1.0": ext10 / max(ntok, 1.0),
         "time/train_s": time.perf_counter() - t0,
         "cpu/train_thread_s": (cpu := time.thread_time() - cpu0),
         "cpu/other_threads_s": max(time.process_time() - proc0 - cpu, 0.0),
@@ -551,9 +557,10 @@ def _pipeline_forward_backward(policy: Policy, local: list[Sample], ctx: _LossCo
 def _share_last_stage_metrics(pipe: pipeline_parallel.StagePipeline, sums: dict[str, float],
                               off_stats: offpolicy.OffPolicyStats) -> None:
     """Replace every stage's sums by the last stage's (the only one with a loss)."""
-    keys = ("loss", "clip_fraction", "clip_units", "entropy", "tokens", "lp_diff_max", "lp_diff_sum", "k3_sum")
+    keys = ("loss", "clip_fraction", "clip_units", "entropy", "tokens", "lp_diff_max", "lp_diff_sum", "k3_sum",
+            "extreme_05", "extreme_10")
     n_off = off_stats.sums.numel()
-    values = torch.tensor([sums[k] for k in keys] + off_stats.sums.tolist() + [off_stats.is_max],
+    values = torch.tensor([sums.get(k, 0.0) for k in keys] + off_stats.sums.tolist() + [off_stats.is_max],
                           dtype=torch.float64, device=pipe.device)
     values = pipe.broadcast_from_last_stage(values).cpu()
     sums.update(zip(keys, values[: len(keys)].tolist()))
