@@ -338,7 +338,7 @@ def train_step(policy: Policy, local: list[Sample], grpo_cfg, temperature: float
     cpu0, proc0 = time.thread_time(), time.process_time()
     ctx = _LossContext(grpo_cfg, temperature, max_new_tokens, global_num_samples, global_num_tokens)
     sums = {"loss": 0.0, "clip_fraction": 0.0, "clip_units": 0.0, "lp_diff_max": 0.0, "entropy": 0.0,
-            "tokens": 0.0, "lp_diff_sum": 0.0, "k3_sum": 0.0}
+            "tokens": 0.0, "lp_diff_sum": 0.0, "k3_sum": 0.0, "extreme_05": 0.0, "extreme_10": 0.0}
     off_stats = offpolicy.OffPolicyStats(grpo_cfg.is_correction, policy.reference is not None)
     if policy.pipeline is None:
         _forward_backward(policy, local, ctx, pad_id, d, sums, off_stats)
@@ -350,9 +350,8 @@ def train_step(policy: Policy, local: list[Sample], grpo_cfg, temperature: float
     policy.lr_schedulers.step()
     policy.optimizers.zero_grad()
 
-    stats = torch.tensor([sums.get(k, 0.0) for k in ("loss", "clip_fraction", "clip_units", "entropy", "tokens",
-                                                     "lp_diff_sum", "k3_sum", "extreme_05", "extreme_10")],
-                         dtype=torch.float64)
+    stats = torch.tensor([sums[k] for k in ("loss", "clip_fraction", "clip_units", "entropy", "tokens", "lp_diff_sum",
+                                            "k3_sum", "extreme_05", "extreme_10")], dtype=torch.float64)
     lp_max = torch.tensor([sums["lp_diff_max"]], dtype=torch.float64)
     if d.world_size > 1:
         stats, lp_max = stats.to(d.device), lp_max.to(d.device)
@@ -560,7 +559,7 @@ def _share_last_stage_metrics(pipe: pipeline_parallel.StagePipeline, sums: dict[
     keys = ("loss", "clip_fraction", "clip_units", "entropy", "tokens", "lp_diff_max", "lp_diff_sum", "k3_sum",
             "extreme_05", "extreme_10")
     n_off = off_stats.sums.numel()
-    values = torch.tensor([sums.get(k, 0.0) for k in keys] + off_stats.sums.tolist() + [off_stats.is_max],
+    values = torch.tensor([sums[k] for k in keys] + off_stats.sums.tolist() + [off_stats.is_max],
                           dtype=torch.float64, device=pipe.device)
     values = pipe.broadcast_from_last_stage(values).cpu()
     sums.update(zip(keys, values[: len(keys)].tolist()))
