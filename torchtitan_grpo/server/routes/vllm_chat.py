@@ -319,10 +319,10 @@ def _content_json(output_ids: list[int], logprobs: list[float], ids: list[int], 
             head = _HEAD[name] = b'{"token":' + jsonfast.dumps(name) + b',"logprob":'
         tail = _TAIL.get(text)
         if tail is None:  # the bytes of its text (None without one), as _text_bytes gives them
-            utf8 = None if text is None else list(text.encode("utf-8", errors="replace"))
+            utf8 = None if text is None else _utf8(text)
             tail = _TAIL[text] = b',"bytes":' + jsonfast.dumps(utf8) + b',"top_logprobs":[]}'
         parts[t] = (head, tail)
-    values = jsonfast.dumps([lp if lp > -9999.0 else -9999.0 for lp in logprobs])[1:-1].split(b",")  # -inf: not JSON
+    values = jsonfast.dumps([max(lp, -9999.0) for lp in logprobs])[1:-1].split(b",")  # -inf is not JSON
     return b"[" + b",".join([parts[t][0] + v + parts[t][1] for t, v in zip(output_ids, values)]) + b"]"
 
 
@@ -338,6 +338,11 @@ def clear_caches() -> None:
     _TAIL.clear()
 
 
+def _utf8(s: str) -> list[int]:
+    """A token string's ``bytes`` field: its UTF-8 byte values (unencodable surrogates replaced)."""
+    return list(s.encode("utf-8", errors="replace"))
+
+
 def _utf8_of(names: dict[int, str]) -> dict[int, list[int]]:
     """Each id's name as a list of UTF-8 byte values (one list per distinct
     string: json writes a shared list as often as it is referenced)."""
@@ -346,7 +351,7 @@ def _utf8_of(names: dict[int, str]) -> dict[int, list[int]]:
     for t, name in names.items():
         b = by_text.get(name)
         if b is None:
-            b = by_text[name] = list(name.encode("utf-8", errors="replace"))
+            b = by_text[name] = _utf8(name)
         out[t] = b
     return out
 
@@ -357,4 +362,4 @@ def _text_bytes(ids: list[int], texts: list[str | None], names: dict[int, str],
     A token's name is its text unless it is named by id
     (``return_tokens_as_token_ids``), so the name's bytes serve where they match."""
     return {t: None if text is None else name_bytes[t] if names[t] == text
-            else list(text.encode("utf-8", errors="replace")) for t, text in zip(ids, texts)}
+            else _utf8(text) for t, text in zip(ids, texts)}
