@@ -121,10 +121,6 @@ def rope_store(qkv: torch.Tensor, n_heads: int, n_kv: int, head_dim: int, cos: t
             cos, sin, cos.stride(0), q_norm if norm else qkv, k_norm if norm else qkv, float(eps))
     meta = dict(NH=n_heads, NKV=n_kv, HD=head_dim, HALF=half, HALF_PAD=max(16, triton.next_power_of_2(half)),
                 NORM=norm)
-    grid = (rows, n_heads + 2 * n_kv)
-    if qkv.is_cuda:  # triton launches on the current device (a batch on cuda:1 while cuda:0 is current)
-        with torch.cuda.device(qkv.device):
-            _rope_store_kernel[grid](*args, num_warps=1, **meta)
-    else:
-        _rope_store_kernel[grid](*args, num_warps=1, **meta)
+    with paged_attention.on_device(qkv):
+        _rope_store_kernel[(rows, n_heads + 2 * n_kv)](*args, num_warps=1, **meta)
     return q

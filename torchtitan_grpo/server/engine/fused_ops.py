@@ -19,7 +19,6 @@ not branch: on a CPU without the interpreter (tests, CI) the fallback runs.
 from __future__ import annotations
 
 import os
-from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -83,7 +82,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     if h2.stride(-1) != 1 or d2.stride(-1) != 1 or delta.shape != h.shape:
         raise ValueError(f"add_rms_norm: h {tuple(h.shape)} and delta {tuple(delta.shape)} with contiguous rows")
     s, out = torch.empty_like(h2), torch.empty_like(h2)
-    with torch.cuda.device(h.device) if h.is_cuda else nullcontext():
+    with paged_attention.on_device(h):
         _add_norm_kernel[(h2.shape[0],)](h2, d2, weight, s, out, h2.stride(0), d2.stride(0), float(eps), N=n,
                                          BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 4096 else 8)
     return s.view(h.shape), out.view(h.shape)
@@ -99,7 +98,7 @@ def silu_mul(gate_up: torch.Tensor, fused: bool) -> torch.Tensor:
     if gu.stride(-1) != 1 or gu.shape[-1] % 2:
         raise ValueError(f"silu_mul: gate_up {tuple(gate_up.shape)} with contiguous rows of even width")
     out = torch.empty((gu.shape[0], i), dtype=gu.dtype, device=gu.device)
-    with torch.cuda.device(gu.device) if gu.is_cuda else nullcontext():
+    with paged_attention.on_device(gu):
         _silu_mul_kernel[(gu.shape[0], triton.cdiv(i, SILU_BLOCK))](gu, out, gu.stride(0), I=i, BLOCK=SILU_BLOCK,
                                                                     num_warps=4)
     return out.view(*gate_up.shape[:-1], i)

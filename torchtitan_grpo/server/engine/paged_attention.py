@@ -27,6 +27,7 @@ environment (an A/B switch for benchmarks and a way around a broken triton).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -55,6 +56,12 @@ def available(device: torch.device) -> bool:
     if device.type == "cuda":
         return True
     return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Where a Triton launch for ``t`` must run: ``t``'s GPU as the current device (triton launches
+    on the current one: a batch on cuda:1 while cuda:0 is current), nothing else on a CPU."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 @functools.lru_cache(maxsize=None)
@@ -178,10 +185,8 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch
     if q.stride(-1) != 1 or k.stride(-1) != 1 or table.stride(-1) != 1:
         raise ValueError("paged_decode: q, k/v and table need a contiguous last dim")
     width = table.shape[1] * bs if width is None else width
-    if q.is_cuda:  # triton launches on the current device: a batch on cuda:1 while cuda:0 is current
-        with torch.cuda.device(q.device):
-            return _launch(q, k, v, table, pos, scale, width)
-    return _launch(q, k, v, table, pos, scale, width)
+    with on_device(q):
+        return _launch(q, k, v, table, pos, scale, width)
 
 
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, pos: torch.Tensor,
