@@ -5,9 +5,13 @@
 # bench/moe_mismatch.py on it: the built-in server (bf16) generates SAMPLES x
 # NEW_TOKENS from held-out code prompts and the trainer (bf16 autocast) scores
 # the tokens, router replay off and on; then the same for the dense Qwen3 of
-# the same active size (DENSE_S seconds of training; replay off only). The
-# models stay under WORK (/tmp), never in the repository. From the repo root
-# with .whl/ carried:
+# the same active size (replay off only), trained on the same rows for as many
+# steps as the MoE took (DENSE_S seconds at most). A finished MoE checkpoint
+# already in $WORK/moe (its pretrain_stats.json is written last, e.g. by
+# scripts/device_moe_grpo.sh earlier on the same warm machine) is reused, so
+# the mismatch is measured on the model the GRPO runs trained. The models stay
+# under WORK (/tmp), never in the repository. From the repo root with .whl/
+# carried:
 #
 #   OUT=... BUDGET=540 bash scripts/device_pretrain_moe.sh
 #
@@ -18,7 +22,7 @@ cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-$PWD/outputs/device_pretrain_moe}
 BUDGET=${BUDGET:-540}
 MOE_S=${MOE_S:-240}
-DENSE_S=${DENSE_S:-90}
+DENSE_S=${DENSE_S:-240}
 RESERVE_S=${RESERVE_S:-120}
 SAMPLES=${SAMPLES:-64}
 NEW_TOKENS=${NEW_TOKENS:-256}
@@ -54,12 +58,20 @@ mismatch() {
 
 # the MoE and its mismatch first: the dense baseline gets what is left, at
 # most DENSE_S s of training, keeping RESERVE_S s for its overhead and bench
-pretrain moe "$MOE_S"
+if [ -f "$WORK/moe/pretrain_stats.json" ]; then
+  echo "pretrain: reusing $WORK/moe" | tee "$OUT/pretrain_moe.log"
+  cp "$WORK/moe/pretrain_stats.json" "$OUT/pretrain_stats_moe.json"
+else
+  pretrain moe "$MOE_S"
+fi
 mismatch moe
+# the dense twin sees the MoE's rows in the same order for the same number of steps
+steps=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['train']['steps'])" \
+  "$WORK/moe/pretrain_stats.json" 2>/dev/null || echo 100000)
 secs=$(( $(left) - RESERVE_S ))
 (( secs > DENSE_S )) && secs=$DENSE_S
 if (( secs >= 20 )); then
-  pretrain dense "$secs" --dense
+  pretrain dense "$secs" --dense --steps "$steps"
   mismatch dense
 else
   echo "dense baseline skipped: $(left) s left in BUDGET=$BUDGET" | tee "$OUT/pretrain_dense.log"; rc=1
