@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torchtitan_grpo  # noqa: E402,F401  (before torchtitan)
 from torchtitan_grpo import jsonfast  # noqa: E402
-from torchtitan_grpo.server.routes import vllm_chat  # noqa: E402
+from torchtitan_grpo.server.routes import logprob_json  # noqa: E402
 
 from bench.paged_speed import N_PER_PROMPT  # noqa: E402
 
@@ -74,9 +74,11 @@ class TextEngine:
         return self._texts(self, token_ids)
 
 
-def reply_builders(engine: Any, model_dir: str, new: int, gc_pause: bool = True) -> dict[str, Callable[[list[Any]], Any]]:
+def reply_builders(engine: Any, model_dir: str, new: int, gc_pause: bool = True,
+                   as_ids: bool = False) -> dict[str, Callable[[list[Any]], Any]]:
     """Each route's reply builder as its handler runs it on one request's samples
-    (the collector held off, unless ``gc_pause`` is False: as before the handlers did)."""
+    (the collector held off, unless ``gc_pause`` is False: as before the handlers did);
+    ``as_ids``: tokens named by id (``return_tokens_as_token_ids``)."""
     from types import SimpleNamespace
 
     from torchtitan_grpo.server.engine.requests import SamplingParams
@@ -92,9 +94,9 @@ def reply_builders(engine: Any, model_dir: str, new: int, gc_pause: bool = True)
     chat = vllm_chat.ChatRoutes(engine, cfg, PauseGate(engine))
     params = SamplingParams(max_new_tokens=new, ignore_eos=True, n=N_PER_PROMPT)
     ccall = vllm_openai._CompletionCall(prompts=[[2]], params=params, logprobs=0, return_token_ids=False,
-                                        tokens_as_ids=False, return_weight_versions=False)
+                                        tokens_as_ids=as_ids, return_weight_versions=False)
     hcall = vllm_chat._ChatCall(prompt=[2], prompt_text="", params=params, logprobs=True, top_logprobs=0,
-                                return_token_ids=False, tokens_as_ids=False, return_prompt_text=False,
+                                return_token_ids=False, tokens_as_ids=as_ids, return_prompt_text=False,
                                 return_weight_versions=False)
 
     def paused(fn: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
@@ -124,7 +126,7 @@ def reply_rows(model_dir: str, vocab: int, seqs: int, lengths: list[int], repeat
         requests = [results[i:i + N_PER_PROMPT] for i in range(0, seqs, N_PER_PROMPT)]
         for route, build in reply_builders(engine, model_dir, new, gc_pause).items():
             engine._token_texts = {}
-            vllm_chat.clear_caches()
+            logprob_json.clear_caches()
             t0 = time.perf_counter()
             replies = [build(rs) for rs in requests]
             cold = time.perf_counter() - t0

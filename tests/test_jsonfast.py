@@ -35,15 +35,18 @@ def test_a_non_finite_float_is_written_as_null_not_nan():
     assert json.loads(jsonfast.dumps({"logprob": float("-inf")})) == {"logprob": None}
 
 
-def test_the_chat_routes_content_text_parses_to_the_objects_it_replaces(tmp_path, monkeypatch):
-    """Chat log-probs without top entries are written as one JSON fragment (no object per token):
-    parsed, the reply equals the one built an object per token, with a non-ASCII token, a token
-    without text, a -inf log-prob, an empty completion, and the server-wide caches warm or not."""
+@pytest.mark.parametrize("as_ids", [False, True], ids=["names", "as-ids"])
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_the_log_prob_text_parses_to_the_objects_it_replaces(tmp_path, monkeypatch, route, as_ids):
+    """Chat and completions log-probs without top entries are written as JSON text from per-id
+    pieces (``logprob_json``, no object per token): parsed, the reply equals the one built an
+    object per token, with a non-ASCII token, a token without text, a -inf log-prob, an empty
+    completion, tokens named by id or not, and the per-engine pieces made or reused."""
     if jsonfast.Fragment is None:
         pytest.skip("orjson >= 3.9 is not installed here")
     from bench.engine_vs_vllm import write_tokenizer
     from bench.reply_cost import TextEngine, reply_builders, synthetic_results
-    from torchtitan_grpo.server.routes import vllm_chat
+    from torchtitan_grpo.server.routes import logprob_json
 
     write_tokenizer(str(tmp_path), 300)
     engine = TextEngine(str(tmp_path))
@@ -54,13 +57,23 @@ def test_the_chat_routes_content_text_parses_to_the_objects_it_replaces(tmp_path
     samples[0].output_ids[:4] = [5, 6, 5, 7]
     samples[0].output_logprobs[1] = float("-inf")
     samples[1].output_ids, samples[1].output_logprobs = [], []
-    build = reply_builders(engine, str(tmp_path), 12)["chat"]
-    vllm_chat.clear_caches()
+    build = reply_builders(engine, str(tmp_path), 12, as_ids=as_ids)[route]
+    logprob_json.clear_caches()
+    made = build(samples)["choices"][0]["logprobs"]
+    assert isinstance(made["content"] if route == "chat" else made, jsonfast.Fragment)  # the text path ran
     cold = json.loads(jsonfast.dumps(build(samples)))
     warm = json.loads(jsonfast.dumps(build(samples)))
     monkeypatch.setattr(jsonfast, "Fragment", None)
     objects = json.loads(json.dumps(build(samples)))
     assert cold == warm == objects
-    content = objects["choices"][0]["logprobs"]["content"]
-    assert content[1]["logprob"] == -9999.0 and content[1]["bytes"] is None
-    assert content[0]["bytes"] == list("é✓ \"q\"\n".encode()) and objects["choices"][1]["logprobs"]["content"] == []
+    first, empty = (c["logprobs"] for c in objects["choices"][:2])
+    if route == "chat":
+        content = first["content"]
+        assert content[1]["logprob"] == -9999.0 and content[1]["bytes"] is None
+        assert content[0]["bytes"] == list("é✓ \"q\"\n".encode()) and empty["content"] == []
+        assert content[0]["token"] == ("token_id:5" if as_ids else "é✓ \"q\"\n")
+    else:
+        assert first["token_logprobs"][1] == -9999.0 and first["tokens"][1] == "token_id:6"
+        assert first["top_logprobs"][1] == {"token_id:6": -9999.0}
+        assert first["text_offset"][:3] == [0, len(first["tokens"][0]), len(first["tokens"][0]) + len("token_id:6")]
+        assert empty == {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}

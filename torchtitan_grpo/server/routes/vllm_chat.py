@@ -44,7 +44,7 @@ from typing import Any
 
 from aiohttp import web
 
-from torchtitan_grpo.server.routes import prompt_logprobs as plp
+from torchtitan_grpo.server.routes import logprob_json, prompt_logprobs as plp
 from torchtitan_grpo.protocol import route_codec
 from torchtitan_grpo.fleet import vllm as proto
 from torchtitan_grpo.models.chat_template import ChatRenderer, ChatTemplateError
@@ -277,17 +277,17 @@ class ChatRoutes:
         and UTF-8 bytes (of its text), and the first ``top_logprobs`` entries
         of its position's logprob dict (sampled token first).
 
-        Each distinct id's name and bytes are worked out once per reply, and
-        with ``top_logprobs`` 0 (the default) no per-position logprob dict
-        is built: at 64 x 1,024 tokens those per-token steps cost more than the
-        JSON encoding of the whole reply."""
+        With ``top_logprobs`` 0 (the default) and orjson, the array is JSON
+        text made from per-id pieces (``logprob_json``); otherwise each
+        distinct id's name and bytes are worked out once per reply."""
         k = call.top_logprobs
+        if not k and jsonfast.Fragment is not None:
+            return {"content": jsonfast.Fragment(
+                logprob_json.chat_content(self.engine, r.output_ids, r.output_logprobs, call.tokens_as_ids))}
         tops = [top_entries(r, step, k)[:k] for step in range(len(r.output_ids))] if k else None
         ids = list(dict.fromkeys(r.output_ids if tops is None else [*r.output_ids, *(t for e in tops for t, _ in e)]))
         texts = self.engine.token_texts(ids)
         names = token_names(self.engine, ids, call.tokens_as_ids, texts)
-        if tops is None and jsonfast.Fragment is not None:
-            return {"content": jsonfast.Fragment(_content_json(r.output_ids, r.output_logprobs, ids, names, texts))}
         name_bytes = _utf8_of(names)
         token_bytes = _text_bytes(ids, texts, names, name_bytes)
         content = []
@@ -302,47 +302,6 @@ class ChatRoutes:
         return {"content": content}
 
 
-def _content_json(output_ids: list[int], logprobs: list[float], ids: list[int], names: dict[int, str],
-                  texts: list[str | None]) -> bytes:
-    """:meth:`ChatRoutes._logprobs`' ``content`` array without top log-probs, as JSON text: each
-    token's text before and after its log-prob comes from a cache of the server's life (keyed by
-    its name and by its text), the log-probs are encoded in one call, and no object is made per
-    token (at 64 x 1,024 tokens those objects were most of building the reply). ``ids``: the
-    distinct output ids, ``texts`` theirs."""
-    if len(_HEAD) > _CACHE_MAX or len(_TAIL) > _CACHE_MAX:
-        clear_caches()
-    parts = {}
-    for t, text in zip(ids, texts):
-        name = names[t]
-        head = _HEAD.get(name)
-        if head is None:
-            head = _HEAD[name] = b'{"token":' + jsonfast.dumps(name) + b',"logprob":'
-        tail = _TAIL.get(text)
-        if tail is None:  # the bytes of its text (None without one), as _text_bytes gives them
-            utf8 = None if text is None else _utf8(text)
-            tail = _TAIL[text] = b',"bytes":' + jsonfast.dumps(utf8) + b',"top_logprobs":[]}'
-        parts[t] = (head, tail)
-    values = jsonfast.dumps([max(lp, -9999.0) for lp in logprobs])[1:-1].split(b",")  # -inf is not JSON
-    return b"[" + b",".join([parts[t][0] + v + parts[t][1] for t, v in zip(output_ids, values)]) + b"]"
-
-
-_HEAD: dict[str, bytes] = {}
-_TAIL: dict[str | None, bytes] = {}
-_CACHE_MAX = 1 << 20
-"""Entries of each cache past which both start over (a vocabulary is ~150k tokens)."""
-
-
-def clear_caches() -> None:
-    """Forget the encoded token texts (benchmarks' cold runs)."""
-    _HEAD.clear()
-    _TAIL.clear()
-
-
-def _utf8(s: str) -> list[int]:
-    """A token string's ``bytes`` field: its UTF-8 byte values (unencodable surrogates replaced)."""
-    return list(s.encode("utf-8", errors="replace"))
-
-
 def _utf8_of(names: dict[int, str]) -> dict[int, list[int]]:
     """Each id's name as a list of UTF-8 byte values (one list per distinct
     string: json writes a shared list as often as it is referenced)."""
@@ -351,7 +310,7 @@ def _utf8_of(names: dict[int, str]) -> dict[int, list[int]]:
     for t, name in names.items():
         b = by_text.get(name)
         if b is None:
-            b = by_text[name] = _utf8(name)
+            b = by_text[name] = logprob_json.utf8(name)
         out[t] = b
     return out
 
@@ -362,4 +321,4 @@ def _text_bytes(ids: list[int], texts: list[str | None], names: dict[int, str],
     A token's name is its text unless it is named by id
     (``return_tokens_as_token_ids``), so the name's bytes serve where they match."""
     return {t: None if text is None else name_bytes[t] if names[t] == text
-            else _utf8(text) for t, text in zip(ids, texts)}
+            else logprob_json.utf8(text) for t, text in zip(ids, texts)}

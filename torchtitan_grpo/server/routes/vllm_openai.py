@@ -24,7 +24,8 @@ from aiohttp import web
 
 from torchtitan_grpo.server.engine import moe_routes
 from torchtitan_grpo.protocol import route_codec
-from torchtitan_grpo.server.routes import prompt_logprobs as plp
+from torchtitan_grpo import jsonfast
+from torchtitan_grpo.server.routes import logprob_json, prompt_logprobs as plp
 from torchtitan_grpo.fleet import vllm as proto
 from torchtitan_grpo.server.engine.engine import Engine
 from torchtitan_grpo.server.httputil import BodyLimits, gc_paused, is_int as _is_int, json_reply, off_loop_if_large, read_json
@@ -362,10 +363,14 @@ class OpenAIRoutes:
         if not ids or not all(_is_int(t) for t in ids):
             raise _bad(f"'{name}' must be a non-empty list of token ids", "prompt")
 
-    def _logprobs(self, r: Any, k: int, as_ids: bool, offset: int = 0) -> dict:
+    def _logprobs(self, r: Any, k: int, as_ids: bool, offset: int = 0) -> Any:
         """OpenAI completions logprobs: per token its string, its logprob and a
         dict of the sampled token plus the top k (at most k+1 entries); text
-        offsets count from ``offset`` (a stream's text sent before)."""
+        offsets count from ``offset`` (a stream's text sent before). With k 0
+        and orjson: JSON text from per-id pieces (``logprob_json``)."""
+        if k == 0 and jsonfast.Fragment is not None:
+            return jsonfast.Fragment(
+                logprob_json.completion_logprobs(self.engine, r.output_ids, r.output_logprobs, as_ids, offset))
         values = [max(lp, -9999.0) for lp in r.output_logprobs]  # -inf is not JSON
         if k == 0:  # each position's dict is the sampled token alone: no merging needed
             names = token_names(self.engine, r.output_ids, as_ids)

@@ -1,0 +1,107 @@
+"""Per-token log-prob arrays of the OpenAI replies written as JSON text, from
+pieces each token id's text gives once per engine.
+
+A reply with log-probs names every output token: at 256 samples x 1,024
+tokens that is 262k tokens, and building an object (or even two dict
+lookups by string) per token took most of the time between the last token
+and the last reply (issue 50). Here each id's encoded pieces (its name, its
+UTF-8 bytes, its name's length) sit in a list indexed by the id, made on
+first use from :meth:`Engine.token_texts`; a reply is one list lookup per
+token, the log-probs encoded in one call, and one join. Only without top
+log-probs (each position names just the sampled token) and with orjson's
+fragments (``jsonfast.Fragment``); otherwise the routes build objects.
+
+The text each function returns parses to exactly the objects the routes'
+object path builds (tests/test_jsonfast.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any, Sequence
+
+from torchtitan_grpo import jsonfast
+from torchtitan_grpo.fleet import vllm as proto
+
+FLOOR = -9999.0
+"""Log-probs below this (-inf) are written as it: -inf is not JSON."""
+
+_CACHES: "weakref.WeakKeyDictionary[Any, dict[tuple[str, bool], list]]" = weakref.WeakKeyDictionary()
+"""engine -> (kind, tokens as ids) -> list indexed by token id of that kind's pieces (None: not made yet).
+Per engine: another engine in the process may have another tokenizer."""
+
+
+def clear_caches() -> None:
+    """Forget every engine's pieces (benchmarks' cold runs)."""
+    _CACHES.clear()
+
+
+def utf8(s: str) -> list[int]:
+    """A token string's ``bytes`` field: its UTF-8 byte values (unencodable surrogates replaced)."""
+    return list(s.encode("utf-8", errors="replace"))
+
+
+def floored(logprobs: list[float]) -> list[float]:
+    """``logprobs`` with -inf raised to :data:`FLOOR` (NaN kept: orjson writes it as null)."""
+    if not logprobs or min(logprobs) >= FLOOR:  # a NaN min fails the test and takes the copy: same values
+        return logprobs
+    return [max(lp, FLOOR) for lp in logprobs]
+
+
+def _encoded_values(logprobs: list[float]) -> list[bytes]:
+    """Each log-prob's JSON text, encoded in one call."""
+    return jsonfast.dumps(floored(logprobs))[1:-1].split(b",") if logprobs else []
+
+
+def _pieces(engine: Any, kind: str, as_ids: bool, ids: Sequence[int], make: Any) -> list:
+    """The pieces of each id in ``ids`` (in order), ``make(id, name, text)`` run once per engine
+    for an id not seen before."""
+    table = _CACHES.setdefault(engine, {}).setdefault((kind, as_ids), [])
+    top = max(ids, default=-1)
+    if top >= len(table):
+        table.extend([None] * (top + 1 - len(table)))
+    got = [table[t] for t in ids]
+    if None in got:
+        new = [t for t in dict.fromkeys(ids) if table[t] is None]
+        texts = engine.token_texts(new)  # also when named by id: chat's bytes are the text's
+        for t, text in zip(new, texts):
+            name = f"{proto.TOKEN_ID_PREFIX}{t}" if as_ids or text is None else text
+            table[t] = make(t, name, text)
+        got = [table[t] for t in ids]
+    return got
+
+
+def _chat_piece(t: int, name: str, text: str | None) -> tuple[bytes, bytes]:
+    # The token's bytes are its text's (None without one), also when it is named by its id.
+    return (b'{"token":' + jsonfast.dumps(name) + b',"logprob":',
+            b',"bytes":' + jsonfast.dumps(None if text is None else utf8(text)) + b',"top_logprobs":[]}')
+
+
+def chat_content(engine: Any, output_ids: list[int], logprobs: list[float], as_ids: bool) -> bytes:
+    """vLLM's ChatCompletionLogProbs ``content`` array without top log-probs:
+    ``[{"token", "logprob", "bytes", "top_logprobs": []}, ...]`` as JSON text."""
+    parts = _pieces(engine, "chat", as_ids, output_ids, _chat_piece)
+    values = _encoded_values(logprobs)
+    return b"[" + b",".join([h + v + tail for (h, tail), v in zip(parts, values)]) + b"]"
+
+
+def _name_piece(t: int, name: str, text: str | None) -> tuple[bytes, int]:
+    return jsonfast.dumps(name), len(name)
+
+
+def completion_logprobs(engine: Any, output_ids: list[int], logprobs: list[float], as_ids: bool,
+                        offset: int = 0) -> bytes:
+    """vLLM's completions ``logprobs`` object without top log-probs (each
+    position's dict holds the sampled token alone): ``{"text_offset",
+    "token_logprobs", "tokens", "top_logprobs"}`` as JSON text; offsets count
+    from ``offset``."""
+    parts = _pieces(engine, "name", as_ids, output_ids, _name_piece)
+    values = _encoded_values(logprobs)
+    names = [p[0] for p in parts]
+    offsets = list(itertools.accumulate((p[1] for p in parts), initial=offset))[:-1]
+    return (b'{"text_offset":' + jsonfast.dumps(offsets)
+            + b',"token_logprobs":[' + b",".join(values)
+            + b'],"tokens":[' + b",".join(names)
+            + b'],"top_logprobs":[' + b",".join([b"{" + n + b":" + v + b"}" for n, v in zip(names, values)])
+            + b"]}")
