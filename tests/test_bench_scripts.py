@@ -331,12 +331,13 @@ def test_engine_vs_vllm_cpu_ours_only(tmp_path):
     (the GPU run, scripts/device_engine_vllm.sh, adds vLLM's rows)."""
     r, out = _run([sys.executable, "bench/engine_vs_vllm.py", "--device", "cpu", "--engines", "ours",
                    "--shapes", "tiny", "--lengths", "4,6", "--seqs", "8,16", "--prompt-len", "8",
-                   "--warmup-tokens", "2", "--top-logprobs", "1", "--out", str(tmp_path)])
+                   "--warmup-tokens", "2", "--top-logprobs", "1", "--min-timed-s", "0", "--out", str(tmp_path)])
     assert r.returncode == 0, out[-4000:]
     rows = json.loads((tmp_path / "engine_vs_vllm.json").read_text())["rows"]
     assert [(x["route"], x["new"], x["seqs"]) for x in rows] == [
         (route, new, seqs) for route in ("generate", "completions", "chat") for new in (4, 6) for seqs in (8, 16)]
     assert all(x["status"] == "ok" and x["tokens"] == x["new"] * x["seqs"] and x["tok/s"] > 0 for x in rows), rows
+    assert all(x["runs"] == 1 and 0 <= x["spread s"] <= x["seconds"] for x in rows), rows
     # the roofline: seqs x bandwidth / weight bytes, so twice the sequences, twice the bound
     assert rows[1]["roofline tok/s"] == pytest.approx(2 * rows[0]["roofline tok/s"])
     table = (tmp_path / "engine_vs_vllm.md").read_text()
@@ -357,12 +358,12 @@ def test_engine_vs_vllm_runs_a_baseline_tree_beside_ours(tmp_path):
     r, log = _run([sys.executable, "bench/engine_vs_vllm.py", "--device", "cpu", "--engines", "ours,before",
                    "--before-src", str(src), "--shapes", "tiny", "--lengths", "4", "--seqs", "8", "--prompt-len", "8",
                    "--warmup-tokens", "2", "--routes", "generate,chat", "--before-routes", "generate",
-                   "--out", str(out)])
+                   "--min-timed-s", "1e9", "--out", str(out)])
     assert r.returncode == 0, log[-4000:]
     rows = json.loads((out / "engine_vs_vllm.json").read_text())["rows"]
     assert [(x["engine"], x["route"]) for x in rows] == [("ours", "generate"), ("ours", "chat"), ("before", "generate")]
-    assert all(x["status"] == "ok" for x in rows), rows
-    assert rows[0]["x before"] == pytest.approx(rows[0]["tok/s"] / rows[2]["tok/s"], rel=0.01)
+    assert all(x["status"] == "ok" and x["runs"] == 5 for x in rows), rows  # repeated up to the cap
+    assert rows[0]["x before"] == pytest.approx(rows[0]["tok/s"] / rows[2]["tok/s"], abs=0.005)  # 2 decimals
     assert rows[1]["x before"] is None and rows[2]["x before"] is None
     servers = (out / "servers.log").read_text()
     assert servers.count("SERVER FROM THE BEFORE TREE") == 1 and f"(in {src})" in servers, servers[-3000:]
