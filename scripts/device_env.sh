@@ -26,7 +26,8 @@ else
 fi
 export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
 { date -u +%FT%TZ; nvidia-smi --query-gpu=name --format=csv,noheader;
-  python3 -c "import torch, transformers; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), 'transformers', transformers.__version__)"; } 2>&1 | tee "$OUT/env.log"
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), 'transformers', transformers.__version__)"
+  python3 -c "from torchtitan_grpo import jsonfast as j; print('replies encoded by', 'orjson ' + j.orjson.__version__ if j.orjson else 'json (no orjson: carry its wheel in .whl/)')"; } 2>&1 | tee "$OUT/env.log"
 
 # test_models DIR: write tests/test_parallel_parity.py's tiny checkpoints under
 # DIR and set MODELS to the matching --model=NAME=PATH flags of
