@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from torchtitan_grpo.server.routes import logprob_json
+
 _ROWS = 256
 """log_softmax over the vocabulary this many positions at a time (a long
 prompt's float32 logprobs at once would be prompt x vocab x 4 bytes)."""
@@ -52,7 +54,7 @@ def compute(engine: Any, ids: list[int], top_k: int = 0) -> PromptLogprobs:
             tv, ti = lp.topk(min(top_k, lp.shape[-1]), dim=-1)
             tops += [list(zip(v, i)) for v, i in zip(tv.tolist(), ti.tolist())]
     cat = (lambda xs: torch.cat(xs).tolist()) if values else (lambda xs: [])
-    return PromptLogprobs(token_ids=list(ids), logprobs=[max(v, -9999.0) for v in cat(values)], ranks=cat(ranks),
+    return PromptLogprobs(token_ids=list(ids), logprobs=logprob_json.floored(cat(values)), ranks=cat(ranks),
                           top=tops if top_k > 0 else None, weight_version=version)
 
 
@@ -89,7 +91,7 @@ def vllm_prompt_logprobs(engine: Any, pl: PromptLogprobs) -> list[dict | None]:
     for step, token in enumerate(pl.token_ids[1:]):
         d = {str(token): _logprob(engine, pl.logprobs[step], pl.ranks[step], token)}
         for rank, (lp, t) in enumerate(pl.top[step] if pl.top else [], start=1):
-            d.setdefault(str(t), _logprob(engine, max(lp, -9999.0), rank, t))
+            d.setdefault(str(t), _logprob(engine, max(lp, logprob_json.FLOOR), rank, t))
         out.append(d)
     return out
 

@@ -294,7 +294,7 @@ class ChatRoutes:
         for step, (t, lp) in enumerate(zip(r.output_ids, r.output_logprobs)):
             content.append({
                 "token": names[t],
-                "logprob": max(lp, -9999.0),  # -inf is not JSON
+                "logprob": max(lp, logprob_json.FLOOR),  # -inf is not JSON
                 "bytes": token_bytes[t],
                 "top_logprobs": [] if tops is None else [
                     {"token": names[tid], "logprob": v, "bytes": name_bytes[tid]} for tid, v in tops[step]],

@@ -193,9 +193,9 @@ def top_entries(r: SampleResult, step: int, k: int) -> list[tuple[int, float]]:
     """vLLM's per-position logprob dict as ``(token_id, logprob)`` pairs:
     the sampled token first, then the top ``k`` by rank, each id once (the
     sampled token keeps the first place when it is among the top)."""
-    out = {r.output_ids[step]: max(r.output_logprobs[step], -9999.0)}  # -inf is not JSON
+    out = {r.output_ids[step]: max(r.output_logprobs[step], logprob_json.FLOOR)}  # -inf is not JSON
     for top_lp, top_id in (r.top_logprobs[step] if r.top_logprobs else [])[:k]:
-        out.setdefault(top_id, max(top_lp, -9999.0))
+        out.setdefault(top_id, max(top_lp, logprob_json.FLOOR))
     return list(out.items())
 
 
@@ -371,7 +371,7 @@ class OpenAIRoutes:
         if k == 0 and jsonfast.Fragment is not None:
             return jsonfast.Fragment(
                 logprob_json.completion_logprobs(self.engine, r.output_ids, r.output_logprobs, as_ids, offset))
-        values = [max(lp, -9999.0) for lp in r.output_logprobs]  # -inf is not JSON
+        values = logprob_json.floored(r.output_logprobs)  # -inf is not JSON
         if k == 0:  # each position's dict is the sampled token alone: no merging needed
             names = token_names(self.engine, r.output_ids, as_ids)
             tokens = [names[t] for t in r.output_ids]
