@@ -42,6 +42,15 @@ def server(generating_server):
     return generating_server
 
 
+@pytest.fixture
+def fast_heartbeat(monkeypatch):
+    """The clients these tests spawn say they are alive every 1 s instead of
+    5 s (client_main.HEARTBEAT_S, from the environment they inherit), so a
+    silence timeout of 8 s leaves a live client 7 s of slack, as 12 s did
+    with 5 s heartbeats, without waiting out the production interval."""
+    monkeypatch.setenv("GRPO_CLIENT_HEARTBEAT_S", "1")
+
+
 def wait_until(cond, what: str) -> None:
     deadline = time.monotonic() + HANG_S
     while not cond():
@@ -230,16 +239,17 @@ def test_a_checkpoint_is_exact_when_the_client_stops_answering(model_dir, server
         client.close()
 
 
-def test_a_stopped_client_is_found_out_while_the_trainer_waits(model_dir, server):
+def test_a_stopped_client_is_found_out_while_the_trainer_waits(model_dir, server, fast_heartbeat):
     """SIGSTOP while the trainer waits for groups: silent past
     silent_timeout_s, the wait ends with the reason (heartbeats keep a
     live client that has nothing to send from looking silent)."""
-    client = RolloutProcess(spec(model_dir), [server], PoolConfig(), pushing=False, silent_timeout_s=12)
+    client = RolloutProcess(spec(model_dir), [server], PoolConfig(), pushing=False, silent_timeout_s=8)
     try:
         client.pool.start()
         stop = threading.Event()
-        hang_guard(15, stop)
-        # not started: no group comes for 15 s, only heartbeats, and they keep the client alive
+        hang_guard(10, stop)
+        # not started: no group comes for 10 s (past silent_timeout_s), only heartbeats, and they keep the
+        # client alive
         assert client.next_batch(stop) is None
         client.start(0)
         client.next_batch()
@@ -252,11 +262,11 @@ def test_a_stopped_client_is_found_out_while_the_trainer_waits(model_dir, server
         client.close()
 
 
-def test_a_stopped_client_is_replaced_while_the_trainer_waits(model_dir, server):
+def test_a_stopped_client_is_replaced_while_the_trainer_waits(model_dir, server, fast_heartbeat):
     """SIGSTOP, and the mirror emptied: silent past silent_timeout_s, the
     client is killed and a new one started; the wait ends with a batch of
     prompts never handed before."""
-    client = RolloutProcess(spec(model_dir), [server], PoolConfig(), pushing=False, silent_timeout_s=10,
+    client = RolloutProcess(spec(model_dir), [server], PoolConfig(), pushing=False, silent_timeout_s=8,
                             max_restarts=1)
     try:
         client.pool.start()

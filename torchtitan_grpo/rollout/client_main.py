@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -20,8 +21,11 @@ from torchtitan_grpo.rollout.groups import ScoredGroup
 
 logger = logging.getLogger("torchtitan_grpo")
 
-HEARTBEAT_S = 5.0
-"""How often a client with nothing else to send says it is alive."""
+HEARTBEAT_S = float(os.environ.get("GRPO_CLIENT_HEARTBEAT_S", "5"))
+"""How often a client with nothing else to send says it is alive (5 s;
+``GRPO_CLIENT_HEARTBEAT_S`` in the trainer's environment, which the client
+inherits, sets it: tests of the silence timeout use 1 s instead of waiting
+out the production interval)."""
 
 
 class GroupOutbox:
