@@ -213,6 +213,9 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     p.add_argument("--debug-decode-delay-s", type=float, default=0.0, metavar="S",
                    help="DEBUG KNOB for benchmarks: the engine sleeps S seconds in every decode step of "
                         "its batch, so this replica generates more slowly than its peers (default 0: off)")
+    p.add_argument("--admission-window-ms", type=float, default=10.0, metavar="MS",
+                   help="an idle engine admits a burst of requests as one prefill: the first waits until none has "
+                        "come for 2 ms, at most MS after it came (default 10; 0: admit each at once)")
     p.add_argument("--enable-return-routed-experts", action="store_true",
                    help="MoE models: capture each MoE layer's routed experts per position, returned to requests "
                         "with 'return_routed_experts' (SGLang's and vLLM's flag)")
@@ -227,6 +230,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         p.error("--kv-cache-memory-fraction must be in [0, 1)")
     if a.debug_update_delay_s < 0:
         p.error("--debug-update-delay-s must be >= 0")
+    if not 0 <= a.admission_window_ms <= 1000:  # (NaN too)
+        p.error(f"--admission-window-ms must be in [0, 1000], got {a.admission_window_ms}")
     if not a.debug_decode_delay_s >= 0:  # (NaN too)
         p.error("--debug-decode-delay-s must be >= 0")
     if not a.device.startswith(("cpu", "cuda")):
@@ -244,7 +249,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         weight_group_timeout_s=a.weight_group_timeout, num_threads=a.num_threads,
         debug_update_delay_s=a.debug_update_delay_s, debug_decode_delay_s=a.debug_decode_delay_s,
         chat_template=chat_template, trust_request_chat_template=a.trust_request_chat_template,
-        enable_return_routed_experts=a.enable_return_routed_experts,
+        enable_return_routed_experts=a.enable_return_routed_experts, admission_window_ms=a.admission_window_ms,
     )
 
 
@@ -255,7 +260,8 @@ def engine_config(cfg: ServerConfig) -> EngineConfig:
                         kv_cache_memory_fraction=cfg.kv_cache_memory_fraction,
                         overlap_schedule=None if cfg.overlap_schedule else False,
                         debug_decode_delay_s=cfg.debug_decode_delay_s,
-                        return_routed_experts=cfg.enable_return_routed_experts)
+                        return_routed_experts=cfg.enable_return_routed_experts,
+                        admission_window_ms=cfg.admission_window_ms)
 
 
 def exposure_warning(cfg: ServerConfig) -> str | None:

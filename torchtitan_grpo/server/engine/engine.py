@@ -39,12 +39,13 @@ import time
 import uuid
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from torchtitan_grpo.server.engine.admission import AdmissionWindow
 from torchtitan_grpo.server.engine.batch import KVBatch, make_batch, upload
+from torchtitan_grpo.server.engine.config import EngineConfig  # noqa: F401  (imported from here too)
 from torchtitan_grpo.server.engine.engine_weights import EngineWeights
 from torchtitan_grpo.server.engine.expert_views import expert_views
 from torchtitan_grpo.server.engine.paged_batch import PagedBatch
@@ -65,53 +66,6 @@ def device_broken(e: BaseException) -> bool:
     context is then unusable and every later step would fail too, unlike a bad request's error."""
     accel = getattr(torch, "AcceleratorError", None)
     return (accel is not None and isinstance(e, accel)) or "CUDA error" in str(e)
-
-
-@dataclass
-class EngineConfig:
-    """Built-in engine settings (the server CLI maps 1:1 onto these)."""
-
-    model_path: str
-    device: str = "cpu"
-    dtype: str = "auto"
-    """"auto" keeps the checkpoint's dtype; or float32 / bfloat16 / float16."""
-    seed: int = 0
-    max_batch_size: int = 64
-    """Most sequences decoded together."""
-    kv_cache: str = "auto"
-    """"static": a preallocated cache of ``max_batch_size`` slots x
-    ``max_model_len`` positions, decode steps replayed as CUDA graphs on a
-    GPU (``server/engine/static_batch.py``); "paged": the same decode on a pool of blocks
-    sized by a memory budget, sequences admitted by free blocks and retracted
-    when it runs out (``server/engine/paged_batch.py``); "dynamic": the HF forward on a
-    growing cache (any HF causal LM); "auto": on a GPU for Llama / Qwen2 /
-    Qwen3 / Mistral static while its slots fit the KV budget, else paged
-    (``batch.auto_kind``); dynamic otherwise (and on CPU)."""
-    max_model_len: int = 0
-    """Static / paged cache: positions per sequence, prompt and output together
-    (a longer prompt is refused, generation stops there with "length"); 0 =
-    the model's context, at most 2048 (static) or what the pool holds (paged)."""
-    kv_cache_memory_gb: float = 0.0
-    """Paged cache: the pool's size in GiB (0: by ``kv_cache_memory_fraction``)."""
-    kv_cache_memory_fraction: float = 0.0
-    """Paged cache: the pool's share of the GPU memory free after the weights
-    (0: ``kv_pool.DEFAULT_MEMORY_FRACTION``; on a CPU the pool holds
-    ``max_batch_size`` x ``max_model_len`` positions instead)."""
-    cuda_graphs: bool = True
-    """Static cache on a GPU: replay decode steps as CUDA graphs (off: the
-    same kernels launched one by one, for debugging)."""
-    overlap_schedule: bool | None = None
-    """Launch decode step k+1 before step k's tokens reach the host, so the
-    host's bookkeeping runs while the device computes (SGLang's overlap
-    scheduler). A row that ends at step k is computed once more, unread.
-    None: on a GPU (on a CPU nothing runs concurrently)."""
-    debug_decode_delay_s: float = 0.0
-    """Debug knob for benchmarks: every decode step of the batch takes this
-    much longer (the worker sleeps in it), so one replica generates N times
-    slower than its peers (the pipelined loop's slow-replica case). 0 in
-    production."""
-    return_routed_experts: bool = False
-    """Capture every MoE layer's routed experts per position (``server/engine/moe_routes.py``)."""
 
 
 class Engine(EngineWeights):
@@ -148,6 +102,7 @@ class Engine(EngineWeights):
         self._cv = threading.Condition()
         self._param_lock = threading.Lock()  # copy-in vs read-out of parameters
         self._pending: deque[_Sequence] = deque()
+        self._admission = AdmissionWindow(cfg.admission_window_ms)
         self._actions: list[tuple[Any, concurrent.futures.Future]] = []
         # [len(batch.rows)] the token each row sampled last, not yet in the KV
         # cache (fed by the next decode step); None while the batch is empty.
@@ -206,6 +161,7 @@ class Engine(EngineWeights):
                 raise RequestError("the engine is shutting down")
             if self.worker_error is not None:
                 raise RequestError(f"the device failed, the server is exiting: {self.worker_error}")
+            self._admission.note(not self._pending)
             for s in req.seqs:
                 if params.max_new_tokens == 0:
                     self._finish(s, FinishReason("length", length=0))
@@ -433,6 +389,10 @@ class Engine(EngineWeights):
                     if self._stopping:
                         self._abort_everything("server shutting down")
                         return
+                    hold = self._admission.hold() if self._pending and not self._rows else 0.0
+                    if hold > 0:  # idle: the rest of a burst is still being queued
+                        self._cv.wait(hold)
+                        continue
                     admit = self._ready_to_step()
                     if admit is not None:
                         break

@@ -1,0 +1,48 @@
+"""A burst of requests into an idle engine, admitted as one prefill.
+
+A GRPO step posts its requests together, but the server's event loop hands
+them to the engine one at a time (each is read and parsed; on the chat route
+also rendered and tokenised), and an idle engine used to start on the first:
+the others joined in later prefills, each of which first flushes the decode
+pipeline. On CPU, 8 chat requests of n=8 came in as prefills of 8, 16 and 40
+rows (8 and 56 on a second try); /generate's, parsed faster, as one of 64.
+On an H200 the chat route's 64 x 128-token row ran at 0.85 x /generate's
+(docs/PERFORMANCE.md, runs 144-145), a fixed ~40 ms.
+
+So while the engine has no rows, the first request waits until no other has
+come for :data:`QUIET_MS`, and at most ``window_ms`` after it came: a lone
+request waits the quiet time, a burst is admitted together. Requests that
+arrive while rows are decoding join at the next step, as before.
+"""
+
+from __future__ import annotations
+
+import time
+
+QUIET_MS = 2.0
+"""A gap this long after the last request ends the burst (the server queues a
+parsed request in well under a millisecond; a chat request in about one)."""
+
+
+class AdmissionWindow:
+    """When an idle engine may admit: :meth:`note` each request as it is
+    queued, :meth:`hold` says how much longer to wait."""
+
+    def __init__(self, window_ms: float, quiet_ms: float = QUIET_MS):
+        self.window_s = max(window_ms, 0.0) / 1e3
+        self.quiet_s = min(quiet_ms / 1e3, self.window_s)
+        self._first = self._last = float("-inf")
+
+    def note(self, queue_was_empty: bool, now: float | None = None) -> None:
+        """A request was queued (``queue_was_empty``: it starts a burst)."""
+        now = time.monotonic() if now is None else now
+        if queue_was_empty:
+            self._first = now
+        self._last = now
+
+    def hold(self, now: float | None = None) -> float:
+        """Seconds an idle engine should still wait for the rest of the burst (0: admit now)."""
+        if self.window_s <= 0:
+            return 0.0
+        now = time.monotonic() if now is None else now
+        return max(0.0, min(self._last + self.quiet_s, self._first + self.window_s) - now)
