@@ -358,11 +358,11 @@ def test_engine_vs_vllm_runs_a_baseline_tree_beside_ours(tmp_path):
     r, log = _run([sys.executable, "bench/engine_vs_vllm.py", "--device", "cpu", "--engines", "ours,before",
                    "--before-src", str(src), "--shapes", "tiny", "--lengths", "4", "--seqs", "8", "--prompt-len", "8",
                    "--warmup-tokens", "2", "--routes", "generate,chat", "--before-routes", "generate",
-                   "--min-timed-s", "1e9", "--out", str(out)])
+                   "--min-timed-s", "0", "--out", str(out)])
     assert r.returncode == 0, log[-4000:]
     rows = json.loads((out / "engine_vs_vllm.json").read_text())["rows"]
     assert [(x["engine"], x["route"]) for x in rows] == [("ours", "generate"), ("ours", "chat"), ("before", "generate")]
-    assert all(x["status"] == "ok" and x["runs"] == 5 for x in rows), rows  # repeated up to the cap
+    assert all(x["status"] == "ok" and x["runs"] == 1 for x in rows), rows
     assert rows[0]["x before"] == pytest.approx(rows[0]["tok/s"] / rows[2]["tok/s"], abs=0.005)  # 2 decimals
     assert rows[1]["x before"] is None and rows[2]["x before"] is None
     servers = (out / "servers.log").read_text()
@@ -370,6 +370,23 @@ def test_engine_vs_vllm_runs_a_baseline_tree_beside_ours(tmp_path):
     r, log = _run([sys.executable, "bench/engine_vs_vllm.py", "--device", "cpu", "--engines", "before",
                    "--before-src", str(tmp_path), "--out", str(out)])
     assert r.returncode == 2 and "--before-src" in r.stderr, log[-2000:]
+
+
+def test_engine_vs_vllm_repeats_a_short_row_up_to_its_time_or_five_runs(monkeypatch):
+    """A row's timed run is repeated until the runs add up to ``--min-timed-s``, five at most."""
+    from bench import engine_vs_vllm
+
+    calls = []
+
+    async def fake(url, route, bodies):
+        calls.append(route)
+        return 0.3, 8, 8, 0.01
+
+    monkeypatch.setattr(engine_vs_vllm, "run_requests", fake)
+    assert len(engine_vs_vllm.timed_runs("u", "chat", [], min_s=1.0, most=5)) == 4  # 0.3 x 4 >= 1.0
+    assert len(engine_vs_vllm.timed_runs("u", "chat", [], min_s=100.0, most=5)) == 5
+    assert len(engine_vs_vllm.timed_runs("u", "chat", [], min_s=0.0, most=5)) == 1
+    assert len(calls) == 10
 
 
 def test_engine_vs_vllm_says_when_vllm_is_missing(tmp_path):
