@@ -93,7 +93,8 @@ def _reset(url: str) -> None:
 def _shared_servers(tmp_path_factory, tiny_model_dir):
     """Two built-in servers for the tests that push to one or both of them and
     never stop them: ``srv`` without an update delay and ``slow_update_srv``
-    with 0.5 s per update; two starts instead of twenty-three."""
+    with 0.5 s per update; two starts instead of twenty-six (the fast
+    replica of the tests that start a slow one of their own is ``srv`` too)."""
     started = {}
     try:
         for name, delay in (("srv", 0.0), ("slow", 0.5)):
@@ -122,13 +123,13 @@ def slow_update_srv(_shared_servers):
     _reset(_shared_servers["slow"].url)
 
 
-def test_async_push_never_waits_and_skips_to_newest(tmp_path, tiny_model_dir, loop):
+def test_async_push_never_waits_and_skips_to_newest(tmp_path, tiny_model_dir, loop, srv):
     """A slow replica (3 s per update), a fast one, ONE staging buffer, and 6
     versions pushed back to back. The trainer's calls never wait for the slow
     replica (each returns before it serves the version pushed; versions are
     skipped while it holds the buffer), both replicas end on the newest
     version, and every replica only ever holds one whole version."""
-    fast, slow = _servers(tmp_path, tiny_model_dir, [0.0, 3.0])
+    fast, (slow,) = srv, _servers(tmp_path, tiny_model_dir, [3.0])  # the fast one: the shared server
     rec = Recorder()
     # One bucket per version (the delay knob acts per update request).
     pusher = Pusher(loop, [fast.url, slow.url], PushConfig(mode="async", bucket_bytes=4 << 20,
@@ -159,12 +160,11 @@ def test_async_push_never_waits_and_skips_to_newest(tmp_path, tiny_model_dir, lo
         assert g["meta_info"]["weight_version"] == "7"
     finally:
         pusher.close()
-        for s in (fast, slow):
-            stop_process(s.proc)
+        stop_process(slow.proc)
 
 
-def test_sync_push_waits_for_every_replica(tmp_path, tiny_model_dir, loop):
-    a, b = _servers(tmp_path, tiny_model_dir, [0.0, 0.3])
+def test_sync_push_waits_for_every_replica(tmp_path, tiny_model_dir, loop, srv):
+    a, (b,) = srv, _servers(tmp_path, tiny_model_dir, [0.3])  # a: the shared server
     pusher = Pusher(loop, [a.url, b.url], PushConfig(mode="sync", bucket_bytes=32 << 10), torch.device("cpu"))
     try:
         pusher.connect(initial_version=0)
@@ -180,15 +180,14 @@ def test_sync_push_waits_for_every_replica(tmp_path, tiny_model_dir, loop):
             assert 0 < m["push/replica1_GBps"] < m["push/replica0_GBps"]
     finally:
         pusher.close()
-        for s in (a, b):
-            stop_process(s.proc)
+        stop_process(b.proc)
 
 
-def test_replica_missing_deadline_is_ejected_and_trainer_goes_on(tmp_path, tiny_model_dir, loop):
+def test_replica_missing_deadline_is_ejected_and_trainer_goes_on(tmp_path, tiny_model_dir, loop, srv):
     """A replica slower than the deadline is ejected from routing; the other
     keeps up; the trainer's push returns before the late replica's deadline
     (it never waits for it); the abandoned version is never loaded."""
-    ok, late = _servers(tmp_path, tiny_model_dir, [0.0, 4.0])
+    ok, (late,) = srv, _servers(tmp_path, tiny_model_dir, [4.0])  # the healthy one: the shared server
     rec = Recorder()
     pusher = Pusher(loop, [ok.url, late.url], PushConfig(mode="async", bucket_bytes=1 << 20, deadline_s=2.0,
                     reconnect_interval_s=60), torch.device("cpu"), on_eject=rec.eject, on_readmit=rec.readmit)
@@ -217,8 +216,7 @@ def test_replica_missing_deadline_is_ejected_and_trainer_goes_on(tmp_path, tiny_
         assert _version(late.url) == "0"
     finally:
         pusher.close()
-        for s in (ok, late):
-            stop_process(s.proc)
+        stop_process(late.proc)
 
 
 def test_killed_replica_is_ejected_then_catches_up_before_readmission(tmp_path, tiny_model_dir, loop):
