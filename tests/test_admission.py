@@ -76,3 +76,16 @@ def test_a_lone_request_is_admitted_after_the_quiet_gap(tiny_model_dir):
         assert len(r.output_ids) == 2  # not held for the 600 s window (the wait above is 120 s): the gap ended it
     finally:
         eng.shutdown()
+
+
+def test_the_server_flag_reaches_the_engine_and_a_bad_value_is_one_line_naming_it(tiny_model_dir, capsys):
+    from torchtitan_grpo.server.app import engine_config, parse_args
+
+    base = ["--model", tiny_model_dir, "--port", "0"]
+    assert engine_config(parse_args(base)).admission_window_ms == 10.0
+    assert engine_config(parse_args([*base, "--admission-window-ms", "0"])).admission_window_ms == 0.0
+    for bad in ("-1", "nan", "5000"):
+        with pytest.raises(SystemExit):
+            parse_args([*base, "--admission-window-ms", bad])
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.endswith(f"--admission-window-ms must be in [0, 1000], got {float(bad)}"), err
