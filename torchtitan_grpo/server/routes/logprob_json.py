@@ -42,6 +42,12 @@ def utf8(s: str) -> list[int]:
     return list(s.encode("utf-8", errors="replace"))
 
 
+def token_name(token_id: int, text: str | None, as_id: bool) -> str:
+    """A token as vLLM's logprobs name it: its text, or ``"token_id:<id>"``
+    with ``return_tokens_as_token_ids`` (or when it has no text)."""
+    return f"{proto.TOKEN_ID_PREFIX}{token_id}" if as_id or text is None else text
+
+
 def floored(logprobs: list[float]) -> list[float]:
     """``logprobs`` with -inf raised to :data:`FLOOR` (NaN kept: orjson writes it as null)."""
     if not logprobs or min(logprobs) >= FLOOR:  # a NaN min fails the test and takes the copy: same values
@@ -66,8 +72,7 @@ def _pieces(engine: Any, kind: str, as_ids: bool, ids: Sequence[int], make: Any)
         new = [t for t in dict.fromkeys(ids) if table[t] is None]
         texts = engine.token_texts(new)  # also when named by id: chat's bytes are the text's
         for t, text in zip(new, texts):
-            name = f"{proto.TOKEN_ID_PREFIX}{t}" if as_ids or text is None else text
-            table[t] = make(t, name, text)
+            table[t] = make(t, token_name(t, text, as_ids), text)
         got = [table[t] for t in ids]
     return got
 

@@ -170,8 +170,7 @@ def refuse_unsupported(body: dict, unsupported: dict[str, Any]) -> None:
 
 
 def token_str(engine: Engine, token_id: int, as_id: bool) -> str:
-    """A token as vLLM's logprobs name it: its text, or ``"token_id:<id>"``
-    with ``return_tokens_as_token_ids`` (or when it has no text)."""
+    """:func:`logprob_json.token_name` of one id, its text fetched from the engine."""
     return token_names(engine, [token_id], as_id)[token_id]
 
 
@@ -186,7 +185,7 @@ def token_names(engine: Engine, token_ids: Iterable[int], as_id: bool,
         texts = [None] * len(ids)
     elif texts is None:
         texts = engine.token_texts(ids)
-    return {t: f"{proto.TOKEN_ID_PREFIX}{t}" if text is None else text for t, text in zip(ids, texts)}
+    return {t: logprob_json.token_name(t, text, as_id) for t, text in zip(ids, texts)}
 
 
 def top_entries(r: SampleResult, step: int, k: int) -> list[tuple[int, float]]:
