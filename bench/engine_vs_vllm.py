@@ -27,8 +27,8 @@ new tokens each (graphs, allocator, first-request paths; 0: the full
 length), then timed runs, each wall clock from the first request sent to the
 last reply parsed, repeated until they add up to ``--min-timed-s`` (at most
 5; ``runs``) and the median kept. tok/s = completion tokens / seconds.
-``spread s``: the last reply's arrival minus the first's, i.e. the host time
-of the replies after the first (the requests end on one decode step).
+``spread s``: the last reply's arrival minus the first's: the host time of
+the replies after the first, plus any steps between the requests' ends.
 Beside each row the
 HBM roofline of its decode steps, weights only:
 
@@ -162,9 +162,10 @@ def count(route: str, reply: Any) -> tuple[int, int]:
 
 async def run_requests(url: str, route: str, bodies: list[dict]) -> tuple[float, int, int, float]:
     """Post every body at once; (seconds, completion tokens, tokens with a logprob, spread): the
-    spread is the last reply's arrival minus the first's. Every request of a row ends on the same
-    decode step, so the spread is the server's host time for the replies after the first (building,
-    encoding, sending) and this client's parsing of them, not generation."""
+    spread is the last reply's arrival minus the first's: the server's host time for the replies
+    after the first (building, encoding, sending) and this client's parsing of them when every
+    request ends on the same decode step, plus the steps between their ends when they were admitted
+    in several prefills."""
     import aiohttp
 
     arrived: list[float] = []
