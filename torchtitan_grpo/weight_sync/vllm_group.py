@@ -5,8 +5,9 @@ not join a torch process group: each worker builds vLLM's own
 ``StatelessProcessGroup`` (a bare ``TCPStore`` used as a mailbox) and a
 ``PyNcclCommunicator`` (raw NCCL through ctypes). A trainer that uses
 ``group.py`` would publish torch's store keys, which no vLLM worker reads, and
-both sides would wait forever. This module plays rank 0 of vLLM's scheme with
-torch's own NCCL bindings (``torch.cuda.nccl``) instead.
+both sides would wait forever. This module plays rank 0 of vLLM's scheme,
+calling NCCL as a vLLM worker does, through ctypes (``nccl_lib``: torch's
+``torch.cuda.nccl.init_rank`` fails on Python >= 3.10).
 
 What it reproduces, from the vLLM 0.33.0 wheel (facts, no code taken):
 
@@ -50,21 +51,17 @@ What it cannot guarantee, and what to check on the first real run:
   a vLLM that moves it needs :data:`VLLM_UNIQUE_ID_CLASS` changed. The
   ``nccl_unique_id_b64`` rendezvous avoids the pickle (and the store) and is
   the more robust choice where the server accepts it.
-* ``torch.cuda.nccl.broadcast`` always broadcasts from rank 0 of its
-  communicator (its ``root`` argument is only range-checked), which is why
-  only the trainer (rank 0) can send.
-* Abort uses ``ncclCommAbort`` through ctypes on the library torch loaded; if
-  that symbol cannot be found, the communicator is leaked rather than
-  destroyed mid-collective.
-* None of this ran against a real vLLM here (no GPU in CI): the unit tests
-  drive the store layout and the collective sequence against a fake worker
-  written from the facts above.
+* Only the trainer (rank 0) sends: every broadcast's root is 0.
+* Abort is ``ncclCommAbort`` (not destroy, which may wait for peers that are
+  busy or gone).
+* CI has no GPU: the unit tests drive the store layout and the collective
+  sequence against a fake worker written from the facts above, and
+  ``nccl_lib``'s calls against a fake library.
 """
 
 from __future__ import annotations
 
 import base64
-import ctypes
 import io
 import logging
 import os
@@ -80,6 +77,7 @@ from torch.distributed import TCPStore
 
 from torchtitan_grpo.reasons import reason
 from torchtitan_grpo.weight_sync.buckets import TensorSpec, pack, plan_packed_chunks
+from torchtitan_grpo.weight_sync.nccl_lib import CtypesNccl
 
 logger = logging.getLogger(__name__)
 
@@ -175,79 +173,6 @@ class NcclApi(Protocol):
         """In-place broadcast from rank 0; returns once complete."""
 
     def abort(self, comm: Any) -> None: ...
-
-
-class TorchNccl:
-    """:class:`NcclApi` over ``torch.cuda.nccl`` (the NCCL torch was built with)."""
-
-    def unique_id(self) -> bytes:
-        import torch.cuda.nccl as nccl
-
-        uid = nccl.unique_id()
-        if len(uid) != NCCL_UNIQUE_ID_BYTES:
-            raise RuntimeError(f"torch returned a {len(uid)}-byte NCCL unique id")
-        return uid
-
-    def init_rank(self, world_size: int, unique_id: bytes, rank: int, device: torch.device) -> Any:
-        import torch.cuda.nccl as nccl
-
-        with torch.cuda.device(device):  # the communicator binds the current device
-            return nccl.init_rank(world_size, unique_id, rank)
-
-    def all_reduce(self, tensor: torch.Tensor, comm: Any) -> None:
-        import torch.cuda.nccl as nccl
-
-        nccl.all_reduce([tensor], comms=[comm])
-        torch.cuda.current_stream(tensor.device).synchronize()
-
-    def broadcast(self, tensor: torch.Tensor, comm: Any, stream: Any = None) -> None:
-        import torch.cuda.nccl as nccl
-
-        nccl.broadcast([tensor], root=0, streams=None if stream is None else [stream], comms=[comm])
-        (stream or torch.cuda.current_stream(tensor.device)).synchronize()
-
-    def abort(self, comm: Any) -> None:
-        """``ncclCommAbort`` on the communicator inside torch's capsule, then
-        drop the capsule's destructor (it would destroy the freed comm)."""
-        api = ctypes.pythonapi
-        api.PyCapsule_GetName.restype = ctypes.c_char_p
-        api.PyCapsule_GetName.argtypes = [ctypes.py_object]
-        api.PyCapsule_GetPointer.restype = ctypes.c_void_p
-        api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
-        api.PyCapsule_SetDestructor.argtypes = [ctypes.py_object, ctypes.c_void_p]
-        if type(comm).__name__ != "PyCapsule":
-            raise RuntimeError(f"unexpected communicator handle {type(comm).__name__}")
-        ptr = api.PyCapsule_GetPointer(comm, api.PyCapsule_GetName(comm))
-        lib = _loaded_libnccl()
-        if lib is None:
-            raise RuntimeError("ncclCommAbort not found in this process; leaking the communicator")
-        lib.ncclCommAbort.argtypes = [ctypes.c_void_p]
-        lib.ncclCommAbort.restype = ctypes.c_int
-        rc = lib.ncclCommAbort(ctypes.c_void_p(ptr))
-        api.PyCapsule_SetDestructor(comm, None)
-        if rc != 0:
-            raise RuntimeError(f"ncclCommAbort returned {rc}")
-
-
-def _loaded_libnccl() -> ctypes.CDLL | None:
-    """The NCCL torch already loaded: a static build exports its symbols
-    globally; a dynamic one is found by soname without loading a second copy."""
-    candidates: list[Any] = [lambda: ctypes.CDLL(None)]
-    candidates.append(lambda: ctypes.CDLL("libnccl.so.2", mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL))
-    try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if "libnccl" in line}
-        candidates += [lambda p=p: ctypes.CDLL(p, mode=os.RTLD_NOLOAD) for p in sorted(paths)]
-    except OSError:
-        pass
-    for make in candidates:
-        try:
-            lib = make()
-            if hasattr(lib, "ncclCommAbort"):
-                return lib
-        except OSError:
-            continue
-    return None
 
 
 # --------------------------------------------------------------------------- #
@@ -368,7 +293,7 @@ def init_vllm_weight_group(
     """
     if world_size < 2:
         raise ValueError(f"world_size must be >= 2 (trainer + at least one worker), got {world_size}")
-    nccl = nccl or TorchNccl()
+    nccl = nccl or CtypesNccl()
     dev = _device(device)
     store = open_store(master_address, master_port, world_size, timeout_s)
     unique_id = nccl.unique_id()
@@ -380,7 +305,7 @@ def init_vllm_weight_group(
 
 def mint_unique_id_b64(nccl: NcclApi | None = None) -> tuple[bytes, str]:
     """A fresh NCCL unique id and its standard base64 (``init_info.nccl_unique_id_b64``)."""
-    raw = (nccl or TorchNccl()).unique_id()
+    raw = (nccl or CtypesNccl()).unique_id()
     return raw, base64.b64encode(raw).decode("ascii")
 
 
@@ -395,7 +320,7 @@ def init_vllm_weight_group_from_unique_id(
     it are in flight (NCCL init has no barrier: all ranks must enter it)."""
     if len(unique_id) != NCCL_UNIQUE_ID_BYTES:
         raise ValueError(f"an NCCL unique id has {NCCL_UNIQUE_ID_BYTES} bytes, got {len(unique_id)}")
-    nccl = nccl or TorchNccl()
+    nccl = nccl or CtypesNccl()
     dev = _device(device)
     return VLLMWeightGroup(world_size, dev, nccl, _join(nccl, world_size, unique_id, dev))
 
