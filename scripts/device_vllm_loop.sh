@@ -18,6 +18,10 @@
 # goes in PAUSE_VLLM_ARGS). LOOP_ARGS: more grpo_train flags for every run, e.g. the fp32-noise
 # runs that isolate runs 128/131's slow learning: LOOP_ARGS="--inference.vllm_fp64_sampler false
 # --rollout.seeded_requests false" (a launched vLLM gets --use-fp64-gumbel unless told not to).
+# SERVER_DEVICE / TRANSPORT place every run's server and pick its push: the defaults (cuda:0, ipc)
+# share the trainer's GPU; on a two-GPU machine SERVER_DEVICE=cuda:1 TRANSPORT=nccl gives the
+# server the second GPU and pushes over an NCCL group (vLLM's own StatelessProcessGroup handshake,
+# weight_sync/vllm_group.py), with vLLM at GPU_UTIL of it (default 0.3 shared, 0.85 alone).
 # Logs: $OUT/<run>.log, $OUT/<run>-metrics.jsonl, $OUT/<run>-server.log (the
 # launched server's own log), $OUT/summary.md (scripts/run_summary.py).
 set -uo pipefail
@@ -30,6 +34,9 @@ RUNS=${RUNS:-"vllm-sync vllm-async builtin-sync"}
 VLLM_ARGS=${VLLM_ARGS:-}
 PAUSE_STEPS=${PAUSE_STEPS:-8}
 PAUSE_VLLM_ARGS=${PAUSE_VLLM_ARGS:-}
+SERVER_DEVICE=${SERVER_DEVICE:-cuda:0}
+TRANSPORT=${TRANSPORT:-ipc}
+if [ "$SERVER_DEVICE" = cuda:0 ]; then GPU_UTIL=${GPU_UTIL:-0.3}; else GPU_UTIL=${GPU_UTIL:-0.85}; fi
 read -r -a loop_args <<< "${LOOP_ARGS:-}"
 mkdir -p "$OUT"
 source scripts/device_vllm_env.sh
@@ -44,12 +51,13 @@ for run in $RUNS; do
   [ -n "$pause" ] && { steps=$PAUSE_STEPS; eargs="$eargs${PAUSE_VLLM_ARGS:+,$PAUSE_VLLM_ARGS}"; }
   eargs=${eargs#,}
   args=(--weight_sync.mode "$mode" --training.steps "$steps" --job.dump_folder "/tmp/runs/$run"
-        --inference.startup_timeout_s 400)
+        --inference.startup_timeout_s 400 --inference.server_device "$SERVER_DEVICE"
+        --weight_sync.transport "$TRANSPORT")
   [ -n "$pause" ] && args+=(--weight_sync.pause_mode "$pause")
   if [ "$engine" = vllm ]; then
-    # vLLM beside the trainer on cuda:0: a share of the GPU, and the IPC push (NCCL cannot join two
-    # processes on one GPU).
-    args+=(--inference.backend vllm --inference.gpu_memory_utilization 0.3 --weight_sync.transport ipc)
+    # vLLM beside the trainer on cuda:0 takes a share of the GPU and the IPC push (NCCL cannot join
+    # two processes on one GPU); on a GPU of its own, most of it.
+    args+=(--inference.backend vllm --inference.gpu_memory_utilization "$GPU_UTIL")
     [ -n "$eargs" ] && args+=("--inference.engine_args=$eargs")
   fi
   tag=${run/:/_}
