@@ -140,22 +140,56 @@ def _server_pids(log: str) -> dict[str, int]:
                                                       open(log).read())}
 
 
-def test_sigterm_checkpoint_resume_then_the_only_server_gone_for_good(tmp_path, tiny_model_dir):
-    """Two faults, one resumed run between them (each a trainer start saved).
+def test_sigterm_saves_resume_and_the_only_server_gone_for_good(tmp_path, tiny_model_dir):
+    """Three faults over one run, three trainer starts of the same dump, each
+    resuming where the one before stopped (these were two tests of two starts
+    each, here and in test_rough_edges: their checks are all made below; the
+    chain saves a trainer start and its server).
 
-    1. SIGTERM (what SLURM sends before a preemption) mid-run, checkpoint
-       interval far away: the last completed step is saved and the trainer
-       exits with one line saying so.
-    2. The same command again (the demo's sync push this time, its only
-       server not allowed to restart) resumes right after that step; then the
-       server is killed: the run saves its last completed step and stops at
-       once with one line naming the cause, instead of waiting
-       request_timeout_s. No step is lost or trained twice over both runs."""
+    1. Every step is an interval save; SIGTERM to the worker alone (as
+       torchrun or SLURM sends it): the stop line names the checkpoint of its
+       step, and torchrun's report of the failed worker carries that line (the
+       error file), not a link to its docs.
+    2. The same run resumed, async push, checkpoint interval far away; SIGTERM
+       to torchrun and its worker (as a terminal or SLURM would): the last
+       completed step is saved and the trainer exits with one line saying so.
+    3. Resumed again (the demo's sync push, its only server not allowed to
+       restart); the server is killed: the run saves its last completed step
+       and stops at once with one line naming the cause and the checkpoint,
+       instead of waiting request_timeout_s; the reason is said once; the
+       summary's first 10 steps are the run's (from metrics.jsonl), not the
+       resumed part's. No step is lost or trained twice over the three."""
+    import re
+
     dump = str(tmp_path / "run")
+    ckpt = os.path.join(dump, "checkpoint")
+
+    # 1. Interval saves; SIGTERM to the worker only.
+    p, log = _start(dump, tiny_model_dir, "--training.steps", "1000", "--checkpoint.enable", "true",
+                    "--checkpoint.interval", "1")
+    try:
+        _wait_steps(p, dump, log, 3)
+        (worker,) = subprocess.run(["pgrep", "-P", str(p.pid), "-f", "grpo_train.py"], capture_output=True,
+                                   text=True).stdout.split()
+        os.kill(int(worker), signal.SIGTERM)
+        out = _finish(p, log, 120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    lines = [line for line in out.splitlines() if "stopped after step" in line]
+    first = int(lines[0].split("stopped after step ")[1].split()[0])
+    stop = f"stopped after step {first} of 1000: received SIGTERM; checkpoint of step {first} in {ckpt}"
+    assert lines[0].endswith(stop), out[-4000:]
+    assert f"traceback : {stop}" in out, out[-4000:]  # torchrun's Root Cause section
+    assert p.returncode == 1  # torchrun's, whatever the worker's (143)
+    assert [m["step"] for m in _steps(dump)] == list(range(1, first + 1))
+
+    # 2. Resumed, async, interval far away; SIGTERM to torchrun and its worker.
     args = ("--training.steps", "1000", "--checkpoint.enable", "--checkpoint.interval", "1000")
     p, log = _start(dump, tiny_model_dir, *args, "--weight_sync.mode", "async")
     try:
-        _wait_steps(p, dump, log, 4)
+        _wait_steps(p, dump, log, first + 4)
+        assert f"resumed from {ckpt} at step {first}" in open(log).read()
         os.killpg(p.pid, signal.SIGTERM)  # torchrun and its worker, as a terminal or SLURM would
         out = _finish(p, log, 120)
     finally:
@@ -165,14 +199,16 @@ def test_sigterm_checkpoint_resume_then_the_only_server_gone_for_good(tmp_path, 
     assert len(lines) == 1, out[-4000:]
     done = int(lines[0].split("stopped after step ")[1].split()[0])
     assert "received SIGTERM" in lines[0] and f"checkpoint of step {done}" in lines[0], lines[0]
-    assert done >= 4 and os.path.isdir(os.path.join(dump, "checkpoint", f"step-{done}"))
+    # no interval save comes before step 1000: this checkpoint is the stop's own
+    assert done >= first + 4 and os.path.isdir(os.path.join(ckpt, f"step-{done}"))
     assert [m["step"] for m in _steps(dump)] == list(range(1, done + 1))
 
+    # 3. Resumed, sync, no restart allowed; the only server killed for good.
     p, log = _start(dump, tiny_model_dir, *args, "--inference.server_max_restarts", "0",
                     "--inference.request_timeout_s", "600")
     try:
-        _wait_steps(p, dump, log, done + 3)
-        assert f"resumed from {os.path.join(dump, 'checkpoint')} at step {done}" in open(log).read()
+        _wait_steps(p, dump, log, max(11, done + 3))
+        assert f"resumed from {ckpt} at step {done}" in open(log).read()
         (pid,) = _server_pids(log).values()
         os.kill(pid, signal.SIGKILL)
         out = _finish(p, log, 300)  # a hang guard: waiting request_timeout_s (600) would fail it
@@ -184,7 +220,19 @@ def test_sigterm_checkpoint_resume_then_the_only_server_gone_for_good(tmp_path, 
     assert len(lines) == 1, out[-4000:]
     last = int(lines[0].split("stopped after step ")[1].split()[0])
     assert "gone for good" in lines[0] and f"checkpoint of step {last}" in lines[0], lines[0]
-    assert last >= done + 3 and os.path.isdir(os.path.join(dump, "checkpoint", f"step-{last}"))
+    assert re.search(rf"stopped after step {last} of 1000: .*gone for good.*; checkpoint of step {last} in ", out)
+    assert last >= done + 3 and os.path.isdir(os.path.join(ckpt, f"step-{last}"))
     # the worker's own output has no traceback wall (torchrun's report of the exit code follows it)
     assert "Traceback" not in out.split(lines[0])[0], out[-4000:]
-    assert [m["step"] for m in _steps(dump)] == list(range(1, last + 1))
+    failures = re.findall(r"rollout producer stopped: (.*)", out)
+    assert len(failures) == len(set(failures)), failures
+    # the stop reason once from the trainer (torchrun's report after it repeats it from the error file)
+    worker = out.split("stopped after step")[0] + out.split("stopped after step")[1]
+    assert worker.count("every inference replica is gone for good") == 1, out[-4000:]
+    assert "inference.server_max_restarts = 0 allows no restart" in worker, out[-4000:]
+    rows = _steps(dump)
+    assert [m["step"] for m in rows] == list(range(1, last + 1))
+    first10 = sum(m["reward/mean"] for m in rows[:10]) / 10
+    last10 = sum(m["reward/mean"] for m in rows[-10:]) / 10
+    assert (f"mean reward: first 10 steps {first10:.3f}, last 10 steps {last10:.3f} (run resumed at step {done}; "
+            "earlier steps read from metrics.jsonl)") in out, out[-4000:]

@@ -146,66 +146,11 @@ def test_summary_after_a_resume_covers_the_runs_first_steps(tmp_path, caplog):
             "from metrics.jsonl)") in caplog.text
 
 
-# 3, 4, 5 and 7 over real processes: two trainer starts of one run
-
-@pytest.mark.slow
-def test_stop_on_an_interval_save_then_resume_and_lose_the_fleet(tmp_path, tiny_model_dir):
-    """1. Every step is an interval save; SIGTERM to the worker (as torchrun
-    or SLURM sends it): the stop line names the checkpoint of its step, and
-    torchrun's report of the failed worker carries that line (the error
-    file), not a link to its docs.
-    2. The same command resumes; the only server is killed for good: the
-    reason is said once, by the stop line, which names the checkpoint, and the summary's first 10 steps are the run's (from
-    metrics.jsonl), not the resumed part's."""
-    import re
-    import signal
-    import subprocess
-
-    from tests.test_faults import _finish, _server_pids, _start, _steps, _wait_steps
-
-    dump = str(tmp_path / "run")
-    args = ("--training.steps", "1000", "--checkpoint.enable", "true", "--checkpoint.interval", "1")
-    p, log = _start(dump, tiny_model_dir, *args)
-    try:
-        _wait_steps(p, dump, log, 3)
-        (worker,) = subprocess.run(["pgrep", "-P", str(p.pid), "-f", "grpo_train.py"], capture_output=True,
-                                   text=True).stdout.split()
-        os.kill(int(worker), signal.SIGTERM)
-        out = _finish(p, log, 120)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-    lines = [line for line in out.splitlines() if "stopped after step" in line]
-    done = int(lines[0].split("stopped after step ")[1].split()[0])
-    stop = f"stopped after step {done} of 1000: received SIGTERM; checkpoint of step {done} in {dump}/checkpoint"
-    assert lines[0].endswith(stop), out[-4000:]
-    assert f"traceback : {stop}" in out, out[-4000:]  # torchrun's Root Cause section
-    assert p.returncode == 1  # torchrun's, whatever the worker's (143)
-
-    p, log = _start(dump, tiny_model_dir, *args, "--inference.server_max_restarts", "0",
-                    "--inference.request_timeout_s", "600")
-    try:
-        _wait_steps(p, dump, log, max(11, done + 2))
-        (pid,) = _server_pids(log).values()
-        os.kill(pid, signal.SIGKILL)
-        out = _finish(p, log, 300)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-    failures = re.findall(r"rollout producer stopped: (.*)", out)
-    assert len(failures) == len(set(failures)), failures
-    last = int(re.search(r"stopped after step (\d+) of 1000: ", out).group(1))
-    assert re.search(rf"stopped after step {last} of 1000: .*gone for good.*; checkpoint of step {last} in ", out)
-    # the stop reason once from the trainer (torchrun's report after it repeats it from the error file)
-    worker = out.split("stopped after step")[0] + out.split("stopped after step")[1]
-    assert worker.count("every inference replica is gone for good") == 1, out[-4000:]
-    assert "inference.server_max_restarts = 0 allows no restart" in worker, out[-4000:]
-    rows = _steps(dump)
-    assert [m["step"] for m in rows] == list(range(1, last + 1))
-    first = sum(m["reward/mean"] for m in rows[:10]) / 10
-    last10 = sum(m["reward/mean"] for m in rows[-10:]) / 10
-    assert (f"mean reward: first 10 steps {first:.3f}, last 10 steps {last10:.3f} (run resumed at step {done}; "
-            "earlier steps read from metrics.jsonl)") in out, out[-4000:]
+# 3, 4, 5 and 7 over real processes (the stop line naming an interval save,
+# torchrun's Root Cause carrying it, the fleet's loss said once, the summary
+# after a resume): tests/test_faults.py's
+# test_sigterm_saves_resume_and_the_only_server_gone_for_good, whose chain of
+# trainer starts these checks share.
 
 
 # 6. An exception without a message still names itself; a readmitted replica's log says where it goes
