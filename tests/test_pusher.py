@@ -794,7 +794,8 @@ def _joined(t: threading.Thread, out: list, what: str, hang_guard_s: float = 120
     return out[0]
 
 
-def test_a_replica_reported_down_leaves_a_sync_push_at_once_and_catches_up_after(tmp_path, tiny_model_dir, loop):
+def test_a_replica_reported_down_leaves_a_sync_push_at_once_and_catches_up_after(tmp_path, tiny_model_dir, loop,
+                                                                                  srv):
     """Issue 27: a replica stopped (SIGSTOP) in the middle of a sync push,
     then reported down by the pool (``replica_down``, from the event loop
     as the pool calls it): the push returns while the replica is still
@@ -802,7 +803,8 @@ def test_a_replica_reported_down_leaves_a_sync_push_at_once_and_catches_up_after
     version, the stopped one holds no staging buffer (with only one, the
     next sync push goes through too), and once it runs again it is sent the
     newest version and only then readmitted."""
-    a, b = _servers(tmp_path, tiny_model_dir, [0.0, 3.0])  # b: its 3 s update is surely in flight when stopped
+    # a: the shared server; b: its 3 s update is surely in flight when stopped
+    a, (b,) = srv, _servers(tmp_path, tiny_model_dir, [3.0])
     rec = Recorder()
     at_readmit: dict[str, int] = {}
     pusher = None
@@ -851,17 +853,17 @@ def test_a_replica_reported_down_leaves_a_sync_push_at_once_and_catches_up_after
             os.kill(b.proc.pid, signal.SIGCONT)
         pusher.close()
         pusher.replica_down(b.url, "after close")  # a no-op
-        for s in (a, b):
-            stop_process(s.proc)
+        stop_process(b.proc)
 
 
-def test_a_sync_push_takes_the_buffer_of_a_catch_up_transfer_instead_of_waiting(tmp_path, tiny_model_dir, loop):
+def test_a_sync_push_takes_the_buffer_of_a_catch_up_transfer_instead_of_waiting(tmp_path, tiny_model_dir, loop,
+                                                                                 srv):
     """A push that waits for a staging buffer waits for admitted replicas
     only: with one buffer, held by the catch-up transfer of a replica out of
     routing (3 s per update), the next sync push gives that transfer up and
     returns before the replica is readmitted, which then catches up to that
     newer version."""
-    a, b = _servers(tmp_path, tiny_model_dir, [0.0, 3.0])
+    a, (b,) = srv, _servers(tmp_path, tiny_model_dir, [3.0])  # a: the shared server
     events: list[str] = []
     rec = Recorder()
     pusher = Pusher(loop, [a.url, b.url], PushConfig(mode="sync", bucket_bytes=1 << 20, num_staging_buffers=1,
@@ -889,8 +891,7 @@ def test_a_sync_push_takes_the_buffer_of_a_catch_up_transfer_instead_of_waiting(
         assert _version(b.url) == "3" and _served_markers(b.url, names) == {3.0}
     finally:
         pusher.close()
-        for s in (a, b):
-            stop_process(s.proc)
+        stop_process(b.proc)
 
 
 def test_every_push_request_carries_the_api_key(tmp_path, tiny_model_dir, loop):
