@@ -6,6 +6,8 @@ buffers; ``pusher`` runs a push in the background, one transport per file
 (``sglang_push``, ``vllm_push``, ``builtin_push``, ``disk_push``,
 ``ipc_push``, ``group_push``, ``delta_push``, ``adapter_push``), with
 ``fanout`` relaying to many servers and ``delta`` sending only what changed.
+A real vLLM's NCCL group is joined through vLLM's own handshake
+(``vllm_group``), calling libnccl through ctypes (``nccl_lib``).
 The receiving servers share its wire formats through ``protocol``; the
 built-in server also reuses its bucket and group layouts.
 
