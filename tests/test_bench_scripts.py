@@ -337,7 +337,7 @@ def test_engine_vs_vllm_cpu_ours_only(tmp_path):
     assert [(x["route"], x["new"], x["seqs"]) for x in rows] == [
         (route, new, seqs) for route in ("generate", "completions", "chat") for new in (4, 6) for seqs in (8, 16)]
     assert all(x["status"] == "ok" and x["tokens"] == x["new"] * x["seqs"] and x["tok/s"] > 0 for x in rows), rows
-    assert all(x["runs"] == 1 and 0 <= x["spread s"] <= x["seconds"] for x in rows), rows
+    assert all(x["runs"] == 1 and 0 <= x["spread s"] <= x["seconds"] and x["parse s"] >= 0 for x in rows), rows
     # the roofline: seqs x bandwidth / weight bytes, so twice the sequences, twice the bound
     assert rows[1]["roofline tok/s"] == pytest.approx(2 * rows[0]["roofline tok/s"])
     table = (tmp_path / "engine_vs_vllm.md").read_text()
@@ -380,7 +380,7 @@ def test_engine_vs_vllm_repeats_a_short_row_up_to_its_time_or_five_runs(monkeypa
 
     async def fake(url, route, bodies):
         calls.append(route)
-        return 0.3, 8, 8, 0.01
+        return 0.3, 8, 8, 0.01, 0.001
 
     monkeypatch.setattr(engine_vs_vllm, "run_requests", fake)
     assert len(engine_vs_vllm.timed_runs("u", "chat", [], min_s=1.0, most=5)) == 4  # 0.3 x 4 >= 1.0
