@@ -4,7 +4,7 @@ Why: the client's work for each group (prompt encoding, the HTTP request and
 its JSON, decoding, the reward) is Python. In the trainer's process it holds
 the GIL that the training step's Python needs too: on the 2-core CPU demo,
 pipelined, 69 % of the GIL-held samples were the client's and the train phase
-stretched from 0.030 to 0.049 s (docs/PERFORMANCE.md). Here the client runs
+stretched from 0.030 to 0.049 s (docs/perf-history/pipeline-loop.md). Here the client runs
 beside the trainer and hands it finished groups.
 
 The split:
