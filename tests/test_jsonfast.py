@@ -77,3 +77,57 @@ def test_the_log_prob_text_parses_to_the_objects_it_replaces(tmp_path, monkeypat
         assert first["top_logprobs"][1] == {"token_id:6": -9999.0}
         assert first["text_offset"][:3] == [0, len(first["tokens"][0]), len(first["tokens"][0]) + len("token_id:6")]
         assert empty == {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+
+
+class _VocabEngine:
+    """An engine's vocabulary and token texts (``w<id>``), counting the ids asked for by thread."""
+
+    def __init__(self, vocab_size: int):
+        import threading
+
+        self.vocab_size = vocab_size
+        self.asked: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def token_texts(self, ids):
+        import threading
+
+        with self._lock:
+            name = threading.current_thread().name
+            self.asked[name] = self.asked.get(name, 0) + len(ids)
+        return [f"w{t}" for t in ids]
+
+
+@pytest.mark.parametrize("kind", ["chat", "name"])
+def test_the_first_reply_starts_making_the_whole_vocabularys_pieces(kind):
+    """A kind's first reply starts a thread that makes every id's pieces; once it is done a reply
+    over ids never seen asks the engine for none, and the pieces are the ones a reply makes."""
+    import time
+
+    from torchtitan_grpo.server.routes import logprob_json as lj
+
+    engine = _VocabEngine(20_000)
+    build = (lambda ids: lj.chat_content(engine, ids, [-0.5] * len(ids), False)) if kind == "chat" else (
+        lambda ids: lj.completion_logprobs(engine, ids, [-0.5] * len(ids), False))
+    first = build([3, 7, 3])
+    table = lj._CACHES[engine][(kind, False)]
+    assert len(table) == 20_000
+    deadline = time.monotonic() + 60  # a hang guard: a loaded box takes well under a second
+    while None in table and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert None not in table
+    assert engine.asked.get(f"token-pieces-{kind}", 0) >= 20_000 - 2
+    asked_by_replies = engine.asked.get("MainThread", 0)
+    assert build([19_999, 12_345, 3]) and engine.asked.get("MainThread", 0) == asked_by_replies
+    make = lj._chat_piece if kind == "chat" else lj._name_piece
+    assert table[12_345] == make(12_345, "w12345", "w12345")
+    assert build([3, 7, 3]) == first
+
+
+def test_an_engine_without_a_vocabulary_size_grows_its_table_as_ids_come():
+    from torchtitan_grpo.server.routes import logprob_json as lj
+
+    engine = _VocabEngine(0)
+    del engine.vocab_size
+    lj.chat_content(engine, [5, 2], [-1.0, -2.0], False)
+    assert len(lj._CACHES[engine][("chat", False)]) == 6

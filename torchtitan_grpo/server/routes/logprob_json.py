@@ -13,16 +13,30 @@ fragments (``jsonfast.Fragment``); otherwise the routes build objects.
 
 The text each function returns parses to exactly the objects the routes'
 object path builds (tests/test_jsonfast.py).
+
+The first reply of a kind starts a thread that makes the pieces of the rest
+of the vocabulary (:func:`_fill`), so later replies find every id made. A
+reply still makes the ids it needs that the thread has not reached. Without
+this, every reply over ids new to the server pays for them: on a 2-core CPU,
+256 chat samples of 128 random tokens over 151,936 ids build in 76 ms with
+ids not seen before and 14 ms with ids seen (bench/reply_cost.py). A
+random-weight model samples near-uniformly and keeps meeting new ids; a
+pretrained one meets them in its first replies. One table per kind in use:
+about 25-33 MB and 0.2-0.5 CPU-s for Qwen3's vocabulary (a fast tokenizer).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
+import threading
 import weakref
 from typing import Any, Sequence
 
 from torchtitan_grpo import jsonfast
 from torchtitan_grpo.fleet import vllm as proto
+
+logger = logging.getLogger(__name__)
 
 FLOOR = -9999.0
 """Log-probs below this (-inf) are written as it: -inf is not JSON."""
@@ -60,10 +74,41 @@ def _encoded_values(logprobs: list[float]) -> list[bytes]:
     return jsonfast.dumps(floored(logprobs))[1:-1].split(b",") if logprobs else []
 
 
+FILL_CHUNK = 4096
+"""Ids the filling thread makes per batch of :meth:`Engine.token_texts` (it lets go of the GIL
+between ids like any Python thread; a batch bounds the tokenizer call)."""
+
+
+def _fill(engine: Any, table: list, as_ids: bool, make: Any) -> None:
+    """Make the pieces of every id of ``table`` not made yet (a thread per table, once)."""
+    try:
+        for start in range(0, len(table), FILL_CHUNK):
+            ids = [t for t in range(start, min(start + FILL_CHUNK, len(table))) if table[t] is None]
+            for t, text in zip(ids, engine.token_texts(ids)):
+                if table[t] is None:  # a reply may have made it meanwhile: the same pieces
+                    table[t] = make(t, token_name(t, text, as_ids), text)
+    except Exception as e:  # the replies make what they need themselves
+        logger.warning("making the token pieces ahead stopped (replies make them as needed): %s", e)
+
+
+def _table(engine: Any, kind: str, as_ids: bool, make: Any) -> list:
+    """The engine's table of ``kind`` pieces, sized to its vocabulary and being filled by a
+    thread from its first use (an engine without ``vocab_size``: grown as ids come)."""
+    tables = _CACHES.setdefault(engine, {})
+    table = tables.get((kind, as_ids))
+    if table is None:
+        vocab = int(getattr(engine, "vocab_size", 0) or 0)
+        table = tables[(kind, as_ids)] = [None] * vocab
+        if vocab:
+            threading.Thread(target=_fill, args=(engine, table, as_ids, make), daemon=True,
+                             name=f"token-pieces-{kind}").start()
+    return table
+
+
 def _pieces(engine: Any, kind: str, as_ids: bool, ids: Sequence[int], make: Any) -> list:
     """The pieces of each id in ``ids`` (in order), ``make(id, name, text)`` run once per engine
     for an id not seen before."""
-    table = _CACHES.setdefault(engine, {}).setdefault((kind, as_ids), [])
+    table = _table(engine, kind, as_ids, make)
     top = max(ids, default=-1)
     if top >= len(table):
         table.extend([None] * (top + 1 - len(table)))
