@@ -13,9 +13,9 @@ instead of one per file. The cases and their checks are the files' own
         --model qwen3=PATH --model qwen3_tied=PATH --model llama3=PATH
 
 On CPU the 2-rank launch also runs the 2-rank cases of ``EXTRAS`` (LoRA x
-FSDP2 and x PP, llama3 tied, expert and context parallel, the chunked log-prob head)
-in the same process group, and the 4-rank launch those of ``EXTRAS_4`` (CP x
-TP), after these two files' (one torchrun start for all, not one per file).
+FSDP2 and x PP, llama3 tied, expert and context parallel, the chunked log-prob
+head, test_hf_mapping's FSDP2 load and export) in the same process group, and
+the 4-rank launch those of ``EXTRAS_4`` (CP x TP), after these two files' (one torchrun start for all, not one per file).
 
 Each file's own worker (``python tests/test_gather.py ...``, ``python
 tests/test_parallel_parity.py worker ...``) still runs alone, as the device
@@ -43,7 +43,7 @@ if ROOT not in sys.path:
 # ``run_ranks(out_dir, model_dirs)`` (its cases in the launch's initialised
 # group, results under out_dir). CP last: its ring attention patches SDPA.
 EXTRAS = ("test_llama_tied", "test_expert_parallel", "test_lora_sharded", "test_lora_pp", "test_chunked_logprobs",
-          "test_context_parallel")
+          "test_hf_mapping", "test_context_parallel")
 EXTRAS_4 = ("test_context_parallel",)  # CP 2 x TP 2; its run_ranks picks its cases by world size
 
 

@@ -424,54 +424,94 @@ def test_a_pipeline_stage_loads_its_own_tensors_and_checks_the_whole(tmp_path):
 # --------------------------------------------------------------------------- #
 
 
-def _fsdp_worker(rank: int, world: int, jobs: list[tuple[str, str, str]]) -> None:
-    """For each (hf_dir, model_name, out): load into a 2-way FSDP2 model, run
-    it and export; rank 0 saves the results. One process pair serves every
-    job because starting one (importing torchtitan) costs seconds."""
-    torch.set_num_threads(1)
+FSDP_CASES = ["qwen3-untied", "qwen3-tied", "llama3-strong-rope"]
+
+
+def _fsdp_cases(rank: int, world: int, jobs: list[tuple[str, str, str]]) -> None:
+    """For each (hf_dir, model_name, out), in an initialised gloo group: load
+    into a ``world``-way FSDP2 model, run it and export; rank 0 saves the
+    results."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
+    mesh = init_device_mesh("cpu", (world,))
+    for hf_dir, model_name, out in jobs:
+        args = model_args_from_hf(model_name, load_hf_config(hf_dir), max_seq_len=64)
+        model = build_model(model_name, args, "cpu").eval()
+        fully_shard(model, mesh=mesh)
+        params = dict(model.named_parameters())
+        assert all(isinstance(p, DTensor) for p in params.values())
+        adapter = state_dict_adapter(model_name, args, hf_dir)
+        load_hf_weights(model, adapter, hf_dir)
+        shard = params["tok_embeddings.weight"].to_local().clone()
+        with torch.no_grad():
+            logits = model(_ids())
+        exported = hf_state_dict(model, adapter)
+        if rank == 0:
+            torch.save({"logits": logits, "exported": exported, "shard": shard}, out)
+    dist.barrier()  # leave together: a peer gone early can abort this rank at exit
+
+
+def _fsdp_worker(rank: int, world: int, jobs: list[tuple[str, str, str]]) -> None:
+    """:func:`_fsdp_cases` in a process pair of its own (GPU machines: the
+    shared CPU launch below does not run there). One pair serves every job
+    because starting one (importing torchtitan) costs seconds."""
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
     dist.init_process_group(
         "gloo", init_method=f"file://{jobs[0][2]}.store", rank=rank, world_size=world
     )
     try:
-        mesh = init_device_mesh("cpu", (world,))
-        for hf_dir, model_name, out in jobs:
-            args = model_args_from_hf(model_name, load_hf_config(hf_dir), max_seq_len=64)
-            model = build_model(model_name, args, "cpu").eval()
-            fully_shard(model, mesh=mesh)
-            params = dict(model.named_parameters())
-            assert all(isinstance(p, DTensor) for p in params.values())
-            adapter = state_dict_adapter(model_name, args, hf_dir)
-            load_hf_weights(model, adapter, hf_dir)
-            shard = params["tok_embeddings.weight"].to_local().clone()
-            with torch.no_grad():
-                logits = model(_ids())
-            exported = hf_state_dict(model, adapter)
-            if rank == 0:
-                torch.save({"logits": logits, "exported": exported, "shard": shard}, out)
-        dist.barrier()  # leave together: a peer gone early can abort this rank at exit
+        _fsdp_cases(rank, world, jobs)
     finally:
         dist.destroy_process_group()
 
 
-def test_fsdp_dtensor_load_and_export(tmp_path):
-    cases = ["qwen3-untied", "qwen3-tied", "llama3-strong-rope"]
-    saved = {case: _save_hf(tmp_path, case) for case in cases}
-    jobs = [(saved[c][0], CASES[c][0], str(tmp_path / f"{c}.pt")) for c in cases]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_fsdp_worker, args=(r, 2, jobs)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    assert [p.exitcode for p in procs] == [0, 0]
+def rank_models(root: str) -> dict[str, str]:
+    """The checkpoints of :func:`run_ranks` (tests/multirank.py writes them before its launch)."""
+    from pathlib import Path
+
+    return {f"hf_mapping-{case}": _save_hf(Path(root) / "hf_mapping", case)[0] for case in FSDP_CASES}
+
+
+def run_ranks(out_dir: str, model_dirs: dict[str, str]) -> None:
+    """On CPU, in the suite's shared 2-rank launch (tests/multirank.py): the
+    FSDP2 cases without a process pair of their own."""
+    import torch.distributed as dist
+
+    jobs = [(model_dirs[f"hf_mapping-{c}"], CASES[c][0], os.path.join(out_dir, f"{c}.pt")) for c in FSDP_CASES]
+    _fsdp_cases(dist.get_rank(), dist.get_world_size(), jobs)
+
+
+def test_fsdp_dtensor_load_and_export(tmp_path, request):
+    """2-way FSDP2 over gloo: each case loads its HF checkpoint into DTensor
+    parameters, runs, and exports. On CPU its ranks are the suite's shared
+    2-rank launch (tests/multirank.py: no process pair of its own to start);
+    with CUDA (where that launch has no CPU extras) a spawned pair."""
+    from transformers import AutoModelForCausalLM
+
+    cases = FSDP_CASES
+    if not torch.cuda.is_available():
+        launched = request.getfixturevalue("multirank_launched")
+        results = launched.extra("test_hf_mapping")
+        jobs = [(launched.model_dirs[f"hf_mapping-{c}"], CASES[c][0], str(results / f"{c}.pt")) for c in cases]
+    else:
+        saved = {case: _save_hf(tmp_path, case)[0] for case in cases}
+        jobs = [(saved[c], CASES[c][0], str(tmp_path / f"{c}.pt")) for c in cases]
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_fsdp_worker, args=(r, 2, jobs)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=120)
+        assert [p.exitcode for p in procs] == [0, 0]
 
     for (hf_dir, _, out), case in zip(jobs, cases):
-        hf = saved[case][1]
+        # the checkpoint the ranks loaded, as transformers loads it
+        hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
         result = torch.load(out)
         ckpt = load_file(os.path.join(hf_dir, "model.safetensors"))
         # Rank 0 holds the first half of the embedding rows (FSDP's Shard(0)).
