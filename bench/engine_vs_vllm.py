@@ -115,14 +115,17 @@ def write_tokenizer(out_dir: str, vocab_size: int) -> None:
                    "model_max_length": 1 << 20, "chat_template": CHAT_TEMPLATE}, f, indent=2)
 
 
-def write_model(out_dir: str, shape_name: str, device: str) -> tuple[int, int]:
+def write_model(out_dir: str, shape_name: str, device: str, vocab: int = 0) -> tuple[int, int]:
     """Random bf16 Qwen3 of ``shape_name`` + tokenizer in ``out_dir``; (weight bytes, vocab).
-    Initialised on ``device`` (a 4B model's init on a CPU takes minutes)."""
+    Initialised on ``device`` (a 4B model's init on a CPU takes minutes); ``vocab``: another
+    vocabulary size than the shape's (0: the shape's)."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     fields = asdict(paged_shape(SHAPES[shape_name]))
     torch.manual_seed(fields.pop("seed"))
+    if vocab:
+        fields["vocab_size"] = vocab
     config = Qwen3Config(**fields, bos_token_id=None, eos_token_id=1, pad_token_id=0, rms_norm_eps=1e-6,
                          attention_bias=False, torch_dtype="bfloat16")
     with torch.device(device):
@@ -391,6 +394,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--routes", type=names(ROUTES), default=list(ROUTES))
     ap.add_argument("--engines", type=names(ENGINE_ROUTES), default=["ours", "vllm"])
     ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=0,
+                    help="vocabulary size instead of the shape's (e.g. the tiny shape with Qwen3's 151936: the "
+                         "replies' per-token host cost on CPU)")
     ap.add_argument("--top-logprobs", type=int, default=0, help="top-K logprobs beside the sampled token's")
     ap.add_argument("--warmup-tokens", type=int, default=16, help="new tokens of each row's warm-up (0: the row's)")
     ap.add_argument("--min-timed-s", type=float, default=2.0,
@@ -442,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     servers_log = open(os.path.join(args.out, "servers.log"), "a")
     for shape_name in args.shapes:
         model_dir = os.path.join(tmp, f"qwen3-{shape_name}")
-        weight_bytes, vocab = write_model(model_dir, shape_name, args.device)
+        weight_bytes, vocab = write_model(model_dir, shape_name, args.device, args.vocab)
         prompts = make_prompts(max(args.seqs), args.prompt_len, vocab)
         for engine in args.engines:
             wanted = args.before_routes if engine == "before" and args.before_routes else args.routes
