@@ -330,10 +330,13 @@ def test_engine_vs_vllm_cpu_ours_only(tmp_path):
     forced length with a logprob per token, and the table and JSON written
     (the GPU run, scripts/device_engine_vllm.sh, adds vLLM's rows)."""
     r, out = _run([sys.executable, "bench/engine_vs_vllm.py", "--device", "cpu", "--engines", "ours",
-                   "--shapes", "tiny", "--lengths", "4,6", "--seqs", "8,16", "--prompt-len", "8",
+                   "--shapes", "tiny", "--vocab", "3000", "--lengths", "4,6", "--seqs", "8,16", "--prompt-len", "8",
                    "--warmup-tokens", "2", "--top-logprobs", "1", "--min-timed-s", "0", "--out", str(tmp_path)])
     assert r.returncode == 0, out[-4000:]
     rows = json.loads((tmp_path / "engine_vs_vllm.json").read_text())["rows"]
+    # --vocab: the tiny body with 3,000 ids, its LM head and embedding counted in the roofline's bytes
+    tiny_roof = 8 * 4.8e12 / 279_296  # the tiny shape's own 128 ids: 279,296 weight bytes
+    assert rows[0]["roofline tok/s"] < tiny_roof / 2
     assert [(x["route"], x["new"], x["seqs"]) for x in rows] == [
         (route, new, seqs) for route in ("generate", "completions", "chat") for new in (4, 6) for seqs in (8, 16)]
     assert all(x["status"] == "ok" and x["tokens"] == x["new"] * x["seqs"] and x["tok/s"] > 0 for x in rows), rows
