@@ -171,9 +171,13 @@ def test_pipeline_loop_cpu(tmp_path):
     assert [row[0] for row in rows] == ["serial-1", "pipelined-1", "serial-1-sync", "pipelined-1-real-order",
                                         "pipelined-1-in-process"], rows
     assert all(row[1] == "5" and float(row[2]) > 0 for row in rows), rows
-    # CPU seconds per step, trainer + servers, from /proc: both measured in every run
+    # CPU seconds per step, trainer + servers, from /proc: both read in every run. The trainer
+    # trains between any two step lines; the servers' figure can be 0 in a run whose generation
+    # ran ahead of a window that a loaded box opened late (once at load 13: "0.010 + 0.000"),
+    # so it must be > 0 in some run, not in each.
     cpu = [row[lines[header].strip("|").split("|").index(" cpu s/step trainer + servers ")] for row in rows]
-    assert all(" + " in c and all(float(x) > 0 for x in c.split(" + ")) for c in cpu), cpu
+    pairs = [[float(x) for x in c.split(" + ")] for c in cpu]
+    assert all(len(p) == 2 and p[0] > 0 and p[1] >= 0 for p in pairs) and any(p[1] > 0 for p in pairs), cpu
     for name in ("serial-1", "pipelined-1", "pipelined-1-in-process"):
         log = (tmp_path / name / "train.log").read_text()
         assert f"pipeline depth {0 if name.startswith('serial') else 1}" in log
