@@ -82,6 +82,9 @@ def run_backend(backend: str, x: torch.Tensor, weights: list[torch.Tensor], roun
         import torch._inductor.config as icfg
 
         icfg.max_autotune_gemm_backends = "TRITON"
+        # A fresh compile per shape: past dynamo's recompile limit (8) one function falls back to
+        # eager, i.e. to cuBLAS (run 146's last two shapes at 256 rows).
+        torch.compiler.reset()
         f = torch.compile(lambda a, w: F.linear(a, w), mode="max-autotune-no-cudagraphs", dynamic=False)
         return graph_us(lambda k: f(x, weights[k]), len(weights), rounds)
     torch.backends.cuda.preferred_blas_library("cublaslt" if backend == "cublaslt" else "cublas")
