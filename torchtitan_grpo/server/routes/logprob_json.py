@@ -79,14 +79,20 @@ FILL_CHUNK = 4096
 between ids like any Python thread; a batch bounds the tokenizer call)."""
 
 
+def _make(engine: Any, table: list, ids: list[int], as_ids: bool, make: Any) -> None:
+    """Make the pieces of ``ids`` (distinct, not made yet) into ``table``. A reply and the filling
+    thread may both make an id: the same pieces."""
+    texts = engine.token_texts(ids)  # also when named by id: chat's bytes are the text's
+    for t, text in zip(ids, texts):
+        table[t] = make(t, token_name(t, text, as_ids), text)
+
+
 def _fill(engine: Any, table: list, as_ids: bool, make: Any) -> None:
     """Make the pieces of every id of ``table`` not made yet (a thread per table, once)."""
     try:
         for start in range(0, len(table), FILL_CHUNK):
-            ids = [t for t in range(start, min(start + FILL_CHUNK, len(table))) if table[t] is None]
-            for t, text in zip(ids, engine.token_texts(ids)):
-                if table[t] is None:  # a reply may have made it meanwhile: the same pieces
-                    table[t] = make(t, token_name(t, text, as_ids), text)
+            _make(engine, table, [t for t in range(start, min(start + FILL_CHUNK, len(table))) if table[t] is None],
+                  as_ids, make)
     except Exception as e:  # the replies make what they need themselves
         logger.warning("making the token pieces ahead stopped (replies make them as needed): %s", e)
 
@@ -114,10 +120,7 @@ def _pieces(engine: Any, kind: str, as_ids: bool, ids: Sequence[int], make: Any)
         table.extend([None] * (top + 1 - len(table)))
     got = [table[t] for t in ids]
     if None in got:
-        new = [t for t in dict.fromkeys(ids) if table[t] is None]
-        texts = engine.token_texts(new)  # also when named by id: chat's bytes are the text's
-        for t, text in zip(new, texts):
-            table[t] = make(t, token_name(t, text, as_ids), text)
+        _make(engine, table, [t for t in dict.fromkeys(ids) if table[t] is None], as_ids, make)
         got = [table[t] for t in ids]
     return got
 
