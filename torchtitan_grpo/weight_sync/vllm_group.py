@@ -77,11 +77,10 @@ from torch.distributed import TCPStore
 
 from torchtitan_grpo.reasons import reason
 from torchtitan_grpo.weight_sync.buckets import TensorSpec, pack, plan_packed_chunks
-from torchtitan_grpo.weight_sync.nccl_lib import CtypesNccl
+from torchtitan_grpo.weight_sync.nccl_lib import UNIQUE_ID_BYTES, CtypesNccl
 
 logger = logging.getLogger(__name__)
 
-NCCL_UNIQUE_ID_BYTES = 128
 VLLM_UNIQUE_ID_CLASS = ("vllm.distributed.device_communicators.pynccl_wrapper", "ncclUniqueId")
 """Module and name of the ctypes class a vLLM worker unpickles the id into."""
 STORE_TIMEOUT_S = 300.0  # StatelessProcessGroup.create's default store_timeout
@@ -109,8 +108,8 @@ def pickle_unique_id(raw: bytes, cls: tuple[str, str] = VLLM_UNIQUE_ID_CLASS) ->
     the stream below spells that call out opcode by opcode (protocol 3), so
     the class is referenced by name and only resolved on the vLLM side.
     """
-    if len(raw) != NCCL_UNIQUE_ID_BYTES:
-        raise ValueError(f"an NCCL unique id has {NCCL_UNIQUE_ID_BYTES} bytes, got {len(raw)}")
+    if len(raw) != UNIQUE_ID_BYTES:
+        raise ValueError(f"an NCCL unique id has {UNIQUE_ID_BYTES} bytes, got {len(raw)}")
     module, name = cls
     return b"".join([
         b"\x80\x03",                                          # PROTO 3
@@ -148,8 +147,8 @@ class _UniqueIdUnpickler(pickle.Unpickler):
 def load_unique_id(data: bytes) -> bytes:
     """The 128 raw bytes of a pickled vLLM ``ncclUniqueId`` (ours or vLLM's)."""
     raw = _UniqueIdUnpickler(io.BytesIO(data)).load()
-    if not isinstance(raw, bytes) or len(raw) != NCCL_UNIQUE_ID_BYTES:
-        raise ValueError(f"not a pickled {NCCL_UNIQUE_ID_BYTES}-byte ncclUniqueId")
+    if not isinstance(raw, bytes) or len(raw) != UNIQUE_ID_BYTES:
+        raise ValueError(f"not a pickled {UNIQUE_ID_BYTES}-byte ncclUniqueId")
     return raw
 
 
@@ -318,8 +317,8 @@ def init_vllm_weight_group_from_unique_id(
     """Store-free rendezvous (vLLM 0.33's ``nccl_unique_id_b64``): join with an
     id minted by :func:`mint_unique_id_b64` while the init requests carrying
     it are in flight (NCCL init has no barrier: all ranks must enter it)."""
-    if len(unique_id) != NCCL_UNIQUE_ID_BYTES:
-        raise ValueError(f"an NCCL unique id has {NCCL_UNIQUE_ID_BYTES} bytes, got {len(unique_id)}")
+    if len(unique_id) != UNIQUE_ID_BYTES:
+        raise ValueError(f"an NCCL unique id has {UNIQUE_ID_BYTES} bytes, got {len(unique_id)}")
     nccl = nccl or CtypesNccl()
     dev = _device(device)
     return VLLMWeightGroup(world_size, dev, nccl, _join(nccl, world_size, unique_id, dev))
