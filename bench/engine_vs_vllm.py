@@ -230,6 +230,8 @@ class Server:
     url: str
     proc: subprocess.Popen
     log: str
+    trace: str | None = None
+    """``--trace``: the prefix of its trace pieces (bench/server_trace.py)."""
 
 
 def _spec(model_dir: str, args: argparse.Namespace, max_len: int) -> Any:
@@ -237,10 +239,12 @@ def _spec(model_dir: str, args: argparse.Namespace, max_len: int) -> Any:
 
     gpu = args.device != "cpu"
     return ServerSpec(model_dir, device=args.device, dtype="bfloat16" if gpu else "float32", extra_args=(
-        "--max-batch-size", str(max(args.seqs)), "--max-model-len", str(max_len)))
+        "--max-batch-size", str(max(args.seqs)), "--max-model-len", str(max_len), *shlex.split(args.server_args)))
 
 
 def start_ours(model_dir: str, args: argparse.Namespace, max_len: int, log_dir: str) -> Server:
+    if args.trace:
+        return start_builtin("ours", None, model_dir, args, max_len, log_dir)
     from torchtitan_grpo.fleet.launcher import start_servers
 
     (srv,) = start_servers([_spec(model_dir, args, max_len)], log_dir, timeout_s=args.start_timeout_s, attempts=1)
@@ -248,22 +252,56 @@ def start_ours(model_dir: str, args: argparse.Namespace, max_len: int, log_dir: 
 
 
 def start_before(model_dir: str, args: argparse.Namespace, max_len: int, log_dir: str) -> Server:
-    """Our server as ``--before-src`` has it: the same command, run in that tree (``-m`` puts the
-    working directory first on the path) with that tree first on PYTHONPATH."""
+    return start_builtin("before", os.path.abspath(args.before_src), model_dir, args, max_len, log_dir)
+
+
+def start_builtin(engine: str, src: str | None, model_dir: str, args: argparse.Namespace, max_len: int,
+                  log_dir: str) -> Server:
+    """Our server, as ``src`` has it (None: this tree): the same command, run in that tree (``-m``
+    puts the working directory first on the path) with that tree first on PYTHONPATH. With
+    ``--trace``: under ``bench/server_trace.py`` (this tree's), its pieces under the trace folder."""
     from torchtitan_grpo.fleet.engine_commands import server_command
 
-    src = os.path.abspath(args.before_src)
     port = free_port()
     cmd, env = server_command(_spec(model_dir, args, max_len), port)
+    here = os.getcwd()
+    tree = src or here
     env = dict(os.environ, **env, PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join([src] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-                                                   if p and os.path.abspath(p) != os.getcwd()]))
-    log = os.path.join(log_dir, "before.log")
-    with open(log, "ab") as f:
-        f.write(f"=== (in {src}) {' '.join(cmd)}\n".encode())
+               PYTHONPATH=os.pathsep.join([tree] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                                    if p and os.path.abspath(p) != here]))
+    srv = Server(engine, f"http://127.0.0.1:{port}", None, os.path.join(log_dir, f"{engine}.log"))  # type: ignore[arg-type]
+    if args.trace:
+        assert cmd[1:3] == ["-m", "torchtitan_grpo.server"], cmd
+        srv.trace = os.path.join(os.path.abspath(args.trace), f"{engine}-{os.path.basename(model_dir)}")
+        cmd = [cmd[0], os.path.join(os.path.dirname(os.path.abspath(__file__)), "server_trace.py"), srv.trace,
+               "--", *cmd[3:]]
+    with open(srv.log, "ab") as f:
+        f.write(f"=== (in {tree}) {' '.join(cmd)}\n".encode())
         f.flush()
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=src, start_new_session=True)
-    return _wait_healthy(Server("before", f"http://127.0.0.1:{port}", proc, log), args.start_timeout_s)
+        srv.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=tree, start_new_session=True)
+    return _wait_healthy(srv, args.start_timeout_s)
+
+
+def write_trace_summary(trace_dir: str) -> None:
+    from bench.server_trace import summary
+
+    pieces = sorted(f for f in os.listdir(trace_dir) if f.endswith(".json"))
+    with open(os.path.join(trace_dir, "summary.md"), "w") as f:
+        f.write("\n\n".join(f"# {name}\n" + summary(os.path.join(trace_dir, name)) for name in pieces) + "\n")
+
+
+def trace_cut(srv: Server, label: str, timeout_s: float = 10.0) -> None:
+    """Ask ``bench/server_trace.py`` to write what it sampled since the last cut as ``label``
+    (``-``: drop it) and wait until it has."""
+    if srv.trace is None:
+        return
+    ctl = srv.trace + ".ctl"
+    with open(ctl + ".tmp", "w") as f:
+        f.write(label)
+    os.replace(ctl + ".tmp", ctl)
+    deadline = time.monotonic() + timeout_s
+    while os.path.exists(ctl) and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 def vllm_shell(env_file: str | None, command: str) -> list[str]:
@@ -413,6 +451,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", default="outputs/engine_vs_vllm")
     ap.add_argument("--before-routes", type=names(ENGINE_ROUTES["before"]), default=None,
                     help="the before engine's routes (default: --routes)")
+    ap.add_argument("--server-args", default="", metavar="ARGS",
+                    help="more arguments for our servers (ours, before), e.g. '--admission-window-ms 40'")
+    ap.add_argument("--trace", default=None, metavar="DIR",
+                    help="run our servers under bench/server_trace.py: each row's stack samples and engine "
+                         "timeline (queued, prefills, decode steps, finished) to DIR, summed up in "
+                         "DIR/summary.md (the timed runs only; the sampler costs the server a few %% of the GIL)")
     args = ap.parse_args(argv)
     if "before" in args.engines and not (args.before_src and os.path.isdir(
             os.path.join(args.before_src, "torchtitan_grpo"))):
@@ -434,6 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.device != "cpu" and not torch.cuda.is_available():
         sys.exit("error: no GPU (pass --device cpu to check the script on a CPU)")
     os.makedirs(args.out, exist_ok=True)
+    if args.trace:
+        os.makedirs(args.trace, exist_ok=True)
     device_name = torch.cuda.get_device_name() if args.device != "cpu" else "cpu"
     header = (f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {device_name}, torch {torch.__version__}, "
               f"vLLM {vllm_ver or '-'}; bf16 random-weight Qwen3, prompt {args.prompt_len} tokens, requests of "
@@ -481,7 +527,9 @@ def main(argv: list[str] | None = None) -> int:
                                     for p in prompts[: seqs // N_PER_PROMPT]]
                             try:
                                 asyncio.run(run_requests(srv.url, route, warm))
+                                trace_cut(srv, "-")  # start, warm-up, idle time: dropped
                                 runs = timed_runs(srv.url, route, bodies, args.min_timed_s, 5)
+                                trace_cut(srv, f"{route}-{new}-{seqs}")
                                 secs, tokens, with_lp, spread, parse = sorted(runs)[len(runs) // 2]  # the median
                                 roof = seqs * args.hbm_tbps * 1e12 / weight_bytes
                                 row.update({"tok/s": tokens / secs, "roofline tok/s": roof,
@@ -506,6 +554,8 @@ def main(argv: list[str] | None = None) -> int:
                 servers_log.flush()
                 save(args.out, header, rows)
     print("\n" + header + "\n\n" + table(rows), flush=True)
+    if args.trace:
+        write_trace_summary(args.trace)
     return 0 if all(r.get("status") == "ok" for r in rows) else 1
 
 
