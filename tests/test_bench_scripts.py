@@ -365,8 +365,17 @@ def test_engine_vs_vllm_runs_a_baseline_tree_beside_ours(tmp_path):
     r, log = _run([sys.executable, "bench/engine_vs_vllm.py", "--device", "cpu", "--engines", "ours,before",
                    "--before-src", str(src), "--shapes", "tiny", "--lengths", "4", "--seqs", "8", "--prompt-len", "8",
                    "--warmup-tokens", "2", "--routes", "generate,chat", "--before-routes", "generate",
-                   "--min-timed-s", "0", "--out", str(out)])
+                   "--min-timed-s", "0", "--out", str(out), "--trace", str(out / "trace")])
     assert r.returncode == 0, log[-4000:]
+    # --trace: both servers ran under bench/server_trace.py, a piece per row (the timed runs alone)
+    pieces = sorted(p.name for p in (out / "trace").glob("*.json"))
+    assert pieces == ["before-qwen3-tiny-generate-4-8.json", "ours-qwen3-tiny-chat-4-8.json",
+                      "ours-qwen3-tiny-generate-4-8.json"], pieces
+    piece = json.loads((out / "trace" / "ours-qwen3-tiny-chat-4-8.json").read_text())
+    assert [e[1] for e in piece["events"]].count("queued") == 1 and any(e[1] == "prefill" for e in piece["events"])
+    assert any(k.startswith("engine-worker;") for k in piece["stacks"]) and piece["decode_steps"] >= 3
+    summary = (out / "trace" / "summary.md").read_text()
+    assert summary.count("- prefills: 8 rows at") == 3 and "engine-worker:" in summary, summary
     rows = json.loads((out / "engine_vs_vllm.json").read_text())["rows"]
     assert [(x["engine"], x["route"]) for x in rows] == [("ours", "generate"), ("ours", "chat"), ("before", "generate")]
     assert all(x["status"] == "ok" and x["runs"] == 1 for x in rows), rows
@@ -377,6 +386,18 @@ def test_engine_vs_vllm_runs_a_baseline_tree_beside_ours(tmp_path):
     r, log = _run([sys.executable, "bench/engine_vs_vllm.py", "--device", "cpu", "--engines", "before",
                    "--before-src", str(tmp_path), "--out", str(out)])
     assert r.returncode == 2 and "--before-src" in r.stderr, log[-2000:]
+
+
+def test_prefill_cost_cpu(tmp_path):
+    """bench/prefill_cost.py on CPU (tiny shape): one prefill per burst, each size twice, one row
+    per SDPA setting and size, and the profile of the asked-for size."""
+    r, out = _run([sys.executable, "bench/prefill_cost.py", "--device", "cpu", "--shape", "tiny", "--contexts", "2,3",
+                   "--sdpa", "default,math", "--prompt-len", "8", "--profile", "3", "--out", str(tmp_path)])
+    assert r.returncode == 0, out[-4000:]
+    table = (tmp_path / "prefill_cost.md").read_text()
+    for sdpa in ("default", "math"):
+        assert f"| {sdpa} | 2 | 16 |" in table and f"| {sdpa} | 3 | 24 |" in table, table
+    assert "error" not in table and "profile, sdpa default, first prefill of 3 prompts" in table, table
 
 
 def test_engine_vs_vllm_repeats_a_short_row_up_to_its_time_or_five_runs(monkeypatch):
