@@ -73,6 +73,29 @@ def test_prefill_decode_leave_join_match_hf(model):
     assert batch.room() == 6 and batch.rows == []
 
 
+def test_prefill_attention_never_takes_cudnn(model, monkeypatch):
+    """cuDNN's SDPA builds a plan per new prompt count (74-119 ms a new size on an H200, run 155):
+    the prefill's attention runs with that backend off, and the setting is put back after."""
+    import torch.nn.functional as F
+
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(*a, **k):
+        seen.append((torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()))
+        return real(*a, **k)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    batch = StaticBatch(model, torch.device("cpu"), slots=2, max_len=32)
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    seqs = [_Seq(_Req([3, 4, 5]))]
+    with torch.no_grad():
+        logits = batch.prefill(seqs)
+    assert len(seen) == model.config.num_hidden_layers and all(f == (False, True) for f in seen), seen
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    _check(model, batch, logits, seqs)
+
+
 def test_full_batch_refuses_more(model):
     batch = StaticBatch(model, torch.device("cpu"), slots=2, max_len=32)
     with torch.no_grad():

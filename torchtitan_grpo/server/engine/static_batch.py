@@ -43,6 +43,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from torchtitan_grpo.server.engine import decode_rope, fused_ops, moe_routes, paged_attention
 from torchtitan_grpo.server.engine.static_moe import is_moe, moe_forward
@@ -51,6 +52,12 @@ from torchtitan_grpo.server.engine.to_device import upload
 logger = logging.getLogger(__name__)
 
 _SUPPORTED_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
+PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""The prefill's attention backends, cuDNN's left out: torch 2.11 picks it for these shapes on an
+H200 and builds a plan per new number of prompts, so a prefill of a size not met before took
+74-119 ms against 23-36 ms with flash (run 155, ``bench/prefill_cost.py``), and a burst split
+across two prefills met new sizes on every run."""
+
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
@@ -407,10 +414,11 @@ class StaticBatch:
             h, x = self._add_norm(h, delta, layer.input_layernorm)
             q, k, v = self._attn_qkv(li, x, cos, sin)
             self._store_prefill_kv(li, k, v, where)
-            o = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                is_causal=True, scale=self.scaling, enable_gqa=self.n_kv != self.n_heads,
-            )
+            with sdpa_kernel(PREFILL_SDPA):
+                o = F.scaled_dot_product_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                    is_causal=True, scale=self.scaling, enable_gqa=self.n_kv != self.n_heads,
+                )
             h, x = self._add_norm(h, layer.self_attn.o_proj(o.transpose(1, 2).reshape(n, width, -1)),
                                   layer.post_attention_layernorm)
             delta = self._mlp(li, x)
