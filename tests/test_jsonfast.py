@@ -99,29 +99,29 @@ class _VocabEngine:
 
 
 @pytest.mark.parametrize("kind", ["chat", "name"])
-def test_the_first_reply_starts_making_the_whole_vocabularys_pieces(kind):
-    """A kind's first reply starts a thread that makes every id's pieces; once it is done a reply
-    over ids never seen asks the engine for none, and the pieces are the ones a reply makes."""
-    import time
-
+def test_prepare_makes_the_whole_vocabularys_pieces_before_any_reply(kind, monkeypatch):
+    """The server's start-up makes every id's pieces (no thread beside the engine's worker later);
+    a reply over ids never seen then asks the engine for none, and the pieces are those a reply
+    makes. Without orjson's fragments (the object path) nothing is made."""
     from torchtitan_grpo.server.routes import logprob_json as lj
 
     engine = _VocabEngine(20_000)
+    lj.prepare(engine)
+    table = lj._CACHES[engine][(kind, False)]
+    assert len(table) == 20_000 and None not in table
+    asked = dict(engine.asked)
     build = (lambda ids: lj.chat_content(engine, ids, [-0.5] * len(ids), False)) if kind == "chat" else (
         lambda ids: lj.completion_logprobs(engine, ids, [-0.5] * len(ids), False))
-    first = build([3, 7, 3])
-    table = lj._CACHES[engine][(kind, False)]
-    assert len(table) == 20_000
-    deadline = time.monotonic() + 60  # a hang guard: a loaded box takes well under a second
-    while None in table and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert None not in table
-    assert engine.asked.get(f"token-pieces-{kind}", 0) >= 20_000 - 2
-    asked_by_replies = engine.asked.get("MainThread", 0)
-    assert build([19_999, 12_345, 3]) and engine.asked.get("MainThread", 0) == asked_by_replies
+    prepared = build([19_999, 12_345, 3])
+    assert engine.asked == asked
     make = lj._chat_piece if kind == "chat" else lj._name_piece
     assert table[12_345] == make(12_345, "w12345", "w12345")
-    assert build([3, 7, 3]) == first
+    lj.clear_caches()
+    assert build([19_999, 12_345, 3]) == prepared  # made by the reply itself: the same text
+    bare = _VocabEngine(100)
+    monkeypatch.setattr(jsonfast, "Fragment", None)
+    lj.prepare(bare)
+    assert bare not in lj._CACHES and bare.asked == {}
 
 
 def test_an_engine_without_a_vocabulary_size_grows_its_table_as_ids_come():

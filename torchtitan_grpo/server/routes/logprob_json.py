@@ -14,22 +14,21 @@ fragments (``jsonfast.Fragment``); otherwise the routes build objects.
 The text each function returns parses to exactly the objects the routes'
 object path builds (tests/test_jsonfast.py).
 
-The first reply of a kind starts a thread that makes the pieces of the rest
-of the vocabulary (:func:`_fill`), so later replies find every id made. A
-reply still makes the ids it needs that the thread has not reached. Without
-this, every reply over ids new to the server pays for them: on a 2-core CPU,
-256 chat samples of 128 random tokens over 151,936 ids build in 76 ms with
-ids not seen before and 14 ms with ids seen (bench/reply_cost.py). A
-random-weight model samples near-uniformly and keeps meeting new ids; a
-pretrained one meets them in its first replies. One table per kind in use:
-about 25-33 MB and 0.2-0.5 CPU-s for Qwen3's vocabulary (a fast tokenizer).
+The server makes the pieces of its whole vocabulary before it is ready
+(:func:`prepare`: 0.5 CPU-s and 25-33 MB a kind for Qwen3's 151,936 ids on a
+2-core CPU), so no reply pays for ids new to it: on a 2-core CPU 256 chat
+samples of 128 random tokens build in 76 ms over new ids and 14 ms over known
+ones (bench/reply_cost.py), and a random-weight model keeps meeting new ids.
+Made instead by a thread at the first reply (766ec4c), that thread held the
+GIL from the engine's worker, whose prefill then took 150-350 ms (run 154).
+Tables made later (``return_tokens_as_token_ids``' kinds, an engine without
+``vocab_size``) are filled as replies meet ids.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import weakref
 from typing import Any, Sequence
 
@@ -75,46 +74,44 @@ def _encoded_values(logprobs: list[float]) -> list[bytes]:
 
 
 FILL_CHUNK = 4096
-"""Ids the filling thread makes per batch of :meth:`Engine.token_texts` (it lets go of the GIL
-between ids like any Python thread; a batch bounds the tokenizer call)."""
+"""Ids :func:`prepare` makes per call of :meth:`Engine.token_texts` (bounds the tokenizer call)."""
 
 
 def _make(engine: Any, table: list, ids: list[int], as_ids: bool, make: Any) -> None:
-    """Make the pieces of ``ids`` (distinct, not made yet) into ``table``. A reply and the filling
-    thread may both make an id: the same pieces."""
+    """Make the pieces of ``ids`` (distinct, not made yet) into ``table``."""
     texts = engine.token_texts(ids)  # also when named by id: chat's bytes are the text's
     for t, text in zip(ids, texts):
         table[t] = make(t, token_name(t, text, as_ids), text)
 
 
-def _fill(engine: Any, table: list, as_ids: bool, make: Any) -> None:
-    """Make the pieces of every id of ``table`` not made yet (a thread per table, once)."""
-    try:
-        for start in range(0, len(table), FILL_CHUNK):
-            _make(engine, table, [t for t in range(start, min(start + FILL_CHUNK, len(table))) if table[t] is None],
-                  as_ids, make)
-    except Exception as e:  # the replies make what they need themselves
-        logger.warning("making the token pieces ahead stopped (replies make them as needed): %s", e)
+def prepare(engine: Any) -> None:
+    """Make every id's pieces of both kinds (ids named by their text) now: at server start-up,
+    before the first request. Without orjson's fragments (the object path) or a vocabulary size
+    there is nothing to make."""
+    vocab = int(getattr(engine, "vocab_size", 0) or 0)
+    if jsonfast.Fragment is None or not vocab:
+        return
+    for kind, make in (("chat", _chat_piece), ("name", _name_piece)):
+        table = _table(engine, kind, False)
+        for start in range(0, vocab, FILL_CHUNK):
+            _make(engine, table, [t for t in range(start, min(start + FILL_CHUNK, vocab)) if table[t] is None],
+                  False, make)
 
 
-def _table(engine: Any, kind: str, as_ids: bool, make: Any) -> list:
-    """The engine's table of ``kind`` pieces, sized to its vocabulary and being filled by a
-    thread from its first use (an engine without ``vocab_size``: grown as ids come)."""
+def _table(engine: Any, kind: str, as_ids: bool) -> list:
+    """The engine's table of ``kind`` pieces, sized to its vocabulary (an engine without
+    ``vocab_size``: grown as ids come)."""
     tables = _CACHES.setdefault(engine, {})
     table = tables.get((kind, as_ids))
     if table is None:
-        vocab = int(getattr(engine, "vocab_size", 0) or 0)
-        table = tables[(kind, as_ids)] = [None] * vocab
-        if vocab:
-            threading.Thread(target=_fill, args=(engine, table, as_ids, make), daemon=True,
-                             name=f"token-pieces-{kind}").start()
+        table = tables[(kind, as_ids)] = [None] * int(getattr(engine, "vocab_size", 0) or 0)
     return table
 
 
 def _pieces(engine: Any, kind: str, as_ids: bool, ids: Sequence[int], make: Any) -> list:
     """The pieces of each id in ``ids`` (in order), ``make(id, name, text)`` run once per engine
     for an id not seen before."""
-    table = _table(engine, kind, as_ids, make)
+    table = _table(engine, kind, as_ids)
     top = max(ids, default=-1)
     if top >= len(table):
         table.extend([None] * (top + 1 - len(table)))
