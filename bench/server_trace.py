@@ -11,6 +11,8 @@ thread's Python stack (``sys._current_frames``: a thread blocked in C, on the
 GPU or a lock, shows where it waits), wraps four ``Engine`` methods to log
 when requests are queued, prefilled (with how many rows) and finished and how
 long decode steps take, then runs ``python -m torchtitan_grpo.server``.
+Two knobs for experiments: ``TRACE_SWITCH_INTERVAL_MS`` (the GIL's switch
+interval) and ``TRACE_QUIET_MS`` (the admission window's quiet gap).
 Nothing here changes what the server does; the sampler costs it a few
 percent of the GIL.
 
@@ -165,6 +167,10 @@ def serve(argv: list[str]) -> None:
     trace = Trace(argv[0], float(os.environ.get("TRACE_INTERVAL_MS", "2")) / 1e3)
     if os.environ.get("TRACE_SWITCH_INTERVAL_MS"):  # how long a thread may keep the GIL from another (5 ms)
         sys.setswitchinterval(float(os.environ["TRACE_SWITCH_INTERVAL_MS"]) / 1e3)
+    if os.environ.get("TRACE_QUIET_MS"):  # the admission window's quiet gap (admission.QUIET_MS), to try others
+        from torchtitan_grpo.server.engine.admission import AdmissionWindow
+
+        AdmissionWindow.__init__.__defaults__ = (float(os.environ["TRACE_QUIET_MS"]),)
     instrument(trace)
     threading.Thread(target=trace.sample_forever, name="stack-sampler", daemon=True).start()
     sys.argv = ["torchtitan_grpo.server", *argv[2:]]

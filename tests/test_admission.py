@@ -82,7 +82,7 @@ def test_the_server_flag_reaches_the_engine_and_a_bad_value_is_one_line_naming_i
     from torchtitan_grpo.server.app import engine_config, parse_args
 
     base = ["--model", tiny_model_dir, "--port", "0"]
-    assert engine_config(parse_args(base)).admission_window_ms == 10.0
+    assert engine_config(parse_args(base)).admission_window_ms == 40.0
     assert engine_config(parse_args([*base, "--admission-window-ms", "0"])).admission_window_ms == 0.0
     for bad in ("-1", "nan", "5000"):
         with pytest.raises(SystemExit):

@@ -215,9 +215,9 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     p.add_argument("--debug-decode-delay-s", type=float, default=0.0, metavar="S",
                    help="DEBUG KNOB for benchmarks: the engine sleeps S seconds in every decode step of "
                         "its batch, so this replica generates more slowly than its peers (default 0: off)")
-    p.add_argument("--admission-window-ms", type=float, default=10.0, metavar="MS",
+    p.add_argument("--admission-window-ms", type=float, default=40.0, metavar="MS",
                    help="an idle engine admits a burst of requests as one prefill: the first waits until none has "
-                        "come for 2 ms, at most MS after it came (default 10; 0: admit each at once)")
+                        "come for 5 ms, at most MS after it came (default 40; 0: admit each at once)")
     p.add_argument("--enable-return-routed-experts", action="store_true",
                    help="MoE models: capture each MoE layer's routed experts per position, returned to requests "
                         "with 'return_routed_experts' (SGLang's and vLLM's flag)")

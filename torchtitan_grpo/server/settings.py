@@ -55,6 +55,6 @@ class ServerConfig:
     """``--enable-return-routed-experts``: MoE models capture the routed experts
     of every position; a request gets them with ``return_routed_experts``
     (a request asking without this flag, or of a dense model, is a 400)."""
-    admission_window_ms: float = 10.0
+    admission_window_ms: float = 40.0
     """``--admission-window-ms``: an idle engine admits a burst of requests as
     one prefill (``EngineConfig.admission_window_ms``)."""

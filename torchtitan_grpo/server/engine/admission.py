@@ -13,15 +13,24 @@ So while the engine has no rows, the first request waits until no other has
 come for :data:`QUIET_MS`, and at most ``window_ms`` after it came: a lone
 request waits the quiet time, a burst is admitted together. Requests that
 arrive while rows are decoding join at the next step, as before.
+
+The first setting (2 ms quiet, 10 ms at most) still split 6 of 8 bursts of 32
+OpenAI requests (n=8, 0.6B, 128-token prompts; 4 chat, 4 completions) on an
+H200 host: queueing 32 chat requests took 14-33 ms. 5 ms and 40 ms split 1 of
+8, and brought chat and completions at 256 sequences to 0.94 / 0.97 x
+/generate in the same call (run 159; docs/PERFORMANCE.md). A lone request
+into an idle server waits 5 ms.
 """
 
 from __future__ import annotations
 
 import time
 
-QUIET_MS = 2.0
-"""A gap this long after the last request ends the burst (the server queues a
-parsed request in well under a millisecond; a chat request in about one)."""
+QUIET_MS = 5.0
+"""A gap this long after the last request ends the burst. On an H200 host the server queues a
+/generate request in 0.2-0.3 ms and a chat one in 0.5-1 ms (its prompt rendered and
+tokenised), but a collector pass or a first request's extra work left gaps of 2-9 ms mid-burst
+(run 157)."""
 
 
 class AdmissionWindow:

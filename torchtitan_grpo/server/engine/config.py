@@ -51,7 +51,7 @@ class EngineConfig:
     production."""
     return_routed_experts: bool = False
     """Capture every MoE layer's routed experts per position (``server/engine/moe_routes.py``)."""
-    admission_window_ms: float = 10.0
+    admission_window_ms: float = 40.0
     """While the engine has no rows, the first request of a burst waits until
     none has come for ``admission.QUIET_MS`` (or this long after it came), so
     the burst is one prefill (``server/engine/admission.py``); 0: admit at once."""
