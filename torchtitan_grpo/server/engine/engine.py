@@ -51,7 +51,7 @@ from torchtitan_grpo.server.engine.expert_views import expert_views
 from torchtitan_grpo.server.engine.paged_batch import PagedBatch
 from torchtitan_grpo.server.engine.static_batch import StaticBatch
 from torchtitan_grpo.server.engine.loading import eos_token_ids, load_model
-from torchtitan_grpo.server.engine.requests import DEFAULT_WEIGHT_VERSION, PAUSE_MODES, FinishReason, RequestError, SamplingParams, _Request, _sample_generator, _Sequence, check_prompt, check_prompt_text, decode_each, decode_ids, sample_result
+from torchtitan_grpo.server.engine.requests import DEFAULT_WEIGHT_VERSION, PAUSE_MODES, FinishReason, RequestError, SamplingParams, _Request, _sample_generator, _Sequence, check_prompt, check_prompt_text, decode_each, decode_ids, decode_texts, sample_result
 from torchtitan_grpo.server.engine.sampling import Launched, launch_sample
 
 logger = logging.getLogger(__name__)
@@ -104,6 +104,8 @@ class Engine(EngineWeights):
         self._pending: deque[_Sequence] = deque()
         self._admission = AdmissionWindow(cfg.admission_window_ms)
         self._actions: list[tuple[Any, concurrent.futures.Future]] = []
+        self._finishing: list[_Request] | None = None
+        """While :meth:`_record` runs: the requests whose last sample ended, resolved after it."""
         # [len(batch.rows)] the token each row sampled last, not yet in the KV
         # cache (fed by the next decode step); None while the batch is empty.
         self._last: torch.Tensor | None = None
@@ -332,10 +334,24 @@ class Engine(EngineWeights):
         req = s.req
         req.remaining -= 1
         if req.remaining == 0 and not req.future.done():
+            if self._finishing is not None:
+                self._finishing.append(req)
+            else:
+                self._resolve([req])
+
+    def _resolve(self, reqs: list[_Request]) -> None:
+        """Each request's results, their texts decoded together (:func:`decode_texts`)."""
+        try:
+            texts = iter(decode_texts(self.tokenizer, [x for r in reqs for x in r.seqs]))
+        except Exception as e:  # never let bookkeeping kill the worker
+            for r in reqs:
+                r.future.set_exception(e)
+            return
+        for r in reqs:
             try:
-                req.future.set_result([sample_result(x, self._weight_version, self.tokenizer) for x in req.seqs])
-            except Exception as e:  # never let bookkeeping kill the worker
-                req.future.set_exception(e)
+                r.future.set_result([sample_result(x, self._weight_version, next(texts)) for x in r.seqs])
+            except Exception as e:
+                r.future.set_exception(e)
 
     def token_text(self, token_id: int) -> str | None:
         """One token's text (special tokens spelled out); None without a tokenizer."""
@@ -519,19 +535,25 @@ class Engine(EngineWeights):
     def _record(self, seqs: list[_Sequence], launched: Launched) -> None:
         """Record each live row's token (and its logprob), check stops."""
         picked = launched.resolve()
-        with self._cv:
-            for i, s in enumerate(seqs):
-                if s.finish is not None:
-                    continue
-                s.output_ids.append(picked.token_ids[i])
-                s.logprobs.append(picked.logprobs[i])
-                if i in picked.top:  # appended in place: a copy per token is quadratic in the length
-                    if s.top is None:
-                        s.top = []
-                    s.top.append(picked.top[i])
-                if s.req.on_token is not None:
-                    s.req.on_token(s)
-                self._check_stop(s)
+        finishing = self._finishing = []
+        try:
+            with self._cv:
+                for i, s in enumerate(seqs):
+                    if s.finish is not None:
+                        continue
+                    s.output_ids.append(picked.token_ids[i])
+                    s.logprobs.append(picked.logprobs[i])
+                    if i in picked.top:  # appended in place: a copy per token is quadratic in the length
+                        if s.top is None:
+                            s.top = []
+                        s.top.append(picked.top[i])
+                    if s.req.on_token is not None:
+                        s.req.on_token(s)
+                    self._check_stop(s)
+        finally:
+            self._finishing = None
+            if finishing:  # outside the lock: the event loop may queue requests meanwhile
+                self._resolve(finishing)
 
     def _check_stop(self, s: _Sequence) -> None:
         p = s.params

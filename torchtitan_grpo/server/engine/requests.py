@@ -278,16 +278,40 @@ def decode_each(tokenizer: Any, ids: Sequence[int]) -> list[str]:
     return out
 
 
-def sample_result(s: _Sequence, current_version: str, tokenizer: Any) -> SampleResult:
-    """What a finished (or aborted) sample returns; its text if there is a tokenizer."""
+def decode_texts(tokenizer: Any, seqs: Sequence[_Sequence]) -> list[str | None]:
+    """Each sample's output text as :func:`decode_ids` gives it (None without a tokenizer). A
+    fast tokenizer without transformers' clean-up step decodes them in one call of its Rust
+    ``decode_batch``, which spreads them over the cores: a step often ends every sample of a
+    burst, and 256 samples of 128 tokens took 12-16 ms one by one against 5.6 ms batched on a
+    2-core CPU, on the engine's worker while the GPU waited. A batch the backend refuses (an
+    id outside the vocabulary) is decoded one by one."""
+    if tokenizer is None:
+        return [None] * len(seqs)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True) or len(seqs) < 2:
+        return [decode_ids(tokenizer, s.output_ids, s.params.skip_special_tokens) for s in seqs]
+    out: list[str | None] = [None] * len(seqs)
+    for skip in (True, False):
+        idx = [i for i, s in enumerate(seqs) if bool(s.params.skip_special_tokens) == skip]
+        if not idx:
+            continue
+        try:
+            texts = backend.decode_batch([list(seqs[i].output_ids) for i in idx], skip_special_tokens=skip)
+        except Exception:
+            texts = [decode_ids(tokenizer, seqs[i].output_ids, skip) for i in idx]
+        for i, text in zip(idx, texts):
+            out[i] = text or ""
+    return out
+
+
+def sample_result(s: _Sequence, current_version: str, text: str | None) -> SampleResult:
+    """What a finished (or aborted) sample returns; ``text``: its output decoded
+    (:func:`decode_texts`; None without a tokenizer), trimmed here at a stop string."""
     n_out = len(s.output_ids)
     end_version = s.end_version or current_version
     spans = _version_spans(s.version_events, end_version, n_out) if s.version_events else None
-    text = None
-    if tokenizer is not None:
-        text = decode_ids(tokenizer, s.output_ids, s.params.skip_special_tokens)
-        if s.stop_text is not None and not s.params.no_stop_trim and s.stop_text in text:
-            text = text[: text.find(s.stop_text)]
+    if text is not None and s.stop_text is not None and not s.params.no_stop_trim and s.stop_text in text:
+        text = text[: text.find(s.stop_text)]
     return SampleResult(
         rid=s.req.rid if s.params.n == 1 else f"{s.req.rid}_{s.index}",
         sample_index=s.index,
