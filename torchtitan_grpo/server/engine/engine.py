@@ -535,23 +535,26 @@ class Engine(EngineWeights):
     def _record(self, seqs: list[_Sequence], launched: Launched) -> None:
         """Record each live row's token (and its logprob), check stops."""
         picked = launched.resolve()
-        finishing = self._finishing = []
+        finishing: list[_Request] = []
         try:
-            with self._cv:
-                for i, s in enumerate(seqs):
-                    if s.finish is not None:
-                        continue
-                    s.output_ids.append(picked.token_ids[i])
-                    s.logprobs.append(picked.logprobs[i])
-                    if i in picked.top:  # appended in place: a copy per token is quadratic in the length
-                        if s.top is None:
-                            s.top = []
-                        s.top.append(picked.top[i])
-                    if s.req.on_token is not None:
-                        s.req.on_token(s)
-                    self._check_stop(s)
+            with self._cv:  # set and cleared under the lock, as every _finish runs
+                self._finishing = finishing
+                try:
+                    for i, s in enumerate(seqs):
+                        if s.finish is not None:
+                            continue
+                        s.output_ids.append(picked.token_ids[i])
+                        s.logprobs.append(picked.logprobs[i])
+                        if i in picked.top:  # appended in place: a copy per token is quadratic in the length
+                            if s.top is None:
+                                s.top = []
+                            s.top.append(picked.top[i])
+                        if s.req.on_token is not None:
+                            s.req.on_token(s)
+                        self._check_stop(s)
+                finally:
+                    self._finishing = None
         finally:
-            self._finishing = None
             if finishing:  # outside the lock: the event loop may queue requests meanwhile
                 self._resolve(finishing)
 
