@@ -290,6 +290,13 @@ def _is_loopback(host: str) -> bool:
 async def serve(engine: Engine, cfg: ServerConfig) -> None:
     """Serve until SIGINT/SIGTERM."""
     app, routes = build_app(engine, cfg)
+    logprob_json.prepare(engine)  # every token's reply pieces, before any request (not in a thread)
+    # What start-up left (torch, transformers, the model's modules, the tokenizer: ~430k tracked
+    # objects) lives as long as the server; out of the collector's sight, a full pass walks only
+    # what came later. Run 154 (an H200 host): full passes of ~300 ms stalled the event loop and
+    # the worker mid-burst, splitting a burst's prefill in two.
+    gc.collect()
+    gc.freeze()
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
@@ -306,13 +313,6 @@ async def serve(engine: Engine, cfg: ServerConfig) -> None:
     # A failed device ends the engine's worker: exit (main's code 4) so a supervisor restarts us
     # rather than serve health checks from a process that can no longer compute.
     engine.on_fatal = lambda _e: loop.call_soon_threadsafe(stop.set)
-    logprob_json.prepare(engine)  # every token's reply pieces, before any request (not in a thread)
-    # What start-up left (torch, transformers, the model's modules, the tokenizer: ~430k tracked
-    # objects) lives as long as the server; out of the collector's sight, a full pass walks only
-    # what came later. Run 154 (an H200 host): full passes of ~300 ms stalled the event loop and
-    # the worker mid-burst, splitting a burst's prefill in two.
-    gc.collect()
-    gc.freeze()
     logger.info("ready: model %s on http://%s:%d (device %s)", cfg.model, cfg.host, port, engine.device)
     print(f"ready http://{cfg.host}:{port}", flush=True)
     await stop.wait()
