@@ -61,3 +61,37 @@ def test_no_tokenizer_and_tokenizers_with_clean_up_take_the_plain_path(word_toke
     tok = _Recording(word_tokenizer)
     tok.clean_up_tokenization_spaces = True  # transformers' own decode cleans up: no backend batch
     assert decode_texts(tok, [_seq([5]), _seq([6])]) == ["w5", "w6"] and tok.batches == []
+
+
+def test_a_step_that_ends_requests_answers_them_and_no_longer_counts_them_as_load(tiny_model_dir):
+    """Two requests end in one step: both are answered, with their texts, before the step's ended
+    rows leave the batch (held here), and the engine's load already leaves those rows out (a
+    router or a test reading it then sees no work that is over)."""
+    import threading
+
+    from torchtitan_grpo.server.engine.engine import Engine, EngineConfig
+    from torchtitan_grpo.server.engine.requests import SamplingParams
+
+    eng = Engine(EngineConfig(tiny_model_dir, dtype="float32", max_batch_size=4, kv_cache="static", max_model_len=32))
+    gate, prune = threading.Event(), eng._prune
+
+    def held() -> None:
+        if any(s.finish is not None for s in eng._rows):
+            gate.wait(60)
+        prune()
+
+    eng._prune = held
+    eng.start()
+    try:
+        params = SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=0.0)
+        futs = [eng.submit([5, 7, 9], SamplingParams(max_new_tokens=3, ignore_eos=True, n=2)),
+                eng.submit([6, 8], params)]
+        results = [r for f in futs for r in f.result(timeout=120)]
+        assert len(eng._rows) == 3  # still in the batch: the prune waits on the gate
+        assert eng.load() == {"num_reqs": 0, "num_waiting_reqs": 0, "num_running_seqs": 0, "num_tokens": 0,
+                              "num_output_tokens": 0}
+        assert [len(r.output_ids) for r in results] == [3, 3, 3]
+        assert all(r.text == decode_ids(eng.tokenizer, r.output_ids) for r in results)
+    finally:
+        gate.set()
+        eng.shutdown()

@@ -221,14 +221,16 @@ class Engine(EngineWeights):
             return len({id(s.req) for s in list(self._pending) + self._rows})
 
     def load(self) -> dict[str, int]:
-        """Queue and batch occupancy (what a router balances on)."""
+        """Queue and batch occupancy (what a router balances on). Rows that ended are left out:
+        they stay in the batch until the step is recorded, after their requests were answered."""
         with self._cv:
+            rows = [s for s in self._rows if s.finish is None]
             return {
-                "num_reqs": len({id(s.req) for s in self._rows}),
+                "num_reqs": len({id(s.req) for s in rows}),
                 "num_waiting_reqs": len({id(s.req) for s in self._pending if not s.output_ids}),
-                "num_running_seqs": len(self._rows),
-                "num_tokens": sum(len(s.req.prompt_ids) + len(s.output_ids) for s in self._rows),
-                "num_output_tokens": sum(len(s.output_ids) for s in self._live_sequences()),
+                "num_running_seqs": len(rows),
+                "num_tokens": sum(len(s.req.prompt_ids) + len(s.output_ids) for s in rows),
+                "num_output_tokens": sum(len(s.output_ids) for s in [*self._pending, *rows]),
             }
 
     @contextmanager
