@@ -269,16 +269,18 @@ def start_builtin(engine: str, src: str | None, model_dir: str, args: argparse.N
     env = dict(os.environ, **env, PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([tree] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                                     if p and os.path.abspath(p) != here]))
-    srv = Server(engine, f"http://127.0.0.1:{port}", None, os.path.join(log_dir, f"{engine}.log"))  # type: ignore[arg-type]
+    log, trace = os.path.join(log_dir, f"{engine}.log"), None
     if args.trace:
-        assert cmd[1:3] == ["-m", "torchtitan_grpo.server"], cmd
-        srv.trace = os.path.join(os.path.abspath(args.trace), f"{engine}-{os.path.basename(model_dir)}")
-        cmd = [cmd[0], os.path.join(os.path.dirname(os.path.abspath(__file__)), "server_trace.py"), srv.trace,
+        if cmd[1:3] != ["-m", "torchtitan_grpo.server"]:
+            raise RuntimeError(f"--trace: not the built-in server's command: {cmd[:3]}")
+        trace = os.path.join(os.path.abspath(args.trace), f"{engine}-{os.path.basename(model_dir)}")
+        cmd = [cmd[0], os.path.join(os.path.dirname(os.path.abspath(__file__)), "server_trace.py"), trace,
                "--", *cmd[3:]]
-    with open(srv.log, "ab") as f:
+    with open(log, "ab") as f:
         f.write(f"=== (in {tree}) {' '.join(cmd)}\n".encode())
         f.flush()
-        srv.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=tree, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=tree, start_new_session=True)
+    srv = Server(engine, f"http://127.0.0.1:{port}", proc, log, trace)
     return _wait_healthy(srv, args.start_timeout_s)
 
 
