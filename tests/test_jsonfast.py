@@ -118,6 +118,11 @@ def test_prepare_makes_the_whole_vocabularys_pieces_before_any_reply(kind, monke
     assert table[12_345] == make(12_345, "w12345", "w12345")
     lj.clear_caches()
     assert build([19_999, 12_345, 3]) == prepared  # made by the reply itself: the same text
+    broken = _VocabEngine(9000)  # a tokenizer that fails part-way: the server still starts
+    broken.token_texts = lambda ids: [f"w{t}" if t < 5000 else 1 / 0 for t in ids]
+    lj.prepare(broken)
+    chat = lj._CACHES[broken][("chat", False)]
+    assert chat[4095] is not None and chat[4096] is None  # the first batch made, the one that failed not
     bare = _VocabEngine(100)
     monkeypatch.setattr(jsonfast, "Fragment", None)
     lj.prepare(bare)
