@@ -8,9 +8,9 @@ Run as the server itself::
 
 It starts a thread that every ``TRACE_INTERVAL_MS`` (default 2) reads every
 thread's Python stack (``sys._current_frames``: a thread blocked in C, on the
-GPU or a lock, shows where it waits), wraps four ``Engine`` methods to log
-when requests are queued, prefilled (with how many rows) and finished and how
-long decode steps take, then runs ``python -m torchtitan_grpo.server``.
+GPU or a lock, shows where it waits), wraps ``Engine`` methods to log
+when requests are queued, prefilled (with how many rows), finished and
+answered and how long decode steps take, then runs ``python -m torchtitan_grpo.server``.
 Two knobs for experiments: ``TRACE_SWITCH_INTERVAL_MS`` (the GIL's switch
 interval) and ``TRACE_QUIET_MS`` (the admission window's quiet gap).
 Nothing here changes what the server does; the sampler costs it a few
@@ -159,6 +159,14 @@ def instrument(trace: Trace) -> None:
             trace.event("finished", s.req.rid[:12])
 
     E.submit, E._prefill, E._decode_step, E._finish = traced_submit, traced_prefill, traced_decode, traced_finish
+    resolve = getattr(E, "_resolve", None)  # trees since 96d91e0: the texts of a step's ended requests, together
+    if resolve is not None:
+        def traced_resolve(self, reqs):
+            t = time.perf_counter()
+            resolve(self, reqs)
+            trace.event("answered", len(reqs), round(time.perf_counter() - t, 5))
+
+        E._resolve = traced_resolve
 
 
 def serve(argv: list[str]) -> None:
@@ -223,7 +231,44 @@ def summary(path: str, top: int = 12) -> str:
                    f"worker (launching it, recording the one before: its wait for the GPU included)")
     if fin:
         out.append(f"- finished: {len(fin)} requests from {fin[0]:.3f} to {fin[-1]:.3f} s")
+    answered = [e for e in ev if e[1] == "answered"]
+    if answered:
+        out.append(f"- answered (texts decoded, futures set): {sum(e[2] for e in answered)} requests in "
+                   f"{len(answered)} calls, {1e3 * max(e[3] for e in answered):.1f} ms the longest")
+    out += [f"- burst {i}: {b}" for i, b in enumerate(bursts(ev))]
     return "\n".join(out)
+
+
+def bursts(events: list[list]) -> list[str]:
+    """Each burst of the piece (its requests queued into an engine with none live) in one line: how
+    long queueing them took, when the first prefill started after the first was queued, the
+    prefills (rows / wall ms), from the last prefill's end to the first finished request (the
+    decode), how long the finished requests took to be answered, first queued to last finished."""
+    out, live, cur = [], 0, []
+    for e in events:
+        if e[1] == "queued":
+            if live == 0 and cur:
+                out.append(cur)
+                cur = []
+            live += 1
+        elif e[1] == "finished":
+            live -= 1
+        if e[1] in ("queued", "prefill", "finished"):
+            cur.append(e)
+    out.append(cur)
+    lines = []
+    for b in out:
+        q = [e[0] for e in b if e[1] == "queued"]
+        pre = [e for e in b if e[1] == "prefill"]
+        fin = [e[0] for e in b if e[1] == "finished"]
+        if not (q and pre and fin):
+            continue
+        ms = lambda x: f"{x * 1e3:.1f}"  # noqa: E731
+        lines.append(f"{len(q)} queued in {ms(q[-1] - q[0])} ms, first prefill {ms(pre[0][0] - pre[0][4] - q[0])} ms "
+                     f"after the first; prefills {' + '.join(f'{e[2]} rows / {ms(e[4])} ms' for e in pre)}; "
+                     f"{ms(fin[0] - pre[-1][0])} ms to the first finished, {ms(fin[-1] - fin[0])} ms to the last; "
+                     f"{ms(fin[-1] - q[0])} ms in all")
+    return lines
 
 
 if __name__ == "__main__":

@@ -376,6 +376,7 @@ def test_engine_vs_vllm_runs_a_baseline_tree_beside_ours(tmp_path):
     assert any(k.startswith("engine-worker;") for k in piece["stacks"]) and piece["decode_steps"] >= 3
     summary = (out / "trace" / "summary.md").read_text()
     assert summary.count("- prefills: 8 rows at") == 3 and "engine-worker:" in summary, summary
+    assert summary.count("- burst 0: 1 queued in 0.0 ms") == 3 and "- answered (texts decoded" in summary, summary
     rows = json.loads((out / "engine_vs_vllm.json").read_text())["rows"]
     assert [(x["engine"], x["route"]) for x in rows] == [("ours", "generate"), ("ours", "chat"), ("before", "generate")]
     assert all(x["status"] == "ok" and x["runs"] == 1 for x in rows), rows
