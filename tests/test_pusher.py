@@ -94,14 +94,14 @@ def _shared_servers(tmp_path_factory, tiny_model_dir):
     """Two built-in servers for the tests that push to one or both of them and
     never stop them: ``srv`` without an update delay and ``slow_update_srv``
     with 0.5 s per update; two starts instead of twenty-six (the fast
-    replica of the tests that start a slow one of their own is ``srv`` too)."""
-    started = {}
+    replica of the tests that start a slow one of their own is ``srv`` too).
+    Both start at once (start_servers waits for each; a failed start stops
+    both): one start-up's wait instead of two in a row."""
+    fast, slow = _servers(tmp_path_factory.mktemp("pusher_shared"), tiny_model_dir, [0.0, 0.5])
     try:
-        for name, delay in (("srv", 0.0), ("slow", 0.5)):
-            (started[name],) = _servers(tmp_path_factory.mktemp(f"pusher_{name}"), tiny_model_dir, [delay])
-        yield started
+        yield {"srv": fast, "slow": slow}
     finally:
-        for s in started.values():
+        for s in (fast, slow):
             stop_process(s.proc)
 
 
