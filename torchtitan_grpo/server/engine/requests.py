@@ -259,6 +259,14 @@ def decode_ids(tokenizer: Any, ids: Sequence[int], skip_special: bool = True) ->
         return ""
 
 
+def _fast_backend(tokenizer: Any) -> Any:
+    """The Rust tokenizer of a fast tokenizer without transformers' clean-up step (its own
+    decode then gives what transformers' ``decode`` gives, without the per-call argument checks
+    and conversions); None for any other."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return None if getattr(tokenizer, "clean_up_tokenization_spaces", True) else backend
+
+
 def decode_each(tokenizer: Any, ids: Sequence[int]) -> list[str]:
     """Each id's text on its own, special tokens spelled out: what
     ``decode_ids(tokenizer, [t], skip_special=False)`` gives for every ``t``.
@@ -266,8 +274,8 @@ def decode_each(tokenizer: Any, ids: Sequence[int]) -> list[str]:
     (its Rust ``decode``: ~10x less per id than transformers' ``decode``,
     which checks and converts its arguments on every call); any other, or an
     id the backend refuses, goes through :func:`decode_ids`."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+    backend = _fast_backend(tokenizer)
+    if backend is None:
         return [decode_ids(tokenizer, [t], skip_special=False) for t in ids]
     out = []
     for t in ids:
@@ -287,8 +295,8 @@ def decode_texts(tokenizer: Any, seqs: Sequence[_Sequence]) -> list[str | None]:
     id outside the vocabulary) is decoded one by one."""
     if tokenizer is None:
         return [None] * len(seqs)
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True) or len(seqs) < 2:
+    backend = _fast_backend(tokenizer)
+    if backend is None or len(seqs) < 2:
         return [decode_ids(tokenizer, s.output_ids, s.params.skip_special_tokens) for s in seqs]
     out: list[str | None] = [None] * len(seqs)
     for skip in (True, False):
