@@ -410,18 +410,18 @@ class StaticBatch:
         ids = ids.to(self.device)
         cos, sin = self._cos[:width][None], self._sin[:width][None]
         h, delta = self._inner.embed_tokens(ids), None
-        for li, layer in enumerate(self._layers):
-            h, x = self._add_norm(h, delta, layer.input_layernorm)
-            q, k, v = self._attn_qkv(li, x, cos, sin)
-            self._store_prefill_kv(li, k, v, where)
-            with sdpa_kernel(PREFILL_SDPA):
+        with sdpa_kernel(PREFILL_SDPA):  # once per prefill: it sets process-wide flags
+            for li, layer in enumerate(self._layers):
+                h, x = self._add_norm(h, delta, layer.input_layernorm)
+                q, k, v = self._attn_qkv(li, x, cos, sin)
+                self._store_prefill_kv(li, k, v, where)
                 o = F.scaled_dot_product_attention(
                     q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                     is_causal=True, scale=self.scaling, enable_gqa=self.n_kv != self.n_heads,
                 )
-            h, x = self._add_norm(h, layer.self_attn.o_proj(o.transpose(1, 2).reshape(n, width, -1)),
-                                  layer.post_attention_layernorm)
-            delta = self._mlp(li, x)
+                h, x = self._add_norm(h, layer.self_attn.o_proj(o.transpose(1, 2).reshape(n, width, -1)),
+                                      layer.post_attention_layernorm)
+                delta = self._mlp(li, x)
         rows = torch.arange(n, device=self.device), torch.tensor([len(c) - 1 for c in ctxs], device=self.device)
         h = _norm(self._inner.norm, h[rows] + delta[rows])  # the last positions only
         return self.model.lm_head(h)
