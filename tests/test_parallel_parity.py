@@ -638,11 +638,16 @@ def run_torchrun(nproc: int, script_args: list[str], timeout: float) -> str:
     with its tail on a non-zero exit."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *script_args]
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, TOKENIZERS_PARALLELISM="false")
+    # PYTHONFAULTHANDLER: a rank that dies on a signal (SIGSEGV in a C++
+    # library) prints its Python stack, not only torchrun's exit code.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, TOKENIZERS_PARALLELISM="false",
+               PYTHONFAULTHANDLER="1")
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     log = r.stdout + r.stderr
     if r.returncode != 0:
-        raise RuntimeError(f"torchrun x{nproc} failed (rc={r.returncode}):\n{log[-6000:]}")
+        fault = log.find("Fatal Python error")  # a crashed rank's own stack, wherever the tail cuts
+        head = f"{log[fault:fault + 4000]}\n[...]\n" if 0 <= fault < len(log) - 6000 else ""
+        raise RuntimeError(f"torchrun x{nproc} failed (rc={r.returncode}):\n{head}{log[-6000:]}")
     return log
 
 
