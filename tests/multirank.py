@@ -68,6 +68,17 @@ def _run_extras(out: str, model_dirs: dict[str, str], names: tuple[str, ...]) ->
         except Exception:
             with open(os.path.join(case_out, f"error-rank{dist.get_rank()}.txt"), "w") as f:
                 f.write(traceback.format_exc())
+        _finished(out, name)
+
+
+def _finished(out: str, section: str) -> None:
+    """This rank is through ``section`` of its launch (its results, or its
+    error file, are written): a launch that dies later (a rank killed by a
+    signal in a later section) leaves this section's results standing, and
+    only the sections no rank marker covers fail with the launch's log."""
+    import torch.distributed as dist
+
+    open(os.path.join(out, f"done-{section}-{dist.get_world_size()}.rank{dist.get_rank()}"), "w").close()
 
 
 def launches(files: set[str] | None = None) -> dict[int, tuple[tuple[str, ...], ...]]:
@@ -115,8 +126,10 @@ def _worker(out: str, model_dirs: dict[str, str], files: set[str] | None) -> Non
         os.makedirs(os.path.join(out, "parity"), exist_ok=True)
         if parity_layouts:
             parity.run_layouts(os.path.join(out, "parity"), model_dirs, list(parity_layouts))
+            _finished(out, "parity")
         if gather_layouts:
             gather.run_layouts(os.path.join(out, "gather"), model_dirs, list(gather_layouts), "", list(staged))
+            _finished(out, "gather")
         _run_extras(out, model_dirs, extra)
         dist.barrier()  # leave together: a peer gone early can abort this rank at exit
     finally:
@@ -147,14 +160,23 @@ class Launched:
     root: Path = Path()
     """Every launch's results (``EXTRAS``' under their own names)."""
 
+    def failed(self, section: str) -> dict[int, str]:
+        """World size -> the launch's log, for the failed launches in which
+        some rank did not get through ``section`` ("parity", "gather" or an
+        extra file's stem); sections finished before the failure are not in
+        it (their results were written)."""
+        return {n: log for n, log in self.errors.items()
+                if len(list(self.root.glob(f"done-{section}-{n}.rank*"))) < n}
+
     def extra(self, name: str, nproc: int = 2) -> Path:
         """``name``'s results in the ``nproc``-rank launch (one of ``EXTRAS``
         or ``EXTRAS_4``); fails its test with that launch's log or the
         traceback its cases left."""
         import pytest
 
-        if nproc in self.errors:
-            pytest.fail(self.errors[nproc])
+        crashed = self.failed(name)
+        if nproc in crashed:
+            pytest.fail(crashed[nproc])
         out = self.root / (name if nproc == 2 else f"{name}-{nproc}")
         failed = sorted(out.glob("error-rank*.txt"))
         if failed:

@@ -220,10 +220,10 @@ def gathered(multirank_launched):
     """The results of ``LAUNCHES`` and ``STAGED``: run once per session with
     test_parallel_parity's cases (tests/multirank.py: each rank's start-up
     is paid once for both files), the same cases that ``_worker`` runs."""
-    launched = multirank_launched
+    failed = multirank_launched.failed("gather")
     for nproc in LAUNCHES:
-        assert nproc not in launched.errors, launched.errors[nproc]
-    return launched.gather
+        assert nproc not in failed, failed[nproc]
+    return multirank_launched.gather
 
 
 @pytest.fixture(scope="module")

@@ -804,7 +804,7 @@ def parity(multirank_launched):
     model_dirs = launched.model_dirs
     refs = {m: run_case(model_dirs[m], m, (1, 1, 1), 1) for m in MODELS}
     ref_steps = {m: run_step_case(model_dirs[m], m, "single", 1) for m in MODELS}
-    return refs, launched.parity, launched.errors, ref_steps
+    return refs, launched.parity, launched.failed("parity"), ref_steps
 
 
 def _launched(parity, layout: str, name: str):
@@ -819,6 +819,32 @@ def _launched(parity, layout: str, name: str):
 
 def _result(parity, model_name: str, layout: str) -> tuple[dict, dict]:
     return parity[0][model_name], _launched(parity, layout, f"{model_name}-{layout}.pt")
+
+
+def test_a_dead_launch_fails_only_the_sections_its_ranks_did_not_finish(tmp_path, multirank_launched):
+    """A launch that dies (a rank killed by a signal) fails the sections some
+    rank had not finished, with the launch's log; sections every rank got
+    through keep their written results. And the real launches mark every
+    section they ran on every rank."""
+    from tests import multirank
+
+    fake = multirank.Launched({}, tmp_path / "parity", tmp_path / "gather", {2: "log of 2", 4: "log of 4"}, tmp_path)
+    for mark in ("done-parity-2.rank0", "done-parity-2.rank1", "done-gather-2.rank0", "done-test_llama_tied-2.rank0",
+                 "done-test_llama_tied-2.rank1"):
+        (tmp_path / mark).touch()
+    assert fake.failed("parity") == {4: "log of 4"}
+    assert fake.failed("gather") == {2: "log of 2", 4: "log of 4"}  # rank 1 never got through it
+    assert fake.extra("test_llama_tied") == tmp_path / "test_llama_tied"
+    with pytest.raises(pytest.fail.Exception, match="log of 2"):
+        fake.extra("test_expert_parallel")
+
+    real = multirank_launched
+    assert not real.errors, real.errors
+    for nproc, (par, *_) in multirank.launches({"test_parallel_parity"}).items():
+        if par:
+            assert len(list(real.root.glob(f"done-parity-{nproc}.rank*"))) == nproc, nproc
+        for mark in real.root.glob(f"done-*-{nproc}.rank0"):  # the other files' sections, where this run has them
+            assert len(list(real.root.glob(mark.name.replace(".rank0", ".rank*")))) == nproc, mark.name
 
 
 def test_reference_step_is_not_trivial(parity):
