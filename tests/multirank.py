@@ -74,8 +74,8 @@ def _run_extras(out: str, model_dirs: dict[str, str], names: tuple[str, ...]) ->
 def _finished(out: str, section: str) -> None:
     """This rank is through ``section`` of its launch (its results, or its
     error file, are written): a launch that dies later (a rank killed by a
-    signal in a later section) leaves this section's results standing, and
-    only the sections no rank marker covers fail with the launch's log."""
+    signal in a later section) leaves this section's results standing; only
+    the sections some rank did not mark fail with the launch's log."""
     import torch.distributed as dist
 
     open(os.path.join(out, f"done-{section}-{dist.get_world_size()}.rank{dist.get_rank()}"), "w").close()
