@@ -824,8 +824,8 @@ def _result(parity, model_name: str, layout: str) -> tuple[dict, dict]:
 def test_a_dead_launch_fails_only_the_sections_its_ranks_did_not_finish(tmp_path, multirank_launched):
     """A launch that dies (a rank killed by a signal) fails the sections some
     rank had not finished, with the launch's log; sections every rank got
-    through keep their written results. And the real launches mark every
-    section they ran on every rank."""
+    through keep their written results. And the real launches that ended
+    well marked every section they ran on every rank."""
     from tests import multirank
 
     fake = multirank.Launched({}, tmp_path / "parity", tmp_path / "gather", {2: "log of 2", 4: "log of 4"}, tmp_path)
@@ -839,8 +839,9 @@ def test_a_dead_launch_fails_only_the_sections_its_ranks_did_not_finish(tmp_path
         fake.extra("test_expert_parallel")
 
     real = multirank_launched
-    assert not real.errors, real.errors
     for nproc, (par, *_) in multirank.launches({"test_parallel_parity"}).items():
+        if nproc in real.errors:  # a dead launch: its unfinished sections' own tests report it
+            continue
         if par:
             assert len(list(real.root.glob(f"done-parity-{nproc}.rank*"))) == nproc, nproc
         for mark in real.root.glob(f"done-*-{nproc}.rank0"):  # the other files' sections, where this run has them
