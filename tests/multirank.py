@@ -78,7 +78,13 @@ def _finished(out: str, section: str) -> None:
     the sections some rank did not mark fail with the launch's log."""
     import torch.distributed as dist
 
-    open(os.path.join(out, f"done-{section}-{dist.get_world_size()}.rank{dist.get_rank()}"), "w").close()
+    open(os.path.join(out, marker(section, dist.get_world_size(), dist.get_rank())), "w").close()
+
+
+def marker(section: str, nproc: int, rank: int | str = "*") -> str:
+    """The name of rank ``rank``'s marker for ``section`` of the ``nproc``-rank launch
+    (``"*"``: a glob over its ranks)."""
+    return f"done-{section}-{nproc}.rank{rank}"
 
 
 def launches(files: set[str] | None = None) -> dict[int, tuple[tuple[str, ...], ...]]:
@@ -166,7 +172,7 @@ class Launched:
         extra file's stem); sections finished before the failure are not in
         it (their results were written)."""
         return {n: log for n, log in self.errors.items()
-                if len(list(self.root.glob(f"done-{section}-{n}.rank*"))) < n}
+                if len(list(self.root.glob(marker(section, n)))) < n}
 
     def extra(self, name: str, nproc: int = 2) -> Path:
         """``name``'s results in the ``nproc``-rank launch (one of ``EXTRAS``

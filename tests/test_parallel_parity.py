@@ -829,9 +829,8 @@ def test_a_dead_launch_fails_only_the_sections_its_ranks_did_not_finish(tmp_path
     from tests import multirank
 
     fake = multirank.Launched({}, tmp_path / "parity", tmp_path / "gather", {2: "log of 2", 4: "log of 4"}, tmp_path)
-    for mark in ("done-parity-2.rank0", "done-parity-2.rank1", "done-gather-2.rank0", "done-test_llama_tied-2.rank0",
-                 "done-test_llama_tied-2.rank1"):
-        (tmp_path / mark).touch()
+    for section, rank in (("parity", 0), ("parity", 1), ("gather", 0), ("test_llama_tied", 0), ("test_llama_tied", 1)):
+        (tmp_path / multirank.marker(section, 2, rank)).touch()
     assert fake.failed("parity") == {4: "log of 4"}
     assert fake.failed("gather") == {2: "log of 2", 4: "log of 4"}  # rank 1 never got through it
     assert fake.extra("test_llama_tied") == tmp_path / "test_llama_tied"
@@ -843,8 +842,8 @@ def test_a_dead_launch_fails_only_the_sections_its_ranks_did_not_finish(tmp_path
         if nproc in real.errors:  # a dead launch: its unfinished sections' own tests report it
             continue
         if par:
-            assert len(list(real.root.glob(f"done-parity-{nproc}.rank*"))) == nproc, nproc
-        for mark in real.root.glob(f"done-*-{nproc}.rank0"):  # the other files' sections, where this run has them
+            assert len(list(real.root.glob(multirank.marker("parity", nproc)))) == nproc, nproc
+        for mark in real.root.glob(multirank.marker("*", nproc, 0)):  # the other files' sections, where this run has them
             assert len(list(real.root.glob(mark.name.replace(".rank0", ".rank*")))) == nproc, mark.name
 
 
