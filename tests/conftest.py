@@ -81,8 +81,7 @@ def multirank_launched(request, tmp_path_factory, worker_id):
                     path.mkdir()
                     return path
 
-            files = {os.path.splitext(os.path.basename(str(item.fspath)))[0] for item in request.session.items}
-            launched = multirank.shared(_Shared, files)
+            launched = multirank.shared(_Shared, multirank.session_files(request.session))
             done.write_bytes(pickle.dumps(launched))
     return multirank._SESSION["launched"]
 

@@ -81,6 +81,11 @@ def _finished(out: str, section: str) -> None:
     open(os.path.join(out, marker(section, dist.get_world_size(), dist.get_rank())), "w").close()
 
 
+def session_files(session) -> set[str]:
+    """The stems of the test files a pytest session collected (what :func:`launches` takes)."""
+    return {os.path.splitext(os.path.basename(str(item.fspath)))[0] for item in session.items}
+
+
 def marker(section: str, nproc: int, rank: int | str = "*") -> str:
     """The name of rank ``rank``'s marker for ``section`` of the ``nproc``-rank launch
     (``"*"``: a glob over its ranks)."""

@@ -821,32 +821,6 @@ def _result(parity, model_name: str, layout: str) -> tuple[dict, dict]:
     return parity[0][model_name], _launched(parity, layout, f"{model_name}-{layout}.pt")
 
 
-def test_a_dead_launch_fails_only_the_sections_its_ranks_did_not_finish(tmp_path, multirank_launched):
-    """A launch that dies (a rank killed by a signal) fails the sections some
-    rank had not finished, with the launch's log; sections every rank got
-    through keep their written results. And the real launches that ended
-    well marked every section they ran on every rank."""
-    from tests import multirank
-
-    fake = multirank.Launched({}, tmp_path / "parity", tmp_path / "gather", {2: "log of 2", 4: "log of 4"}, tmp_path)
-    for section, rank in (("parity", 0), ("parity", 1), ("gather", 0), ("test_llama_tied", 0), ("test_llama_tied", 1)):
-        (tmp_path / multirank.marker(section, 2, rank)).touch()
-    assert fake.failed("parity") == {4: "log of 4"}
-    assert fake.failed("gather") == {2: "log of 2", 4: "log of 4"}  # rank 1 never got through it
-    assert fake.extra("test_llama_tied") == tmp_path / "test_llama_tied"
-    with pytest.raises(pytest.fail.Exception, match="log of 2"):
-        fake.extra("test_expert_parallel")
-
-    real = multirank_launched
-    for nproc, (par, *_) in multirank.launches({"test_parallel_parity"}).items():
-        if nproc in real.errors:  # a dead launch: its unfinished sections' own tests report it
-            continue
-        if par:
-            assert len(list(real.root.glob(multirank.marker("parity", nproc)))) == nproc, nproc
-        for mark in real.root.glob(multirank.marker("*", nproc, 0)):  # the other files' sections, where this run has them
-            assert len(list(real.root.glob(mark.name.replace(".rank0", ".rank*")))) == nproc, mark.name
-
-
 def test_reference_step_is_not_trivial(parity):
     """The comparisons below mean something: every model's batch has a grad
     norm above the clip threshold, gradients far above TOL, and the step
