@@ -85,6 +85,23 @@ def test_kernel_equals_reference(case, dtype):
     torch.testing.assert_close(out.float().cpu(), want, **tol)
 
 
+TUNINGS = {  # each a way bench/paged_attention.py --sweep may cut a launch: the same attention
+    "head-first": paged_attention.Tuning(head_first=True),
+    "tile32-many-splits": paged_attention.Tuning(tile=32, min_split=32, programs_per_sm=64, num_stages=3),
+    "tile128-head-first": paged_attention.Tuning(tile=128, min_split=128, head_first=True, num_warps=8),
+}
+
+
+@needs_kernel
+@pytest.mark.parametrize("tuning", list(TUNINGS), ids=list(TUNINGS))
+@pytest.mark.parametrize("case", ["gqa4-one-row-many-splits", "mha-rows-splits", "static-cache-view"])
+def test_every_tuning_equals_reference(case, tuning):
+    rows, n_kv, group, hd, nb, bs = CASES[case]
+    q, k, v, table, pos = _case(rows, n_kv, group, hd, nb, bs, torch.float32, seed=len(case))
+    out = paged_decode(q, k, v, table, pos, scale=hd**-0.5, tuning=TUNINGS[tuning])
+    torch.testing.assert_close(out.cpu(), _reference(q, k, v, table, pos, hd**-0.5), atol=2e-5, rtol=1e-5)
+
+
 @needs_kernel
 def test_kernel_reads_nothing_past_a_rows_position():
     """Garbage (NaN) in every position after a row's ``pos``, in its own

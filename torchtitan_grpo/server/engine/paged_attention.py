@@ -28,6 +28,7 @@ environment (an A/B switch for benchmarks and a way around a broken triton).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 
@@ -47,6 +48,28 @@ PROGRAMS_PER_SM = 16
 """Split until the grid has about this many programs per SM (if the context allows): ~5 fit
 at once (38 KB of shared memory, 96 registers a thread at head_dim 128), so a few waves of
 small programs, and rows of unequal lengths even out."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """How a launch is cut. The defaults are what the engine runs; ``bench/paged_attention.py
+    --sweep`` times others on a GPU (docs/PERFORMANCE.md has the figures they were picked on)."""
+
+    tile: int = BLOCK_N
+    """Positions a program loads per loop iteration (a power of two, >= 16)."""
+    min_split: int = MIN_SPLIT
+    """Fewest positions a split covers."""
+    programs_per_sm: int = PROGRAMS_PER_SM
+    """Split until the grid has about this many programs per SM."""
+    num_warps: int = 4
+    num_stages: int = 2
+    head_first: bool = False
+    """Programs of one row's KV heads next to each other in the launch order (the grid's first
+    axis the KV head). A position's K (or V) holds every KV head's ``head_dim`` side by side,
+    so programs running together then read neighbouring bytes of the same positions."""
+
+
+DEFAULT = Tuning()
 
 
 def available(device: torch.device) -> bool:
@@ -71,13 +94,13 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def splits(rows: int, n_kv: int, width: int, sms: int) -> tuple[int, int]:
+def splits(rows: int, n_kv: int, width: int, sms: int, tuning: Tuning = DEFAULT) -> tuple[int, int]:
     """``(splits, positions per split)`` of a step of ``rows`` x ``n_kv`` heads
     over ``width`` positions: a function of the step's shape only (graphs)."""
-    tiles = -(-width // BLOCK_N)
-    want = -(-PROGRAMS_PER_SM * sms // (rows * n_kv))
-    n = max(1, min(want, width // MIN_SPLIT, tiles))
-    per = -(-tiles // n) * BLOCK_N
+    tiles = -(-width // tuning.tile)
+    want = -(-tuning.programs_per_sm * sms // (rows * n_kv))
+    n = max(1, min(want, width // tuning.min_split, tiles))
+    per = -(-tiles // n) * tuning.tile
     return -(-width // per), per
 
 
@@ -89,9 +112,14 @@ if triton is not None:
                       s_qb, s_qh, s_kb, s_kp, s_kh, s_tb, s_ob, s_oh, s_os, s_mb, s_mh,
                       scale, split_len,
                       GROUP: tl.constexpr, G_PAD: tl.constexpr, HD: tl.constexpr, HD_PAD: tl.constexpr,
-                      BS: tl.constexpr, TILE: tl.constexpr, DIRECT: tl.constexpr, F32_DOT: tl.constexpr):
-        row = tl.program_id(0)
-        kvh = tl.program_id(1)
+                      BS: tl.constexpr, TILE: tl.constexpr, DIRECT: tl.constexpr, F32_DOT: tl.constexpr,
+                      HEAD_FIRST: tl.constexpr):
+        if HEAD_FIRST:
+            kvh = tl.program_id(0)
+            row = tl.program_id(1)
+        else:
+            row = tl.program_id(0)
+            kvh = tl.program_id(1)
         split = tl.program_id(2)
         length = tl.load(pos_ptr + row) + 1  # the new position is in the cache already
         start = split * split_len
@@ -167,7 +195,7 @@ def _f32_dot(dtype: torch.dtype) -> bool:
 
 
 def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, pos: torch.Tensor,
-                 scale: float, width: int | None = None) -> torch.Tensor:
+                 scale: float, width: int | None = None, tuning: Tuning = DEFAULT) -> torch.Tensor:
     """Attention of one new position per row over its cached context.
 
     ``q`` ``[rows, n_heads, head_dim]`` (head ``h`` reads KV head ``h // group``,
@@ -177,7 +205,7 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch
     in the cache (the row attends over positions ``0..pos``, ``pos < width``);
     ``width`` the positions the step may reach (``nb x block_size`` unless
     given), which alone with ``rows`` fixes the grid. Returns ``[rows, n_heads,
-    head_dim]`` in ``q``'s dtype."""
+    head_dim]`` in ``q``'s dtype. ``tuning``: how the launch is cut (same result)."""
     rows, n_heads, hd = q.shape
     _, bs, n_kv, _ = k.shape
     if n_heads % n_kv or k.shape != v.shape or k.stride() != v.stride():
@@ -186,30 +214,31 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch
         raise ValueError("paged_decode: q, k/v and table need a contiguous last dim")
     width = table.shape[1] * bs if width is None else width
     with on_device(q):
-        return _launch(q, k, v, table, pos, scale, width)
+        return _launch(q, k, v, table, pos, scale, width, tuning)
 
 
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, pos: torch.Tensor,
-            scale: float, width: int) -> torch.Tensor:
+            scale: float, width: int, tuning: Tuning) -> torch.Tensor:
     rows, n_heads, hd = q.shape
     _, bs, n_kv, _ = k.shape
     group = n_heads // n_kv
-    n_split, split_len = splits(rows, n_kv, width, _sm_count(q.device))
+    n_split, split_len = splits(rows, n_kv, width, _sm_count(q.device), tuning)
     out = torch.empty((rows, n_heads, hd), dtype=q.dtype, device=q.device)
     meta = dict(GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HD=hd,
-                HD_PAD=max(16, triton.next_power_of_2(hd)), BS=bs, TILE=BLOCK_N, F32_DOT=_f32_dot(q.dtype))
+                HD_PAD=max(16, triton.next_power_of_2(hd)), BS=bs, TILE=tuning.tile, F32_DOT=_f32_dot(q.dtype),
+                HEAD_FIRST=tuning.head_first, num_warps=tuning.num_warps, num_stages=tuning.num_stages)
     common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), table.stride(0))
+    grid = (n_kv, rows) if tuning.head_first else (rows, n_kv)
     if n_split == 1:
-        _split_kernel[(rows, n_kv, 1)](q, k, v, table, pos, out, out, out, *common,
-                                        out.stride(0), out.stride(1), 0, 0, 0, scale, split_len,
-                                        DIRECT=True, num_warps=4, num_stages=2, **meta)
+        _split_kernel[(*grid, 1)](q, k, v, table, pos, out, out, out, *common,
+                                   out.stride(0), out.stride(1), 0, 0, 0, scale, split_len, DIRECT=True, **meta)
         return out
     acc = torch.empty((rows, n_heads, n_split, hd), dtype=torch.float32, device=q.device)
     m = torch.empty((rows, n_heads, n_split), dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
-    _split_kernel[(rows, n_kv, n_split)](q, k, v, table, pos, acc, m, l, *common,
-                                          acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
-                                          scale, split_len, DIRECT=False, num_warps=4, num_stages=2, **meta)
+    _split_kernel[(*grid, n_split)](q, k, v, table, pos, acc, m, l, *common,
+                                     acc.stride(0), acc.stride(1), acc.stride(2), m.stride(0), m.stride(1),
+                                     scale, split_len, DIRECT=False, **meta)
     _merge_kernel[(rows, n_heads)](acc, m, l, out, n_split, acc.stride(0), acc.stride(1), acc.stride(2),
                                     m.stride(0), m.stride(1), out.stride(0), out.stride(1),
                                     HD=hd, HD_PAD=meta["HD_PAD"], S_PAD=max(2, triton.next_power_of_2(n_split)),
