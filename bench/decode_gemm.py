@@ -21,7 +21,7 @@ weight stored transposed, ``x @ w_t``: the other memory order), ``triton``
 autotuning takes a minute or so). Prints one markdown table: microseconds per
 GEMM, TB/s of weight bytes read, and the sum over a step against cuBLAS's.
 
-``splitk`` (not in the default list) is ``server/engine/skinny_gemm.py``'s
+``splitk`` (not in the default list) is ``bench/splitk_gemm.py``'s
 split-K Triton kernel, swept per GEMM and row count: block_n 32/64/128 x
 block_k 64/128/256 x (warps, stages) 4/3, 4/5, 8/4, each with the split_k
 values that give the grid about 1, 2, 4 and 8 programs per SM (none where
@@ -55,8 +55,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from torchtitan_grpo.server.engine import skinny_gemm  # noqa: E402
-from torchtitan_grpo.server.engine.skinny_gemm import GemmConfig  # noqa: E402
+from bench import splitk_gemm as skinny_gemm  # noqa: E402
+from bench.splitk_gemm import GemmConfig  # noqa: E402
 
 HBM_TBS = 4.8  # H200
 SHAPES = {  # hidden, intermediate, q heads, kv heads, head dim, layers, vocab

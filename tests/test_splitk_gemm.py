@@ -8,8 +8,8 @@ imported the engine already is past, so one child process with the variable
 set computes every case's output and the tests check them here. Run with the
 variable set, they run in this process:
 
-  python -m pytest -q tests/test_skinny_gemm.py
-  TRITON_INTERPRET=1 python -m pytest -q tests/test_skinny_gemm.py
+  python -m pytest -q tests/test_splitk_gemm.py
+  TRITON_INTERPRET=1 python -m pytest -q tests/test_splitk_gemm.py
 
 Shapes are tiny (the interpreter is slow). Without triton only the
 pure-Python parts (configs, input checks, the switch) are tested.
@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import ROOT
-from torchtitan_grpo.server.engine import skinny_gemm as sg
-from torchtitan_grpo.server.engine.skinny_gemm import GemmConfig
+from bench import splitk_gemm as sg
+from bench.splitk_gemm import GemmConfig
 
 DEVICE = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
 needs_triton = pytest.mark.skipif(sg.triton is None, reason="needs triton (on a CPU it runs in the interpreter)")
@@ -69,7 +69,7 @@ def outputs(tmp_path_factory) -> Callable[[str], torch.Tensor]:
     if sg.available(DEVICE):
         return lambda key: _output(*(("default-config", "bf16") if key == "again" else key.rsplit("-", 1)))
     path = tmp_path_factory.mktemp("skinny") / "outputs.pt"
-    code = ("import sys, torch; from tests.test_skinny_gemm import _all_outputs; "
+    code = ("import sys, torch; from tests.test_splitk_gemm import _all_outputs; "
             "torch.save(_all_outputs(), sys.argv[1])")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, "-c", code, str(path)], cwd=ROOT, env=env, capture_output=True, text=True,
