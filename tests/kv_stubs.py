@@ -27,11 +27,11 @@ class Seq:
         return self.req.prompt_ids + self.output_ids
 
 
-def scripted_decode(batch, first: list[Seq], late: list[int], steps: int = 20) -> list:
+def scripted_decode(batch, first: list[Seq], late: list[int], steps: int = 20, keep: tuple = (0, 2, 3)) -> list:
     """Run one script on a KV batch and return each step's logits (copies: a
     graph replay returns views of its fixed output buffer): prefill copies of
-    ``first``, greedy decode ``steps`` steps, rows 1 leaving after step 5
-    (``keep([0, 2, 3])``), a ``late`` prompt joining after step 9."""
+    ``first``, greedy decode ``steps`` steps, the rows not in ``keep`` leaving
+    after step 5 (row 1 by default), a ``late`` prompt joining after step 9."""
     import torch
 
     seqs = [Seq(s.req, s.index, list(s.output_ids)) for s in first]
@@ -44,8 +44,8 @@ def scripted_decode(batch, first: list[Seq], late: list[int], steps: int = 20) -
             for s, t in zip(batch.rows, nxt.tolist()):
                 s.output_ids.append(t)
             if step == 5:
-                batch.keep([0, 2, 3])
-                nxt = nxt[[0, 2, 3]]
+                batch.keep(list(keep))
+                nxt = nxt[list(keep)]
             logits = batch.decode(nxt)
             if step == 9:
                 out.append(batch.prefill([Seq(Req(late))]))

@@ -103,6 +103,28 @@ def test_every_tuning_equals_reference(case, tuning):
 
 
 @needs_kernel
+@pytest.mark.parametrize("case", ["static-cache-view", "gqa4-qwen3-head-dim"])
+def test_shared_rows_read_their_prefix_through_the_source_rows_table(case):
+    """``shared``: rows 1 and 2 read their first positions through row 0's table entries. Their
+    own blocks hold NaN there, so the output is finite only if nothing of those is read, and it
+    equals the reference over a pool where those positions are row 0's."""
+    rows, n_kv, group, hd, nb, bs = CASES[case]
+    q, k, v, table, pos = _case(rows, n_kv, group, hd, nb, bs, torch.float32, seed=3)
+    third = bs + 3 if nb > 1 else bs - 3  # past a block boundary where there is one
+    pos[:3] = torch.tensor([nb * bs - 1, nb * bs - 2, third])
+    length = torch.tensor([0, nb * bs // 2 + 1, third] + [0] * (rows - 3), device=DEVICE)
+    src = torch.tensor([0, 0, 0] + list(range(3, rows)), device=DEVICE)
+    want_k, want_v = k.clone(), v.clone()
+    for r in (1, 2):
+        p = torch.arange(int(length[r]), device=DEVICE)
+        for pool, want in ((k, want_k), (v, want_v)):
+            want[table[r][p // bs], p % bs] = pool[table[0][p // bs], p % bs]
+            pool[table[r][p // bs], p % bs] = float("nan")
+    out = paged_decode(q, k, v, table, pos, scale=hd**-0.5, shared=(src, length))
+    torch.testing.assert_close(out.cpu(), _reference(q, want_k, want_v, table, pos, hd**-0.5), atol=2e-5, rtol=1e-5)
+
+
+@needs_kernel
 def test_kernel_reads_nothing_past_a_rows_position():
     """Garbage (NaN) in every position after a row's ``pos``, in its own
     blocks and in the table's unused entries' block: the output is finite and unchanged."""
@@ -169,3 +191,29 @@ def test_paged_batch_with_the_kernel_equals_static(model, graphs):
     bad = [(i, [r for r in range(len(s)) if not torch.allclose(p[r], s[r], atol=1e-4, rtol=1e-4)])
            for i, (s, p) in enumerate(zip(runs["static"], runs["paged"]))]
     assert [b for b in bad if b[1]] == [], bad
+
+
+@needs_kernel
+@pytest.mark.parametrize("leaving", [0, 1], ids=["source-leaves", "sibling-leaves"])
+def test_static_batch_shared_prompts_change_no_bit(model, leaving, monkeypatch):
+    """Batch level, fp32: three samples of one 530-token prompt read it through one slot
+    (``server/engine/shared_prompts.py``) and give the same logits, to the bit, as each reading
+    its own copy; also after the sample whose slot the others read leaves, and a prompt joins."""
+    from torchtitan_grpo.server.engine.static_batch import StaticBatch
+
+    g = torch.Generator().manual_seed(1)
+    rand = lambda n: torch.randint(3, 128, (n,), generator=g).tolist()  # noqa: E731
+    prompt = _Req(rand(530))
+    first = [_Seq(prompt, 0), _Seq(prompt, 1), _Seq(prompt, 2), _Seq(_Req(rand(16)))]
+    late = rand(17)
+    keep = tuple(i for i in range(4) if i != leaving)
+    runs = {}
+    for on in ("1", "0"):
+        monkeypatch.setenv("TORCHTITAN_GRPO_SHARED_PROMPTS", on)
+        batch = StaticBatch(model, DEVICE, slots=6, max_len=640, graphs=DEVICE.type == "cuda")
+        assert (batch.shared is not None) == (on == "1")
+        runs[on] = scripted_decode(batch, first, late, keep=keep)
+        if on == "1":  # slot 0's copy, or slot 1's once slot 0 left; the late prompt took the freed slot
+            assert (batch.shared._src[:3], batch.shared._length[:3]) == (
+                ([0, 1, 1], [0, 0, 530]) if leaving == 0 else ([0, 1, 0], [0, 0, 530]))
+    assert all(torch.equal(a, b) for a, b in zip(runs["1"], runs["0"]))

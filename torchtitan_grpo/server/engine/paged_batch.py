@@ -74,6 +74,7 @@ class PagedBatch(StaticBatch):
         self.max_prefill_tokens = max_prefill_tokens
         self.headroom_tokens = HEADROOM_TOKENS
         super().__init__(model, device, slots, max_len, graphs=graphs, routes=routes)
+        self.shared = None  # each sample's blocks hold its own copy of the prompt, read through its own table
         self._table = torch.zeros((slots, self.max_blocks), dtype=torch.long, device=device)
         self._blocks: list[list[int]] = []  # per row: its block ids, in position order
         self._len: list[int] = []  # per row: cached positions (host mirror of _pos)

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from torchtitan_grpo.server.engine import decode_rope, fused_ops, moe_routes, paged_attention
+from torchtitan_grpo.server.engine import decode_rope, fused_ops, moe_routes, paged_attention, shared_prompts
 from torchtitan_grpo.server.engine.static_moe import is_moe, moe_forward
 from torchtitan_grpo.server.engine.to_device import upload
 
@@ -186,6 +186,8 @@ class StaticBatch:
         self._slot_table = torch.arange(slots, device=device)[:, None]
         self._slot_base = self._slot_table[:, 0] * max_len
         self._slot_of: list[int] = []  # per row
+        self.shared = shared_prompts.SharedPrompts(slots, device) if self.kernel and shared_prompts.enabled() else None
+        """Samples of one prompt read its KV from one sibling's slot (``server/engine/shared_prompts.py``)."""
         self.rows: list[Any] = []
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
@@ -240,6 +242,8 @@ class StaticBatch:
         self._free = list(range(self.slots))
         self._len = [0] * self.slots
         self._pos.zero_()
+        if self.shared is not None:
+            self.shared.clear()
 
     def keep(self, idx: list[int]) -> None:
         kept = set(idx)
@@ -253,6 +257,8 @@ class StaticBatch:
             # its end) would sit at max_len: past the rotary table and, for the fused cache write,
             # at position 0 of the next slot (run 135's device-side assert).
             self._pos[upload(freed, self.device)] = 0
+            if self.shared is not None:
+                self.shared.left(freed, [self._slot_of[i] for i in idx])
         self._free.sort()
         self.rows = [self.rows[i] for i in idx]
         self._slot_of = [self._slot_of[i] for i in idx]
@@ -276,6 +282,8 @@ class StaticBatch:
             width = max(len(ctxs[r]) for r in row_of)
             for cache in self.k + self.v:
                 cache[dst_t, :width] = cache[src_t, :width]
+        if self.shared is not None:
+            self.shared.prefilled(slots, src, [len(ctxs[r]) for r in row_of])
         for slot, r in zip(slots, row_of):
             self._len[slot] = len(ctxs[r])
         pos = torch.tensor([len(ctxs[r]) for r in row_of], device=self.device)
@@ -480,7 +488,8 @@ class StaticBatch:
         ``[b, heads, head_dim]`` over each row's positions ``0..pos`` (``width``: the step's span)."""
         _, table, pos = where
         if self.kernel:
-            return paged_attention.paged_decode(q, self.k[li], self.v[li], table, pos, self.scaling, width)
+            return paged_attention.paged_decode(q, self.k[li], self.v[li], table, pos, self.scaling, width,
+                                                shared=None if self.shared is None else self.shared.args(b))
         keys, values = self._cached_kv(li, b, width, where)
         # GQA without copying K/V per query head: the heads of one KV head
         # are its query rows (HF's repeat_kv order: head h reads kv h // group).
@@ -551,7 +560,8 @@ class StaticBatch:
             (_, table, _), width = self._decode_where(b, n, pos)
             q = torch.zeros((b, self.n_heads + self.n_kv, self.head_dim), dtype=self.k[0].dtype,
                             device=self.device)[:, : self.n_heads]
-            paged_attention.paged_decode(q, self.k[0], self.v[0], table, pos, self.scaling, width)
+            paged_attention.paged_decode(q, self.k[0], self.v[0], table, pos, self.scaling, width,
+                                         shared=None if self.shared is None else self.shared.args(b))
         # Warm up on a side stream (lazy inits, cuBLAS workspaces) once per
         # slot count, then capture. The step writes the cache at the slots'
         # current positions: harmless, the replay that follows writes the
