@@ -1,8 +1,10 @@
 # Sourced (not run) by the scripts/device_*.sh that run tests and benchmarks,
 # from the repo root, with OUT and BUDGET set: the wheels of
-# `bash ../shared/tools/device-wheels.sh orjson gguf math-verify` (in .whl/,
-# carried; the GPU machines lack orjson, and without it the server's replies
-# fall back to the standard library's encoder) installed into /tmp/site, the
+# `bash ../shared/tools/device-wheels.sh orjson gguf math-verify jsonschema
+# jsonschema-specifications referencing rpds-py attrs` (in .whl/, carried; the
+# GPU machines lack orjson, and without it the server's replies fall back to
+# the standard library's encoder; without jsonschema tests/test_server.py
+# skips whole) installed into /tmp/site, the
 # environment recorded in $OUT/env.log (with the replies' encoder), the time
 # budget, and test_models for the gather test's checkpoints.
 T0=$SECONDS
