@@ -37,7 +37,6 @@ import torch.nn.functional as F  # noqa: E402
 
 import itertools  # noqa: E402
 import math  # noqa: E402
-import statistics  # noqa: E402
 
 from torchtitan_grpo.server.engine.paged_attention import DEFAULT, Tuning, paged_decode, splits, _sm_count  # noqa: E402
 
@@ -168,36 +167,20 @@ def _caches(layout: str, rows: int, ctx: int, layers: int, heads: int, n_kv: int
     return out
 
 
-def _graph_us(calls, reps: int) -> float:
-    """Median device microseconds of one pass over ``calls``, replayed from one CUDA graph
-    (wall clock, one pass, on a CPU)."""
-    def one_pass():
+def _per_call_us(calls, reps: int) -> float:
+    """Median device microseconds of one of ``calls``, all replayed from one CUDA graph
+    (``bench/decode_gemm.py``'s harness); wall clock of one pass over them on a CPU."""
+    if not torch.cuda.is_available():
         for c in calls:
             c()
-    one_pass()
-    if not torch.cuda.is_available():
         t0 = time.perf_counter()
-        one_pass()
-        return (time.perf_counter() - t0) * 1e6
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        one_pass()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        one_pass()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
+        for c in calls:
+            c()
+        return (time.perf_counter() - t0) * 1e6 / len(calls)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from decode_gemm import graph_us
+
+    return graph_us(lambda i: calls[i](), len(calls), reps)
 
 
 def sweep(args: argparse.Namespace) -> None:
@@ -230,7 +213,7 @@ def sweep(args: argparse.Namespace) -> None:
                             raise AssertionError(f"output differs by {(got - want).abs().max().item():.2e}")
                         calls = [lambda c=c, t=t: paged_decode(q, c[0], c[1], c[2], pos, hd**-0.5, c[3], t)
                                  for c in caches]
-                        row.append(_graph_us(calls, args.reps) / args.layers)
+                        row.append(_per_call_us(calls, args.reps))
                     except Exception as e:  # noqa: BLE001 - a tuning this GPU cannot run: say so, go on
                         print(f"  ({layout} {rows}x{ctx} {label(t)}: {type(e).__name__}: {str(e)[:120]})",
                               file=sys.stderr)
