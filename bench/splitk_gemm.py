@@ -73,19 +73,12 @@ class GemmConfig:
 
 
 def available(device: torch.device) -> bool:
-    """Whether :func:`linear` runs for tensors on ``device``."""
-    if triton is None or os.environ.get("TORCHTITAN_GRPO_SKINNY_GEMM") == "0":
-        return False
-    if device.type == "cuda":
-        return True
-    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    """Whether :func:`linear` runs for tensors on ``device``: where the engine's Triton kernels do
+    (``paged_attention.available``), unless ``TORCHTITAN_GRPO_SKINNY_GEMM=0``."""
+    return os.environ.get("TORCHTITAN_GRPO_SKINNY_GEMM") != "0" and paged_attention.available(device)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # the interpreter: an H100's count, so tests take the splits a GPU would
-    return torch.cuda.get_device_properties(device).multi_processor_count
+_sm_count = paged_attention._sm_count
 
 
 @functools.lru_cache(maxsize=None)
