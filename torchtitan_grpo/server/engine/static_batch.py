@@ -489,7 +489,7 @@ class StaticBatch:
         _, table, pos = where
         if self.kernel:
             return paged_attention.paged_decode(q, self.k[li], self.v[li], table, pos, self.scaling, width,
-                                                shared=None if self.shared is None else self.shared.args(b))
+                                                shared=self._shared_args(b))
         keys, values = self._cached_kv(li, b, width, where)
         # GQA without copying K/V per query head: the heads of one KV head
         # are its query rows (HF's repeat_kv order: head h reads kv h // group).
@@ -498,6 +498,10 @@ class StaticBatch:
             keys.transpose(1, 2), values.transpose(1, 2),
             attn_mask=mask, scale=self.scaling,
         )
+
+    def _shared_args(self, b: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The kernel's ``shared`` for a step over slots ``[0, b)`` (None: each reads its own)."""
+        return None if self.shared is None else self.shared.args(b)
 
     def _decode_where(self, b: int, n: int, pos: torch.Tensor) -> tuple[Any, int]:
         """``((flat cache index of each row's new position, block table, pos), positions
@@ -561,7 +565,7 @@ class StaticBatch:
             q = torch.zeros((b, self.n_heads + self.n_kv, self.head_dim), dtype=self.k[0].dtype,
                             device=self.device)[:, : self.n_heads]
             paged_attention.paged_decode(q, self.k[0], self.v[0], table, pos, self.scaling, width,
-                                         shared=None if self.shared is None else self.shared.args(b))
+                                         shared=self._shared_args(b))
         # Warm up on a side stream (lazy inits, cuBLAS workspaces) once per
         # slot count, then capture. The step writes the cache at the slots'
         # current positions: harmless, the replay that follows writes the
