@@ -33,14 +33,14 @@ export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version(), 'transformers', transformers.__version__)"
   python3 -c "from torchtitan_grpo import jsonfast as j; print('replies encoded by', 'orjson ' + j.orjson.__version__ if j.orjson else 'json (no orjson: carry its wheel in .whl/)')"; } 2>&1 | tee "$OUT/env.log"
 
-# test_models DIR: write tests/test_parallel_parity.py's tiny checkpoints under
+# test_models DIR: write tests/rank_cases.py's tiny checkpoints under
 # DIR and set MODELS to the matching --model=NAME=PATH flags of
 # tests/test_gather.py (empty, and a non-zero status, if writing them failed).
 test_models() {
   MODELS=""
   python3 -c "
 import json, sys
-from tests.test_parallel_parity import write_models
+from tests.rank_cases import write_models
 print(json.dumps(write_models(sys.argv[1])))" "$1" > "$1.json" 2> "$OUT/models.log" || return 1
   MODELS=$(python3 -c "import json,sys; print(' '.join(f'--model={k}={v}' for k,v in json.load(open(sys.argv[1])).items()))" "$1.json")
 }

@@ -51,7 +51,7 @@ def compare(ref: dict, got: dict) -> dict:
 def main() -> int:
     import torch
 
-    from tests.test_parallel_parity import run_torchrun
+    from tests.rank_cases import run_torchrun
 
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", nargs="?", choices=["worker"])

@@ -122,13 +122,14 @@ def _worker(out: str, model_dirs: dict[str, str], files: set[str] | None) -> Non
 
     from tests import test_gather as gather
     from tests import test_parallel_parity as parity
+    from tests.rank_cases import _device
 
     # A hang leaves every thread's stack in the rank's stderr instead of only a timeout.
     dump_s = float(os.environ.get("GRPO_TEST_DUMP_S", "600"))  # 0: none
     if dump_s > 0:
         faulthandler.dump_traceback_later(dump_s, repeat=True)
     torch.set_num_threads(1)
-    device = parity._device()
+    device = _device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=300))
@@ -151,7 +152,7 @@ def _worker(out: str, model_dirs: dict[str, str], files: set[str] | None) -> Non
 def launch(nproc: int, out: str, model_dirs: dict[str, str], timeout: float = 900,
            files: set[str] | None = None) -> str:
     """torchrun ``nproc`` ranks over :func:`_worker`; returns the log."""
-    from tests.test_parallel_parity import run_torchrun
+    from tests.rank_cases import run_torchrun
 
     only = [f"--files={','.join(sorted(files))}"] if files is not None else []
     return run_torchrun(nproc, [os.path.abspath(__file__), "--out", out, *only,
@@ -161,7 +162,7 @@ def launch(nproc: int, out: str, model_dirs: dict[str, str], timeout: float = 90
 @dataclass
 class Launched:
     model_dirs: dict[str, str]
-    """The tiny qwen3, qwen3_tied and llama3 checkpoints (test_parallel_parity.write_models)."""
+    """The tiny qwen3, qwen3_tied and llama3 checkpoints (rank_cases.write_models)."""
     parity: Path
     """test_parallel_parity's results."""
     gather: Path
@@ -203,7 +204,7 @@ def shared(tmp_path_factory, files: set[str] | None = None) -> Launched:
     file to ask runs them; the others read the results); only the parts of
     ``files`` (test file stems of the session; None: all)."""
     if "launched" not in _SESSION:
-        from tests.test_parallel_parity import write_models
+        from tests.rank_cases import write_models
 
         root = tmp_path_factory.mktemp("multirank")
         model_dirs = write_models(str(root / "models"))

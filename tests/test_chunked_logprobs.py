@@ -242,7 +242,7 @@ LAUNCH_CASES = (("qwen3_tied", "fsdp"), ("llama3", "ddp"))
 
 
 def rank_models(root: str) -> dict[str, str]:
-    """The checkpoints of :func:`run_ranks`: test_parallel_parity's (tests/multirank.py writes them)."""
+    """The checkpoints of :func:`run_ranks`: rank_cases.write_models' (tests/multirank.py writes them)."""
     return {}
 
 
@@ -251,7 +251,7 @@ def run_ranks(out_dir: str, model_dirs: dict[str, str]) -> None:
     then chunked; rank 0 saves ``results.pt``."""
     import torch.distributed as dist
 
-    from tests import test_parallel_parity as tpp
+    from tests import rank_cases
     from torchtitan_grpo.train import token_logprobs, trainer
 
     heads = []
@@ -267,7 +267,7 @@ def run_ranks(out_dir: str, model_dirs: dict[str, str]) -> None:
 
                 trainer._logprob_chunk_tokens = pick
                 heads.clear()
-                r = tpp.run_step_case(model_dirs[model], model, layout, 2)
+                r = rank_cases.run_step_case(model_dirs[model], model, layout, 2)
                 results[(model, layout, chunk)] = {"loss": r["loss"], "grad_norm": r["grad_norm"],
                                                    "grads": r["grads"], "heads": len(heads)}
     finally:
@@ -282,22 +282,22 @@ def _launch_worker(models_root: str, out: str) -> None:
     """Under torchrun x2, a launch of its own: :func:`run_ranks`."""
     import torch.distributed as dist
 
-    from tests import test_parallel_parity as tpp
+    from tests import rank_cases
 
-    dirs = tpp.write_models(models_root)
+    dirs = rank_cases.write_models(models_root)
     dist.init_process_group("gloo")
     run_ranks(os.path.dirname(out), dirs)
     dist.destroy_process_group()
 
 
 def test_fsdp_and_ddp_run_the_head_and_match_full_logits(request, tmp_path):
-    from tests import test_parallel_parity as tpp
+    from tests import rank_cases
 
     if not torch.cuda.is_available():  # CPU: from the suite's shared 2-rank launch (tests/multirank.py)
         out = request.getfixturevalue("multirank_launched").extra("test_chunked_logprobs") / "results.pt"
     else:
         models = tmp_path / "models"
-        tpp.write_models(str(models))  # once, before the ranks read them
+        rank_cases.write_models(str(models))  # once, before the ranks read them
         out = tmp_path / "results.pt"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                os.path.abspath(__file__), str(models), str(out)]
@@ -312,7 +312,7 @@ def test_fsdp_and_ddp_run_the_head_and_match_full_logits(request, tmp_path):
         assert full["grad_norm"] > 0
         assert chunked["loss"] == pytest.approx(full["loss"], abs=1e-6), (model, layout)
         assert chunked["grad_norm"] == pytest.approx(full["grad_norm"], abs=1e-6, rel=1e-5), (model, layout)
-        assert tpp.max_diff(full["grads"], chunked["grads"]) <= 1e-6, (model, layout)
+        assert rank_cases.max_diff(full["grads"], chunked["grads"]) <= 1e-6, (model, layout)
 
 
 if __name__ == "__main__":

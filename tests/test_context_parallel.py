@@ -63,7 +63,7 @@ def write_models(root: str) -> dict[str, str]:
 
 
 def case_config(name: str, cp: int, extra: tuple[str, ...] = (), tp: int = 1, pp: int = 1, kl_off: bool = False):
-    from tests.test_parallel_parity import MICRO_BATCH, job_config
+    from tests.rank_cases import MICRO_BATCH, job_config
 
     model, loss_agg, chunk, is_mode, kl = CASES[name]
     kl = 0.0 if kl_off else kl
@@ -84,7 +84,7 @@ def run_case(model_dir: str, name: str, cp: int, world_size: int, tp: int = 1, p
     """``build_policy`` + one ``train_step``; full tensors of what matters (a collective)."""
     import torch.distributed as dist
 
-    from tests.test_parallel_parity import MAX_NEW_TOKENS, PAD, _device, _gathered, fixed_batch
+    from tests.rank_cases import MAX_NEW_TOKENS, PAD, _device, _gathered, fixed_batch
     from torchtitan_grpo.train import trainer
 
     device = _device()
@@ -140,7 +140,7 @@ def _worker(out_dir: str, model_dirs: dict[str, str]) -> None:
 
     import torch.distributed as dist
 
-    from tests.test_parallel_parity import _device
+    from tests.rank_cases import _device
 
     device = _device()
     if device.type == "cuda":
@@ -160,7 +160,7 @@ def launched(request, tmp_path_factory):
     """Every case's single-process result, and CP 2's: on CPU from the
     suite's shared 2-rank launch (tests/multirank.py), else from one torchrun
     x2 of this file's own."""
-    from tests.test_parallel_parity import run_torchrun
+    from tests.rank_cases import run_torchrun
 
     error = None
     if not torch.cuda.is_available():

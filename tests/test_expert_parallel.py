@@ -93,7 +93,7 @@ def write_checkpoint(out_dir: str) -> str:
 
 
 def _config(layout: tuple[int, int, int], ep: int):
-    from tests.test_parallel_parity import job_config
+    from tests.rank_cases import job_config
 
     return job_config("qwen3", layout, ("--parallelism.expert_parallel_degree", str(ep)))
 
@@ -132,7 +132,7 @@ def run_case(model_dir: str, layout: tuple[int, int, int], ep: int, world_size: 
     import torch.distributed as dist
 
     from torchtitan.distributed.utils import clip_grad_norm_
-    from tests.test_parallel_parity import MAX_NORM, MICRO_BATCH, PAD, fixed_batch
+    from tests.rank_cases import MAX_NORM, MICRO_BATCH, PAD, fixed_batch
     from torchtitan_grpo.models import hf_bridge as hf_model
     from torchtitan_grpo.distributed import parallel
     from torchtitan_grpo.train.loss import grpo_loss, token_logprobs
@@ -214,7 +214,7 @@ def launched(request, tmp_path_factory):
     """The single process's case, and both layouts' from 2 ranks: on CPU from
     the suite's shared 2-rank launch (tests/multirank.py), else from one
     torchrun x2 of this file's own."""
-    from tests.test_parallel_parity import run_torchrun
+    from tests.rank_cases import run_torchrun
 
     error = None
     if not torch.cuda.is_available():

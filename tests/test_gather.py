@@ -104,7 +104,7 @@ def run_case(model_dir: str, model_name: str, layout: tuple[int, int, int, int],
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from tests.test_parallel_parity import _gathered_hf, fixed_batch
+    from tests.rank_cases import _gathered_hf, fixed_batch
     from torchtitan_grpo.distributed import parallel
     from torchtitan_grpo.train.trainer import Dist, build_policy, train_step
     from torchtitan_grpo.weight_sync.gather import ShardGatherer

@@ -5,7 +5,7 @@ A tiny tied ``LlamaForCausalLM`` (Llama-3.1 RoPE scaling, norms away from 1)
 written by transformers is checked for: equal logits and one shared
 parameter after loading; an HF export without ``lm_head.weight`` equal to
 the HF model's state; one GRPO step under FSDP, TP and PP (2 ranks, gloo, one
-torchrun for the three, the harness of tests/test_parallel_parity.py) equal
+torchrun for the three, the harness of tests/rank_cases.py) equal
 to the single process; ``checkpoint.export_hf`` loading back in transformers
 with equal logits.
 """
@@ -26,7 +26,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import torchtitan_grpo  # noqa: E402,F401  (before torchtitan)
-from tests.test_parallel_parity import (  # noqa: E402
+from tests.rank_cases import (  # noqa: E402
     MAX_NORM,
     PP_SCHEDULES,
     TOL,
@@ -166,7 +166,7 @@ def test_export_hf_loads_in_transformers(tied_dir, tmp_path):
     no lm_head.weight, and transformers re-ties it to the same logits."""
     from safetensors.torch import load_file
 
-    from tests.test_parallel_parity import step_job_config
+    from tests.rank_cases import step_job_config
     from torchtitan_grpo.train import trainer
     from torchtitan_grpo.train.checkpoint import export_hf
 

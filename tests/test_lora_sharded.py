@@ -181,7 +181,7 @@ def _worker(model_dir: str, out_dir: str) -> dict:
                                 _train(fresh, cfg, d, dp_rank, dp_degree, 1)["losses"][0])
 
     # lora.base_dtype = "bfloat16": FSDP2 in float32, then in bf16 mixed precision
-    from tests.test_parallel_parity import _bf16_fsdp_kept
+    from tests.rank_cases import _bf16_fsdp_kept
 
     for mp in ("float32", "bfloat16"):
         cfg_bf = _cfg(model_dir, "--parallelism.data_parallel_shard_degree", "2", "--lora.base_dtype", "bfloat16",
@@ -266,7 +266,7 @@ def rank_results(request, tmp_path_factory, script: str) -> list[dict]:
     """Both ranks' results of ``script`` (this file or test_lora_pp.py, whose
     ``run_ranks`` save them alike): on CPU from the suite's shared 2-rank
     launch (tests/multirank.py), else from one 2-rank torchrun of the file's own."""
-    from tests.test_parallel_parity import run_torchrun
+    from tests.rank_cases import run_torchrun
 
     stem = os.path.splitext(os.path.basename(script))[0]
     if not torch.cuda.is_available():
