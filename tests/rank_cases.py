@@ -37,7 +37,7 @@ import torch  # noqa: E402
 import torchtitan_grpo  # noqa: E402,F401  (before torchtitan)
 
 torch.set_num_threads(1)
-# fp32 means fp32 on GPUs too (the same file runs there over NCCL)
+# fp32 means fp32 on GPUs too (the multi-rank tests run there over NCCL: scripts/device_parity.sh)
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 
