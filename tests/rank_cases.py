@@ -73,35 +73,44 @@ def _device() -> torch.device:
 # --------------------------------------------------------------- fixtures
 
 
-def write_models(root: str) -> dict[str, str]:
-    """Tiny qwen3 (untied and tied) and llama3 HF checkpoints under ``root``."""
-    from torchtitan_grpo.models.demo_assets import TinyQwen3, ensure_tiny_qwen3, write_tokenizer
+def write_llama(path: str, seed: int, **overrides) -> str:
+    """A tiny LlamaForCausalLM checkpoint (+ the demo tokenizer) at ``path``, unless one is
+    there: 2 layers of 64, 4 heads over 2 KV heads, vocabulary 128, norms away from 1;
+    ``overrides`` change its config (tied embeddings, rope scaling)."""
+    from torchtitan_grpo.models.demo_assets import write_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    dirs = {
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    config = LlamaConfig(**{
+        **dict(vocab_size=128, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+               rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None, eos_token_id=1,
+               pad_token_id=0),
+        **overrides,
+    })
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # norms away from 1 so a mix-up cannot hide
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(path, safe_serialization=True)
+    write_tokenizer(path)
+    return path
+
+
+def write_models(root: str) -> dict[str, str]:
+    """Tiny qwen3 (untied and tied) and llama3 HF checkpoints under ``root``."""
+    from torchtitan_grpo.models.demo_assets import TinyQwen3, ensure_tiny_qwen3
+
+    return {
         "qwen3": ensure_tiny_qwen3(os.path.join(root, "qwen3")),
         "qwen3_tied": ensure_tiny_qwen3(
             os.path.join(root, "qwen3_tied"), TinyQwen3(tie_word_embeddings=True, seed=1)
         ),
+        "llama3": write_llama(os.path.join(root, "llama3"), seed=2),
     }
-    llama = os.path.join(root, "llama3")
-    if not os.path.exists(os.path.join(llama, "config.json")):
-        config = LlamaConfig(
-            vocab_size=128, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-            rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None, eos_token_id=1,
-            pad_token_id=0,
-        )
-        torch.manual_seed(2)
-        model = LlamaForCausalLM(config)
-        with torch.no_grad():  # norms away from 1 so a mix-up cannot hide
-            for name, p in model.named_parameters():
-                if "norm" in name:
-                    p.uniform_(0.5, 1.5)
-        model.save_pretrained(llama, safe_serialization=True)
-        write_tokenizer(llama)
-    dirs["llama3"] = llama
-    return dirs
 
 
 def fixed_batch():

@@ -34,6 +34,7 @@ from tests.rank_cases import (  # noqa: E402
     compare,
     run_case,
     run_step_case,
+    write_llama,
 )
 
 torch.set_num_threads(1)
@@ -49,26 +50,7 @@ ROPE = {  # a short original context: the scaling changes most frequencies withi
 
 def write_tied_llama(path: str) -> str:
     """A tiny tied LlamaForCausalLM checkpoint (+ the demo tokenizer) at ``path``."""
-    from torchtitan_grpo.models.demo_assets import write_tokenizer
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if os.path.exists(os.path.join(path, "config.json")):
-        return path
-    config = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        rms_norm_eps=1e-6, tie_word_embeddings=True, rope_parameters=ROPE,
-        bos_token_id=None, eos_token_id=1, pad_token_id=0,
-    )
-    torch.manual_seed(3)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():  # norms away from 1 so a mix-up cannot hide
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    model.save_pretrained(path, safe_serialization=True)
-    write_tokenizer(path)
-    return path
+    return write_llama(path, seed=3, tie_word_embeddings=True, rope_parameters=ROPE)
 
 
 def _hf(path: str):
