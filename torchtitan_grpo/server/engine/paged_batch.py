@@ -63,6 +63,8 @@ class PagedBatch(StaticBatch):
     """The :class:`~torchtitan_grpo.server.engine.batch.KVBatch` of a block pool;
     decode steps are CUDA graphs on a GPU (``graphs``)."""
 
+    shares_prompts = False  # each sample's blocks hold its own copy of the prompt, read through its own table
+
     def __init__(self, model: Any, device: torch.device, slots: int, max_len: int, num_blocks: int,
                  block_size: int = BLOCK_SIZE, graphs: bool = True, routes: bool = False,
                  max_prefill_tokens: int = MAX_PREFILL_TOKENS):
@@ -74,7 +76,6 @@ class PagedBatch(StaticBatch):
         self.max_prefill_tokens = max_prefill_tokens
         self.headroom_tokens = HEADROOM_TOKENS
         super().__init__(model, device, slots, max_len, graphs=graphs, routes=routes)
-        self.shared = None  # each sample's blocks hold its own copy of the prompt, read through its own table
         self._table = torch.zeros((slots, self.max_blocks), dtype=torch.long, device=device)
         self._blocks: list[list[int]] = []  # per row: its block ids, in position order
         self._len: list[int] = []  # per row: cached positions (host mirror of _pos)

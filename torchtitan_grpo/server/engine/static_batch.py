@@ -141,6 +141,8 @@ class StaticBatch:
     slot cache; decode steps are CUDA graphs on a GPU (``graphs``)."""
 
     can_merge = True
+    shares_prompts = True
+    """Samples of one prompt may read its KV from one sibling's slot (each slot holds a copy)."""
 
     def __init__(self, model: Any, device: torch.device, slots: int, max_len: int, graphs: bool = True,
                  routes: bool = False):
@@ -186,7 +188,8 @@ class StaticBatch:
         self._slot_table = torch.arange(slots, device=device)[:, None]
         self._slot_base = self._slot_table[:, 0] * max_len
         self._slot_of: list[int] = []  # per row
-        self.shared = shared_prompts.SharedPrompts(slots, device) if self.kernel and shared_prompts.enabled() else None
+        self.shared = (shared_prompts.SharedPrompts(slots, device)
+                       if self.kernel and self.shares_prompts and shared_prompts.enabled() else None)
         """Samples of one prompt read its KV from one sibling's slot (``server/engine/shared_prompts.py``)."""
         self.rows: list[Any] = []
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
