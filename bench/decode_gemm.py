@@ -55,7 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench import splitk_gemm as skinny_gemm  # noqa: E402
+from bench import splitk_gemm  # noqa: E402
 from bench.splitk_gemm import GemmConfig  # noqa: E402
 
 HBM_TBS = 4.8  # H200
@@ -128,7 +128,7 @@ def splitk_configs(rows: int, n: int, k: int, sms: int, smem: int, sweep: str) -
         for t in per_sm:
             s = max(1, round(t * sms / -(-n // bn)))
             cfg = GemmConfig(bn, bk, s, warps, stages)
-            cut = skinny_gemm.splits(k, cfg)[0]  # split_k values past K's steps cut it the same way
+            cut = splitk_gemm.splits(k, cfg)[0]  # split_k values past K's steps cut it the same way
             if s * bk <= k and cut not in seen:
                 seen.add(cut)
                 out.append(cfg)
@@ -147,8 +147,8 @@ class SplitK:
         self.told: set[int] = set()  # row counts whose left-out tile configs were said
 
     def run(self, name: str, x: torch.Tensor, weights: list[torch.Tensor], rounds: int) -> tuple[float, str]:
-        if not skinny_gemm.available(x.device):
-            raise RuntimeError("skinny_gemm is off here (no triton, or TORCHTITAN_GRPO_SKINNY_GEMM=0)")
+        if not splitk_gemm.available(x.device):
+            raise RuntimeError("splitk_gemm is off here (no triton, or TORCHTITAN_GRPO_SKINNY_GEMM=0)")
         rows, k = x.shape
         n = weights[0].shape[0]
         if rows not in self.told:
@@ -167,7 +167,7 @@ class SplitK:
             if tile in self.failed:
                 continue
             try:
-                us = graph_us(lambda i: skinny_gemm.linear(x, weights[i], cfg), len(weights), rounds)
+                us = graph_us(lambda i: splitk_gemm.linear(x, weights[i], cfg), len(weights), rounds)
             except Exception as e:  # out of shared memory or registers, a compile error: the others still run
                 self.failed.add(tile)
                 print(f"  (splitk on {name} at {rows} rows: {config_label(cfg)} skipped: {type(e).__name__}: "
@@ -180,7 +180,7 @@ class SplitK:
             raise RuntimeError("no config ran")
         us, cfg = best
         ref = F.linear(x, weights[0]).float()
-        diff = (skinny_gemm.linear(x, weights[0], cfg).float() - ref).abs().max().item()
+        diff = (splitk_gemm.linear(x, weights[0], cfg).float() - ref).abs().max().item()
         tol = 2 * 2**-7 * ref.abs().max().item()  # two bf16 steps at the largest output: two roundings
         print(f"  (splitk on {name} at {rows} rows: {timed} configs in {time.perf_counter() - start:.1f} s; "
               f"best {config_label(cfg)}, max |diff| {diff:.3g} against F.linear, tolerance {tol:.3g})",
