@@ -88,8 +88,7 @@ def main() -> None:
     dev = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     heads, n_kv, hd = (8, 2, 32) if args.tiny else (32, 8, 128)
     if dev.type == "cuda":
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from paged_speed import bandwidth
+        from bench.paged_speed import bandwidth
 
         bw, name = bandwidth(), torch.cuda.get_device_name()
     else:
@@ -177,8 +176,7 @@ def _per_call_us(calls, reps: int) -> float:
         for c in calls:
             c()
         return (time.perf_counter() - t0) * 1e6 / len(calls)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from decode_gemm import graph_us
+    from bench.decode_gemm import graph_us
 
     return graph_us(lambda i: calls[i](), len(calls), reps)
 
@@ -188,8 +186,7 @@ def sweep(args: argparse.Namespace) -> None:
     heads, n_kv, hd = (8, 2, 32) if args.tiny else (32, 8, 128)
     bw = float("nan")
     if dev.type == "cuda":
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from paged_speed import bandwidth
+        from bench.paged_speed import bandwidth
 
         bw = bandwidth()
     cands = tunings(args.tiny)
